@@ -1,0 +1,111 @@
+"""The generation-engine interface shared by TorchEngine (embedded) and SGLangEngine.
+
+Requests and results are msgspec Structs so they cross Ray and HTTP without pickling user
+objects. Field names follow SGLang's `/generate` where they overlap (``max_new_tokens``,
+``top_k = -1`` for "off", ``finish_reason`` types), so the adapter is a thin translation.
+
+Log-probs: every engine returns, for each sampled token, ``log softmax(logits / temperature)``
+at that token — the temperature-scaled distribution *before* top-p / top-k truncation. The
+trainer recomputes log-probs the same way (logits divided by the same temperature), so the
+importance ratio compares like with like. With ``temperature == 0`` (greedy) the log-probs are
+those of the unscaled logits.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Protocol, Sequence, runtime_checkable
+
+import msgspec
+
+FinishReason = Literal["stop", "length", "abort"]
+PauseMode = Literal["abort", "keep"]
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """How to sample one request. Defaults match SGLang's, except ``max_new_tokens`` is explicit."""
+
+    max_new_tokens: int = 128
+    """Upper bound on generated tokens per sample (the stop token counts)."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass; 1.0 disables it."""
+    top_k: int = -1
+    """Keep the k most likely tokens; -1 disables it (SGLang's convention)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Extra token ids that end a sample (the model's EOS always does unless ``ignore_eos``)."""
+    ignore_eos: bool = False
+    """Generate exactly ``max_new_tokens`` (throughput benchmarks)."""
+    n: int = 1
+    """Samples per prompt; they share the prompt's prefill."""
+    seed: int | None = None
+    """Per-request sampling seed; None draws from the engine's generator."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+
+
+class GenerateRequest(msgspec.Struct, kw_only=True):
+    """One prompt to complete ``sampling.n`` times."""
+
+    input_ids: list[int]
+    sampling: SamplingParams = SamplingParams()
+    request_id: str = ""
+    """Caller's id, used by ``abort``; the engine assigns one when empty."""
+
+
+class Completion(msgspec.Struct, kw_only=True):
+    """One generated sample."""
+
+    output_ids: list[int]
+    """Generated token ids, the stop token included when one ended the sample."""
+    logprobs: list[float]
+    """Log-prob of each output token under the sampling distribution (module docstring)."""
+    finish_reason: FinishReason
+    versions: list[int]
+    """Policy version of the weights that produced each output token."""
+
+    @property
+    def behavior_version(self) -> int:
+        """The oldest policy version that contributed a token (-1 for an empty completion)."""
+        return min(self.versions) if self.versions else -1
+
+
+class GenerateResult(msgspec.Struct, kw_only=True):
+    """The ``n`` completions of one request, in sample order."""
+
+    request_id: str
+    prompt_tokens: int
+    completions: list[Completion]
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What a rollout worker needs from an engine.
+
+    Weight updates follow SGLang's shape: ``begin_weight_update`` stages, ``load_weights`` may be
+    called several times with Hugging Face-named (full, unsharded) tensors, and
+    ``end_weight_update`` makes the whole new version visible at once, between decode steps.
+    """
+
+    @property
+    def version(self) -> int: ...
+
+    async def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]: ...
+
+    async def pause(self, mode: PauseMode = "abort") -> None: ...
+
+    async def resume(self) -> None: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def update_weights(self, named_tensors, version: int) -> None: ...

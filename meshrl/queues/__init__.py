@@ -1,0 +1,5 @@
+"""Bounded, staleness-aware sample queues (see ../../docs/staleness.md)."""
+
+from meshrl.queues.sample import Sample
+
+__all__ = ["Sample"]
