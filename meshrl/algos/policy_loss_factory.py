@@ -22,17 +22,18 @@ from meshrl.algos.policy_losses import (
     ppo_policy_loss,
 )
 
-
 POLICY_LOSSES = ("ppo", "decoupled_ppo", "gspo")
 
 
 def _ppo_uniform(logprobs, old_logprobs, behavior_logprobs, advantages, mask, **knobs):
+    """``ppo_policy_loss`` with behaviour log-probs moved to the shared positional order."""
     return ppo_policy_loss(
         logprobs, old_logprobs, advantages, mask, behavior_logprobs=behavior_logprobs, **knobs
     )
 
 
 def _gspo_uniform(logprobs, old_logprobs, behavior_logprobs, advantages, mask, **knobs):
+    """``gspo_policy_loss`` with behaviour log-probs moved to the shared positional order."""
     return gspo_policy_loss(
         logprobs, old_logprobs, advantages, mask, behavior_logprobs=behavior_logprobs, **knobs
     )
