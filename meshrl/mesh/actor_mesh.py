@@ -1,0 +1,206 @@
+"""``ActorMesh``: a picklable handle on the actors one ``spawn`` created, with named dims.
+
+``mesh.method`` is an ``Endpoint`` (``call`` / ``call_one`` / ``choose`` / ``stream`` /
+``broadcast``); ``mesh.slice(dim=...)`` and ``mesh.flatten(name)`` are views over the same actors.
+A mesh pickles as its Ray actor handles plus its shape, so an actor can receive a mesh as an
+argument and call it (from async endpoints with ``await``, from sync ones with ``.get()``).
+
+Typing: Python has no way to say "an ``ActorMesh[A]`` has ``A``'s endpoints as attributes", so for
+type checkers ``ActorMesh[A]`` *is* ``A`` (an ``Annotated`` alias) and ``@endpoint`` methods are
+typed as ``Endpoint[P, R, ...]``; ``await mesh.f.call_one(x)`` is then checked against ``f`` and
+typed as its return value. The mesh methods below are declared on ``Actor`` for the checker.
+At run time ``ActorMesh`` is the class below.
+
+Names an endpoint must not have, because the mesh itself uses them: see ``RESERVED``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import logging
+from typing import TYPE_CHECKING, Annotated, Any, Generic, TypeVar
+
+import ray
+
+from meshrl.mesh import supervision
+from meshrl.mesh.actor import Actor
+from meshrl.mesh.adverbs import Endpoint, Future, MeshState, state_for
+from meshrl.mesh.shape import Shape
+
+log = logging.getLogger("meshrl.mesh")
+
+A = TypeVar("A", bound=Actor)
+
+RESERVED = frozenset({"name", "sizes", "slice", "flatten", "ready", "flush", "stop"})
+
+
+class _ActorMeshImpl(Generic[A]):
+    """Actors of one spawn (or a view of them): dims, ranks, and endpoints by attribute."""
+
+    def __init__(
+        self,
+        name: str,
+        uid: str,
+        cls_name: str,
+        endpoints: frozenset[str],
+        methods: frozenset[str],
+        handles: tuple[Any, ...],
+        shape: Shape,
+        world: int,
+    ):
+        self._name = name
+        self._uid = uid
+        self._cls_name = cls_name
+        self._endpoints = endpoints
+        self._methods = methods
+        self._handles = handles
+        self._shape = shape
+        self._world = world
+        self._state: MeshState = state_for(uid, world)
+        self._endpoint_cache: dict[str, Endpoint[Any, Any, Any]] = {}
+        self._on_stop: Any = None  # set by ProcMesh.spawn: gives the processes' share back
+
+    def __reduce__(self) -> Any:
+        return (
+            _ActorMeshImpl,
+            (self._name, self._uid, self._cls_name, self._endpoints, self._methods, self._handles, self._shape, self._world),
+        )
+
+    def __getattr__(self, method: str) -> Endpoint[Any, Any, Any]:
+        if method.startswith("_"):
+            raise AttributeError(method)
+        ep = self._endpoint_cache.get(method)
+        if ep is not None:
+            return ep
+        if method not in self._endpoints:
+            if method in self._methods:
+                raise AttributeError(f"`{method}` is not an endpoint: decorate it with `@endpoint`")
+            raise AttributeError(f"`{method}` is not an endpoint of {self._cls_name} (mesh {self._name!r})")
+        ep = self._endpoint_cache[method] = Endpoint(self, method)
+        return ep
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return self._shape.dims
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+    def __repr__(self) -> str:
+        return f"ActorMesh({self._name!r}, {self._cls_name}, {self._shape.dims})"
+
+    def _view(self, shape: Shape, positions: list[int]) -> _ActorMeshImpl[A]:
+        handles = tuple(self._handles[p] for p in positions)
+        return _ActorMeshImpl(
+            self._name, self._uid, self._cls_name, self._endpoints, self._methods, handles, shape, self._world
+        )
+
+    def slice(self, **dims: int | slice) -> _ActorMeshImpl[A]:
+        """A view: ``dim=slice(...)`` keeps the dim, ``dim=int`` drops it."""
+        shape, positions = self._shape.slice(**dims)
+        return self._view(shape, positions)
+
+    def flatten(self, name: str) -> _ActorMeshImpl[A]:
+        """A view with all dims merged into one called ``name``."""
+        return self._view(self._shape.flatten(name), list(range(len(self._handles))))
+
+    def ready(self) -> Future[None]:
+        """Done when every actor finished ``__init__``; ``ActorFailure`` if one died instead."""
+        cfs = self._submit_all("__ray_ready__", (), {})
+        return Future(self._name, "__init__", cfs, self._shape.ranks, _none)
+
+    def flush(self) -> Future[None]:
+        """Done when every broadcast sent so far through this mesh finished; raises their failures."""
+        with self._state.lock:
+            pending = list(self._state.broadcasts)
+        return Future(self._name, "broadcast", pending, (-1,) * len(pending), self._flushed, check=False)
+
+    def _flushed(self, _values: list[Any]) -> None:
+        self._state.raise_errors()
+
+    def stop(self) -> None:
+        """Kill the actors of this mesh (no restart). Safe to call twice.
+
+        On a view, only the view's actors die; the processes' share is given back to the proc
+        mesh when the whole spawned mesh is stopped.
+        """
+        supervision.unwatch(self._uid, set(self._shape.ranks))
+        if self._on_stop is not None:
+            self._on_stop()
+            self._on_stop = None
+        for handle in self._handles:
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception as exc:  # already dead, or Ray shut down: nothing left to stop
+                log.debug("stopping an actor of %s: %s", self._name, exc)
+
+    def _run_all(self, fn: Any, *args: Any) -> Future[Any]:
+        """``fn(*args)`` in every actor (library helpers, e.g. ``init_torch_distributed_on``)."""
+        return Endpoint(self, "_meshrl_run").call(fn, *args)
+
+    def _run_one(self, fn: Any, *args: Any) -> Future[Any]:
+        return Endpoint(self, "_meshrl_run").call_one(fn, *args)
+
+    # -- used by Endpoint --------------------------------------------------------------------
+
+    def _submit_one(self, method: str, pos: int, args: Any, kwargs: Any) -> concurrent.futures.Future[Any]:
+        state = self._state
+        if state.errors:
+            state.raise_errors()
+        rank = self._shape.ranks[pos]
+        cf = getattr(self._handles[pos], method).remote(*args, **kwargs).future()
+        with state.lock:
+            state.outstanding[rank] += 1
+        cf.add_done_callback(functools.partial(state.finished, rank))
+        return cf
+
+    def _submit_all(self, method: str, args: Any, kwargs: Any) -> list[concurrent.futures.Future[Any]]:
+        state = self._state
+        if state.errors:
+            state.raise_errors()
+        cfs = [getattr(handle, method).remote(*args, **kwargs).future() for handle in self._handles]
+        ranks = self._shape.ranks
+        with state.lock:
+            for rank in ranks:
+                state.outstanding[rank] += 1
+        for cf, rank in zip(cfs, ranks):
+            cf.add_done_callback(functools.partial(state.finished, rank))
+        return cfs
+
+    def _least_loaded(self) -> int:
+        state = self._state
+        ranks = self._shape.ranks
+        n = len(ranks)
+        with state.lock:
+            start = state.next_choice % n
+            state.next_choice = start + 1
+            best = start
+            best_load = state.outstanding[ranks[start]]
+            for i in range(1, n):
+                pos = (start + i) % n
+                load = state.outstanding[ranks[pos]]
+                if load < best_load:
+                    best, best_load = pos, load
+        return best
+
+    def _track_broadcast(self, method: str, pos: int, cf: concurrent.futures.Future[Any]) -> None:
+        state = self._state
+        with state.lock:
+            state.broadcasts.add(cf)
+        cf.add_done_callback(functools.partial(state.broadcast_done, self._name, self._shape.ranks[pos], method))
+
+
+def _none(_values: list[Any]) -> None:
+    return None
+
+
+if TYPE_CHECKING:
+    ActorMesh = Annotated[A, "ActorMesh"]
+else:
+    ActorMesh = _ActorMeshImpl
+    ActorMesh.__name__ = ActorMesh.__qualname__ = "ActorMesh"

@@ -1,0 +1,42 @@
+"""Errors the mesh layer raises at the caller, and the translation from Ray's own errors.
+
+Two kinds of remote failure reach a caller, and they are kept apart on purpose:
+
+- **The actor is gone** (its process died, was killed, or raised in ``__init__``): ``ActorFailure``,
+  naming the mesh, the rank and Ray's description of the cause. Ray reports a dead actor to every
+  pending and later call within about a second, so this never hangs.
+- **The endpoint raised**: the caller gets the *original exception type* (Ray's
+  ``RayTaskError(<type>)``, a subclass of both), so ``except KeyError`` works across actors. Its
+  message carries the remote traceback, and a note names the mesh, rank and endpoint. Only when
+  Ray cannot subclass the user's exception type does the caller see a plain ``RayTaskError``.
+
+Timeouts raise the builtin ``TimeoutError`` with a message that says what was waited for.
+"""
+
+from __future__ import annotations
+
+import ray.exceptions
+
+
+class ActorFailure(Exception):
+    """An actor of a mesh died (killed, crashed, or raised in ``__init__``)."""
+
+    def __init__(self, mesh: str, rank: int, cause: str) -> None:
+        super().__init__(mesh, rank, cause)
+        self.mesh = mesh
+        self.rank = rank
+        self.cause = cause
+
+    def __str__(self) -> str:
+        return f"actor {self.mesh}/{self.rank} failed: {self.cause}"
+
+
+def translate(exc: BaseException, mesh: str, rank: int, method: str) -> BaseException:
+    """The exception to raise at the caller for ``exc`` from ``mesh``/``rank``'s ``method``."""
+    if isinstance(exc, ray.exceptions.RayActorError):
+        return ActorFailure(mesh, rank, str(exc))
+    if isinstance(exc, ray.exceptions.RayTaskError):
+        exc = exc.as_instanceof_cause()
+    if isinstance(exc, Exception):
+        exc.add_note(f"raised by endpoint `{method}` of actor {mesh}/{rank}")
+    return exc

@@ -1,0 +1,290 @@
+"""Actor meshes on a real local Ray cluster: every adverb, slicing, ranks, errors and threading."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import threading
+import time
+
+import pytest
+import ray.cloudpickle
+
+from meshrl.mesh import Actor, ActorMesh, ProcMesh, ValueMesh, current_rank, current_size, endpoint, spawn_procs
+
+# Ray workers cannot import test modules: ship this module's classes by value.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+class Counter(Actor):
+    """A sync actor: calls run one at a time, in order."""
+
+    def __init__(self, start: int):
+        self.value = start
+        self.init_rank = current_rank().rank
+
+    @endpoint
+    def incr(self, by: int = 1) -> int:
+        self.value += by
+        return self.value
+
+    @endpoint
+    def read(self) -> int:
+        return self.value
+
+    @endpoint
+    def where(self) -> dict:
+        r = current_rank()
+        return {"rank": r.rank, "coords": dict(r), "size": current_size(), "init_rank": self.init_rank,
+                "env": os.environ.get("MESHRL_TEST_ENV"), "omp": os.environ.get("OMP_NUM_THREADS")}
+
+    @endpoint
+    def fail(self, message: str) -> None:
+        raise KeyError(message)
+
+    @endpoint
+    def relay(self, other: ActorMesh[Waiter], x: int) -> int:
+        # A sync endpoint calls another mesh synchronously.
+        return other.echo.call_one(x).get(timeout=30)
+
+    def helper(self) -> None:
+        """Not an endpoint."""
+
+
+class Waiter(Actor):
+    """An async actor with a sync endpoint that blocks, to check the threading rule."""
+
+    def __init__(self):
+        self.gate = asyncio.Event()
+        self.sync_gate = threading.Event()
+        self.sync_active = 0
+        self.sync_max = 0
+
+    @endpoint
+    async def echo(self, x: int) -> int:
+        return x
+
+    @endpoint
+    async def hold(self) -> int:
+        await self.gate.wait()
+        return current_rank().rank
+
+    @endpoint
+    async def open_gate(self) -> None:
+        self.gate.set()
+        self.gate = asyncio.Event()
+
+    @endpoint
+    async def rank_or_wait(self) -> int:
+        if current_rank().rank == 0:
+            await self.gate.wait()
+        return current_rank().rank
+
+    @endpoint
+    def block(self) -> int:
+        self.sync_active += 1
+        self.sync_max = max(self.sync_max, self.sync_active)
+        self.sync_gate.wait(30)
+        self.sync_active -= 1
+        return self.sync_max
+
+    @endpoint
+    async def unblock(self) -> None:
+        self.sync_gate.set()
+
+    @endpoint
+    async def relay(self, other: ActorMesh[Counter], by: int) -> int:
+        # An async endpoint awaits another mesh.
+        return await other.slice(a=0, b=0).incr.call_one(by)
+
+
+@pytest.fixture(scope="module")
+def procs(ray_cluster) -> ProcMesh:
+    procs = spawn_procs({"a": 2, "b": 2}, cpus_per_proc=0.1, env={"MESHRL_TEST_ENV": "yes"}, name="test-mesh")
+    yield procs
+    procs.stop()
+
+
+@pytest.fixture(scope="module")
+def counters(procs) -> ActorMesh[Counter]:
+    mesh = procs.spawn("counters", Counter, 10, share=0.5)
+    mesh.ready().get(timeout=60)
+    return mesh
+
+
+@pytest.fixture(scope="module")
+def waiters(procs) -> ActorMesh[Waiter]:
+    mesh = procs.slice(a=0).spawn("waiters", Waiter, share=0.5)
+    mesh.ready().get(timeout=60)
+    return mesh
+
+
+def test_shape_names_and_ranks(counters):
+    assert counters.sizes == {"a": 2, "b": 2} and len(counters) == 4
+    where = counters.where.call().get(timeout=30)
+    assert isinstance(where, ValueMesh) and where.sizes == {"a": 2, "b": 2}
+    for coords, w in where.items():
+        assert w["coords"] == coords
+        assert w["rank"] == w["init_rank"] == coords["a"] * 2 + coords["b"]
+        assert w["size"] == {"a": 2, "b": 2}
+        assert w["env"] == "yes" and w["omp"] == "1"  # spawn env merges with the job's env
+    import ray
+
+    assert ray.get_actor("counters/3") is not None
+
+
+def test_call_returns_one_value_per_rank(counters):
+    before = counters.read.call().get(timeout=30)
+    after = counters.incr.call(2).get(timeout=30)
+    assert [b + 2 for b in before.values()] == after.values()
+    assert after.item(a=1, b=0) == before.item(a=1, b=0) + 2
+
+
+def test_slicing_keeps_or_drops_dims(counters):
+    row = counters.slice(a=1)
+    assert row.sizes == {"b": 2} and len(row) == 2
+    assert [w["rank"] for w in row.where.call().get(timeout=30).values()] == [2, 3]
+    col = counters.slice(b=slice(1, 2))
+    assert col.sizes == {"a": 2, "b": 1}
+    assert [w["rank"] for w in col.where.call().get(timeout=30).values()] == [1, 3]
+    flat = counters.flatten("all")
+    assert flat.sizes == {"all": 4}
+    assert [w["rank"] for w in flat.where.call().get(timeout=30).values()] == [0, 1, 2, 3]
+    with pytest.raises(KeyError, match="no dim named 'c'"):
+        counters.slice(c=0)
+
+
+def test_call_one_needs_exactly_one_actor(counters):
+    one = counters.slice(a=1, b=1)
+    assert one.where.call_one().get(timeout=30)["rank"] == 3
+    with pytest.raises(ValueError, match=r"exactly one actor.*'counters' has 2"):
+        counters.slice(a=0).read.call_one()
+
+
+def test_non_endpoints_are_refused(counters):
+    with pytest.raises(AttributeError, match="`helper` is not an endpoint: decorate it with `@endpoint`"):
+        counters.helper
+    with pytest.raises(AttributeError, match="`missing` is not an endpoint of Counter"):
+        counters.missing
+    with pytest.raises(TypeError, match="through an adverb"):
+        counters.read()
+
+
+def test_broadcast_then_call_sees_its_effect(counters):
+    before = counters.read.call().get(timeout=30).values()
+    counters.incr.broadcast(5)
+    counters.flush().get(timeout=30)
+    assert counters.read.call().get(timeout=30).values() == [b + 5 for b in before]
+
+
+def test_broadcast_failure_surfaces_on_flush_and_on_next_call(counters):
+    counters.slice(a=0, b=0).fail.broadcast("boom")
+    with pytest.raises(KeyError, match="boom") as info:
+        counters.flush().get(timeout=30)
+    assert "counters/0" in "".join(info.value.__notes__)
+    counters.read.call().get(timeout=30)  # reported once, then forgotten
+
+    counters.slice(a=1, b=1).fail.broadcast("later")
+    deadline = time.monotonic() + 20
+    with pytest.raises(KeyError, match="later"):
+        while time.monotonic() < deadline:  # the failure is raised by some later call
+            counters.read.call().get(timeout=30)
+            time.sleep(0.05)
+
+
+def test_endpoint_exception_keeps_type_message_and_remote_traceback(counters):
+    with pytest.raises(KeyError) as info:
+        counters.slice(a=0, b=1).fail.call_one("no such key").get(timeout=30)
+    text = str(info.value)
+    assert "no such key" in text and "in fail" in text  # the remote frame
+    assert any("endpoint `fail` of actor counters/1" in n for n in info.value.__notes__)
+
+
+def test_stream_yields_in_arrival_order(waiters):
+    async def run():
+        stream = waiters.rank_or_wait.stream()
+        seen = []
+        async for rank in stream:
+            seen.append(rank)
+            if len(seen) == 1:  # rank 0 waits until rank 1 has been seen
+                await waiters.slice(b=0).open_gate.call_one()
+        return seen
+
+    assert asyncio.run(run()) == [1, 0]
+    stream = waiters.echo.stream(3)
+    assert sorted(stream.get(timeout=30)) == [3, 3]
+
+
+def test_choose_picks_the_least_loaded(waiters):
+    async def run():
+        first = waiters.hold.choose()
+        second = waiters.hold.choose()  # rank of `first` has one call outstanding
+        await waiters.open_gate.call().within(30)
+        return await first.within(30), await second.within(30)
+
+    assert sorted(asyncio.run(run())) == [0, 1]
+    # Idle actors are taken in turn.
+    assert {waiters.echo.choose(1).get(timeout=30) for _ in range(4)} == {1}
+
+
+def test_sync_endpoint_of_async_actor_runs_off_the_loop(waiters):
+    one = waiters.slice(b=1)
+    blocked = [one.block.call_one(), one.block.call_one()]
+    # The event loop still answers while a sync endpoint blocks its thread.
+    assert one.echo.call_one(7).get(timeout=10) == 7
+    one.unblock.call_one().get(timeout=10)
+    assert [f.get(timeout=30) for f in blocked] == [1, 1]  # sync endpoints never overlapped
+
+
+def test_meshes_are_picklable_and_callable_from_actors(counters, waiters):
+    assert counters.slice(a=1, b=0).relay.call_one(waiters.slice(b=0), 42).get(timeout=30) == 42
+    before = counters.slice(a=0, b=0).read.call_one().get(timeout=30)
+    assert waiters.slice(b=1).relay.call_one(counters, 3).get(timeout=30) == before + 3
+
+
+def test_await_from_the_driver_loop_and_get_refuses_to_block_it(counters):
+    async def run():
+        values = await counters.read.call()
+        with pytest.raises(RuntimeError, match="would block the running event loop"):
+            counters.read.call().get()
+        return values
+
+    assert len(asyncio.run(run())) == 4
+
+
+def test_timeouts_name_what_was_waited_for(waiters):
+    pending = waiters.hold.call()
+    with pytest.raises(TimeoutError, match=r"`hold` on mesh 'waiters': rank\(s\) \[0, 1\] did not answer"):
+        pending.get(timeout=0.2)
+
+    async def run():
+        with pytest.raises(TimeoutError, match="did not answer within 0.2 s"):
+            await pending.within(0.2)
+
+    asyncio.run(run())
+    waiters.open_gate.call().get(timeout=30)
+    assert sorted(pending.get(timeout=30).values()) == [0, 1]
+
+
+def test_spawn_refuses_bad_input(procs, counters, waiters):
+    with pytest.raises(TypeError, match="subclass of meshrl.mesh.Actor"):
+        procs.spawn("x", object)
+    with pytest.raises(ValueError, match="without '/'"):
+        procs.spawn("a/b", Counter, 0)
+    with pytest.raises(ValueError, match=r"processes \[0, 1\] of proc mesh 'test-mesh' have 0.00 .* share=0.5"):
+        procs.spawn("third", Counter, 0, share=0.5)  # counters and waiters took rows a=0
+
+    class Clash(Actor):
+        @endpoint
+        def stop(self) -> None: ...
+
+    with pytest.raises(ValueError, match=r"\['stop'\] of Clash shadow ActorMesh methods"):
+        procs.spawn("clash", Clash)
+
+
+def test_unplaceable_proc_mesh_times_out_with_the_reason(ray_cluster):
+    with pytest.raises(TimeoutError, match=r"'gpu-mesh'.*'GPU': 1"):
+        spawn_procs({"gpus": 1}, cpus_per_proc=0.1, name="gpu-mesh", timeout=0.5)
+    with pytest.raises(ValueError, match='"hosts" is the dim'):
+        spawn_procs({"hosts": 2})
