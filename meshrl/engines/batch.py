@@ -1,0 +1,253 @@
+"""The running batch: which sequence owns which cache row, and the per-row state the hot path reads.
+
+Running sequences occupy rows ``[0, B)`` of the KV cache and of a few device tensors (next input
+token, position, sampling parameters, stop ids, output buffers). Host-side mirrors (numpy) hold what
+scheduling needs (prompt and output lengths, budgets) so that sizing a step never reads the device.
+
+Per decode step the host does O(1) Python work plus O(rows that finished); the only device -> host
+reads are (a) which rows hit a stop token, made only when some row can stop on a token, and (b) the
+output buffers of rows that finished. When rows finish, the last running rows move into the holes
+(``_compact``), keeping the batch packed.
+
+Simplifications, on purpose: a request is admitted only when all of its ``n`` samples fit (FIFO, no
+skipping ahead, so a large ``n`` is never starved); sequences are never preempted or swapped out.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from meshrl.engines.kv_cache import KVCache
+from meshrl.engines.model import Transformer
+from meshrl.engines.sampling import mix_seed, sample, uniform, uniform_np
+from meshrl.engines.types import Completion, FinishReason, GenerateRequest
+
+# istate columns
+_TOK, _POS, _OCOL, _SEED, _TOPK, _STOP = 0, 1, 2, 3, 4, 5
+
+
+class Seq:
+    """One sample of one request while it runs."""
+
+    __slots__ = ("owner", "index", "row", "marks", "filtered", "greedy", "stoppable")
+
+    def __init__(self, owner: Any, index: int, row: int, version: int, greedy: bool, filtered: bool,
+                 stoppable: bool):
+        self.owner, self.index, self.row = owner, index, row
+        self.marks = [(0, version)]  # (first output index, policy version) each time the version changed
+        self.greedy, self.filtered, self.stoppable = greedy, filtered, stoppable
+
+    def versions(self, n: int) -> list[int]:
+        """The version of each of the first ``n`` output tokens."""
+        out: list[int] = []
+        for k, (_, v) in enumerate(self.marks):
+            end = self.marks[k + 1][0] if k + 1 < len(self.marks) else n
+            out.extend([v] * max(0, min(end, n) - len(out)))
+        return out
+
+
+class RunningBatch:
+    """Rows ``[0, size)`` of the cache and the state tensors; admits, steps and retires sequences."""
+
+    def __init__(self, model: Transformer, cache: KVCache, *, eos_ids: tuple[int, ...], max_stop_ids: int):
+        self.model, self.cache = model, cache
+        rows, cap, dev = cache.rows, cache.max_seq_len, model.device
+        self.rows, self.max_stop_ids, self.eos_ids = rows, max_stop_ids, tuple(eos_ids)
+        self.istate = torch.zeros(rows, _STOP + max_stop_ids, dtype=torch.int64, device=dev)
+        self.fstate = torch.ones(rows, 2, dtype=torch.float32, device=dev)  # inv_temperature, top_p
+        self.flags = torch.zeros(rows, 2, dtype=torch.bool, device=dev)  # greedy, filtered
+        self.out_tok = torch.zeros(rows, cap, dtype=torch.int64, device=dev)
+        self.out_lp = torch.zeros(rows, cap, dtype=torch.float32, device=dev)
+        self._state = [self.istate, self.fstate, self.flags, self.out_tok, self.out_lp]
+        self.row_ids = torch.arange(rows, device=dev)
+        self.plen = np.zeros(rows, dtype=np.int64)  # prompt tokens
+        self.olen = np.zeros(rows, dtype=np.int64)  # output tokens so far
+        self.max_new = np.zeros(rows, dtype=np.int64)
+        self.seed = np.zeros(rows, dtype=np.uint64)
+        # CPU: draw the uniforms with numpy (cheaper than a dozen tiny kernels); CUDA: on the device,
+        # inside the step (CUDA-graph safe, and no host->device copy racing ahead of the GPU)
+        self._host_uniforms = dev.type == "cpu"
+        self.seqs: list[Seq | None] = [None] * rows
+        self.size = 0
+        self.n_greedy = self.n_filtered = self.n_stoppable = 0
+
+    # ---- admission (prefill) ---------------------------------------------------------------
+
+    @property
+    def free_rows(self) -> int:
+        return self.rows - self.size
+
+    def stop_ids(self, req: GenerateRequest) -> list[int]:
+        """Token ids that end a sample of ``req`` (its own, plus EOS unless ``ignore_eos``)."""
+        ids = list(dict.fromkeys(req.sampling.stop_token_ids + (() if req.sampling.ignore_eos else self.eos_ids)))
+        if len(ids) > self.max_stop_ids:
+            raise ValueError(f"request {req.request_id!r} has {len(ids)} stop token ids (EOS included); "
+                             f"the engine allows max_stop_token_ids={self.max_stop_ids}")
+        return ids
+
+    @torch.no_grad()
+    def admit(self, batch: list[tuple[Any, GenerateRequest, int]], version: int
+              ) -> list[tuple[Seq, Completion]]:
+        """Prefill ``(owner, request, seed)`` triples into free rows; returns samples already done.
+
+        The caller checks that all samples fit (``free_rows``). Each request's ``n`` samples get rows
+        next to each other and copies of the prompt's KV; their first tokens come from one logits row.
+        """
+        dev, lo = self.model.device, self.size
+        prompts = [r.input_ids for _, r, _ in batch]
+        t = max(len(p) for p in prompts)
+        tokens = torch.tensor([p + [0] * (t - len(p)) for p in prompts], dtype=torch.int64)
+        counts = [r.sampling.n for _, r, _ in batch]
+        m = sum(counts)
+        hi = lo + m
+        irows, frows, flag_rows = [], [], []
+        for (owner, req, seed), n in zip(batch, counts):
+            sp = req.sampling
+            stops = self.stop_ids(req)
+            greedy, filtered = sp.temperature == 0, sp.temperature > 0 and (sp.top_k != -1 or sp.top_p < 1)
+            for j in range(n):
+                row = lo + len(irows)
+                self.seqs[row] = Seq(owner, j, row, version, greedy, filtered, bool(stops))
+                irows.append([0, len(req.input_ids) - 1, 0, mix_seed(seed, j),  # pos: the last prompt token
+                              self.model.spec.vocab_size if sp.top_k == -1 else sp.top_k]
+                             + stops + [-1] * (self.max_stop_ids - len(stops)))
+                frows.append([1.0 if greedy else 1.0 / sp.temperature, sp.top_p])
+                flag_rows.append([greedy, filtered])
+                self.plen[row], self.olen[row], self.max_new[row] = len(req.input_ids), 0, sp.max_new_tokens
+                self.seed[row] = irows[-1][_SEED]
+                self.n_greedy += greedy
+                self.n_filtered += filtered
+                self.n_stoppable += bool(stops)
+        self.istate[lo:hi].copy_(torch.tensor(irows, dtype=torch.int64), non_blocking=True)
+        self.fstate[lo:hi].copy_(torch.tensor(frows, dtype=torch.float32), non_blocking=True)
+        self.flags[lo:hi].copy_(torch.tensor(flag_rows, dtype=torch.bool), non_blocking=True)
+        src = None if m == len(batch) else torch.repeat_interleave(torch.arange(len(batch)), torch.tensor(counts))
+        last = torch.tensor([len(p) - 1 for p in prompts])
+        rows = self.row_ids[lo:hi]
+        logits = self.model.prefill(tokens.to(dev, non_blocking=True), last.to(dev), self.cache, rows,
+                                    None if src is None else src.to(dev))  # [N, V]
+        if src is not None:
+            logits = logits.index_select(0, src.to(dev))  # [M, V]: the samples of a prompt share its logits
+        self.size = hi
+        self._sample_and_record(logits, lo, hi)
+        self.olen[lo:hi] = 1
+        return self._retire_finished(lo, hi)
+
+    # ---- decode ---------------------------------------------------------------------------
+
+    def seq_len(self) -> int:
+        """Cache positions the next decode step reads: max over running rows of position + 1."""
+        b = self.size
+        return int((self.plen[:b] + self.olen[:b]).max())
+
+    @torch.no_grad()
+    def decode_core(self, b: int, s: int, *, sampling_flags: tuple[bool, bool, bool]) -> torch.Tensor:
+        """Device-only part of a decode step over rows ``[0, b)`` (no host sync: CUDA-graph safe).
+
+        Feeds each row's next token, samples the following one, records it; returns the new tokens.
+        """
+        ist = self.istate
+        logits = self.model.decode_step(ist[:b, _TOK], ist[:b, _POS], self.cache, s)  # [b, V]
+        return self._sample_and_record(logits, 0, b, flags=sampling_flags)
+
+    def sampling_flags(self) -> tuple[bool, bool, bool]:
+        """(any greedy, all greedy, any top-k/top-p) over the running rows, from host counters."""
+        return self.n_greedy > 0, self.n_greedy == self.size, self.n_filtered > 0
+
+    def after_decode(self, new_tok: torch.Tensor) -> list[tuple[Seq, Completion]]:
+        """Host bookkeeping after ``decode_core`` ran on rows ``[0, size)``."""
+        self.olen[: self.size] += 1
+        return self._retire_finished(0, self.size, new_tok)
+
+    def _sample_and_record(self, logits: torch.Tensor, lo: int, hi: int,
+                           flags: tuple[bool, bool, bool] | None = None) -> torch.Tensor:
+        """Sample rows ``[lo, hi)`` from ``logits`` ``[hi-lo, V]``, store token + log-prob, advance."""
+        ist, fst, fl = self.istate[lo:hi], self.fstate[lo:hi], self.flags[lo:hi]
+        if flags is None:
+            seqs = self.seqs[lo:hi]
+            greedy = sum(s.greedy for s in seqs)
+            flags = (greedy > 0, greedy == hi - lo, any(s.filtered for s in seqs))
+        any_greedy, all_greedy, any_filtered = flags
+        if all_greedy:
+            u = None
+        elif self._host_uniforms:  # the output column of row r is olen[r] (host mirror of _OCOL)
+            u = torch.from_numpy(uniform_np(self.seed[lo:hi], self.olen[lo:hi].astype(np.uint64)))
+        else:
+            u = uniform(ist[:, _SEED], ist[:, _OCOL])
+        tok, lp = sample(logits, inv_temperature=fst[:, 0], u=u, top_k=ist[:, _TOPK], top_p=fst[:, 1],
+                         greedy=fl[:, 0], filtered=fl[:, 1], any_greedy=any_greedy, all_greedy=all_greedy,
+                         any_filtered=any_filtered)
+        rows, col = self.row_ids[lo:hi], ist[:, _OCOL]
+        self.out_tok.index_put_((rows, col), tok)
+        self.out_lp.index_put_((rows, col), lp)
+        ist[:, _TOK] = tok
+        ist[:, _POS:_OCOL + 1] += 1  # position of the next input, and the next output column
+        return tok
+
+    # ---- retiring ------------------------------------------------------------------------------
+
+    def _retire_finished(self, lo: int, hi: int, new_tok: torch.Tensor | None = None
+                         ) -> list[tuple[Seq, Completion]]:
+        """Retire rows in ``[lo, hi)`` that reached their length or sampled a stop token."""
+        if new_tok is None:
+            new_tok = self.istate[lo:hi, _TOK]
+        if lo == hi:
+            return []
+        reasons: dict[int, FinishReason] = {}
+        if self.n_stoppable:
+            hit = (new_tok[:, None] == self.istate[lo:hi, _STOP:]).any(dim=1)  # [hi-lo]
+            # host sync: which rows stopped decides the next step's batch
+            for r in torch.nonzero(hit).flatten().tolist():
+                reasons[lo + r] = "stop"
+        for r in np.flatnonzero(self.olen[lo:hi] >= self.max_new[lo:hi]).tolist():
+            reasons[lo + r] = "length"  # SGLang checks the length first: it wins over a stop token
+        return self.retire(reasons) if reasons else []
+
+    def retire(self, reasons: dict[int, FinishReason]) -> list[tuple[Seq, Completion]]:
+        """Finish the given rows (with their outputs so far), free them and repack the batch."""
+        rows = sorted(reasons)
+        idx = torch.tensor(rows, device=self.model.device)
+        width = int(self.olen[rows].max())
+        toks = self.out_tok[idx, :width].tolist()  # host sync: the finished outputs leave the device
+        lps = self.out_lp[idx, :width].tolist()
+        done = []
+        for r, tk, lp in zip(rows, toks, lps):
+            seq, n = self.seqs[r], int(self.olen[r])
+            done.append((seq, Completion(output_ids=tk[:n], logprobs=lp[:n], finish_reason=reasons[r],
+                                         versions=seq.versions(n))))
+            self.n_greedy -= seq.greedy
+            self.n_filtered -= seq.filtered
+            self.n_stoppable -= seq.stoppable
+            self.seqs[r] = None
+        self._compact(set(rows))
+        return done
+
+    def _compact(self, freed: set[int]) -> None:
+        """Move the last running rows into the holes below the new size."""
+        new_size = self.size - len(freed)
+        holes = sorted(r for r in freed if r < new_size)
+        movers = [r for r in range(new_size, self.size) if r not in freed]
+        if holes:
+            dev = self.model.device
+            src, dst = torch.tensor(movers, device=dev), torch.tensor(holes, device=dev)
+            for t in self._state:
+                t.index_copy_(0, dst, t.index_select(0, src))
+            self.cache.move_rows(src, dst, int((self.plen[movers] + self.olen[movers]).max()))
+            for arr in (self.plen, self.olen, self.max_new, self.seed):
+                arr[holes] = arr[movers]
+            for s_, d_ in zip(movers, holes):
+                seq = self.seqs[s_]
+                seq.row = d_
+                self.seqs[d_], self.seqs[s_] = seq, None
+        self.size = new_size
+
+    def running(self) -> list[Seq]:
+        return [s for s in self.seqs[: self.size] if s is not None]
+
+    def mark_version(self, version: int) -> None:
+        """Record that tokens from now on come from ``version`` (called between steps)."""
+        for r in range(self.size):
+            self.seqs[r].marks.append((int(self.olen[r]), version))

@@ -1,0 +1,218 @@
+"""The decoder (Qwen2/Qwen2.5, Qwen3, Llama) as three verbs: ``prefill``, ``decode_step``, ``logits``.
+
+Parameters live in the engine layout of ``layout.py`` (fused ``qkv`` and ``gate_up``) as plain
+tensors in ``Transformer.params``; weight updates copy *into* them, so their addresses never change
+(CUDA graphs captured over them stay valid). Under tensor parallelism each rank holds its shard and
+the caller passes ``all_reduce``, applied after the row-parallel ``o`` and ``down`` projections; the
+model never sees a mesh.
+
+The KV cache is a static slot cache (``kv_cache.py``): one row per running sequence, written in
+place. Decode attention reads each row's prefix ``[0, S)`` of the cache under an additive mask.
+
+Simplifications, on purpose: prefill runs on right-padded prompts (padding rows compute garbage that
+nothing reads; decode overwrites their cache entries before they become visible); no prefix caching;
+attention is plain matmul + softmax (no paged or flash kernels) so it runs the same on CPU and GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+
+from meshrl.engines.kv_cache import KVCache
+from meshrl.engines.layout import EngineLayout, ModelSpec
+
+
+class _Layer:
+    """Views of one decoder layer's parameters (attribute access is cheaper than dict lookups)."""
+
+    __slots__ = ("attn_norm", "qkv_w", "qkv_b", "q_norm", "k_norm", "o_w_t", "o_b", "mlp_norm",
+                 "gate_up_w", "gate_up_b", "down_w_t", "down_b")
+
+    def __init__(self, params: dict[str, torch.Tensor], i: int):
+        p = f"layers.{i}."
+        self.attn_norm = params[p + "attn_norm.weight"]
+        self.qkv_w = params[p + "qkv.weight"]
+        self.qkv_b = params.get(p + "qkv.bias")
+        self.q_norm = params.get(p + "q_norm.weight")
+        self.k_norm = params.get(p + "k_norm.weight")
+        self.o_w_t = params[p + "o.weight"].t()  # transposed views: addmm(x, a, w.t()) fuses the residual
+        self.o_b = params.get(p + "o.bias")
+        self.mlp_norm = params[p + "mlp_norm.weight"]
+        self.gate_up_w = params[p + "gate_up.weight"]
+        self.gate_up_b = params.get(p + "gate_up.bias")
+        self.down_w_t = params[p + "down.weight"].t()
+        self.down_b = params.get(p + "down.bias")
+
+
+class Transformer:
+    """A decoder-only transformer in engine layout, on one device, optionally one TP shard of it."""
+
+    def __init__(self, spec: ModelSpec, *, dtype: torch.dtype, device: torch.device | str,
+                 tp_rank: int = 0, tp_size: int = 1,
+                 all_reduce: Callable[[torch.Tensor], None] | None = None):
+        self.spec, self.dtype, self.device = spec, dtype, torch.device(device)
+        self.layout = EngineLayout(spec)
+        self.layout.validate_tp(tp_size)
+        if tp_size > 1 and all_reduce is None:
+            raise ValueError("tp_size > 1 needs an all_reduce callable (see meshrl.engines.tp)")
+        self.tp_rank, self.tp_size, self.all_reduce = tp_rank, tp_size, all_reduce
+        self.num_heads = spec.num_heads // tp_size  # local heads
+        self.num_kv_heads = spec.num_kv_heads // tp_size
+        self.head_dim = spec.head_dim
+        self.scale = spec.head_dim ** -0.5
+        self.params: dict[str, torch.Tensor] = {
+            name: torch.zeros(pl.local_shape(tp_size), dtype=dtype, device=self.device)
+            for name, pl in self.layout.params.items()
+        }
+        self.layers = [_Layer(self.params, i) for i in range(spec.num_layers)]
+        self.embed = self.params["embed.weight"]
+        self.norm = self.params["norm.weight"]
+        self.lm_head = self.params.get("lm_head.weight", self.embed)
+        self._rope_len = 0
+
+    # ---- weights ----------------------------------------------------------------------------
+
+    def place(self, hf_name: str, tensor: torch.Tensor) -> tuple[str, tuple[slice, ...], torch.Tensor]:
+        """This rank's piece of a full HF tensor: ``(engine name, local slice, piece)``; checks shape."""
+        name, src, dst = self.layout.placements(hf_name, self.tp_rank, self.tp_size)
+        want = self.layout.hf_shape(hf_name)
+        if tuple(tensor.shape) != want:
+            raise ValueError(f"{hf_name}: expected shape {want}, got {tuple(tensor.shape)}")
+        return name, dst, tensor[src]
+
+    @torch.no_grad()
+    def load_hf(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy full HF-named tensors into the parameters now; returns the HF names loaded."""
+        loaded = set()
+        for hf_name, t in named_tensors:
+            if self.layout.is_skipped(hf_name):
+                continue
+            name, dst, piece = self.place(hf_name, t)
+            self.params[name][dst].copy_(piece)
+            loaded.add(hf_name)
+        return loaded
+
+    @torch.no_grad()
+    def get_hf(self, hf_name: str) -> torch.Tensor:
+        """One HF-named weight rebuilt from the engine layout (unsharded models only)."""
+        if self.tp_size != 1:
+            raise ValueError("get_hf needs the whole model; this Transformer holds one TP shard")
+        if hf_name == "lm_head.weight" and self.spec.tie_word_embeddings:
+            hf_name = "model.embed_tokens.weight"
+        name, _, dst = self.layout.placements(hf_name)
+        return self.params[name][dst].clone()
+
+    # ---- shared pieces ----------------------------------------------------------------------
+
+    def rope_table(self, max_len: int) -> torch.Tensor:
+        """cos and *signed* sin, ``[max_len, 2, D]``, computed exactly as HF's rotary module does.
+
+        ``sin_signed = [-sin_lo, sin_hi]`` turns HF's ``rotate_half(x) * sin`` into
+        ``roll(x, D/2) * sin_signed``: one roll instead of a negation plus a concatenation.
+        """
+        if max_len > self._rope_len:
+            inv_freq = torch.tensor(self.spec.rope_inv_freq, dtype=torch.float32)
+            freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos = (emb.cos() * self.spec.rope_attention_scaling).to(self.dtype)
+            sin = (emb.sin() * self.spec.rope_attention_scaling).to(self.dtype)
+            half = self.head_dim // 2
+            sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+            self._rope = torch.stack((cos, sin), dim=1).to(self.device)
+            self._rope_len = max_len
+        return self._rope
+
+    def _qkv(self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Fused q/k/v projection with RoPE (and Qwen3's q/k norms) applied in place on q and k."""
+        h = F.rms_norm(x, (x.shape[-1],), layer.attn_norm, self.spec.rms_norm_eps)
+        qkv = F.linear(h, layer.qkv_w, layer.qkv_b)  # [..., (H + 2*Hkv) * D]
+        nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qk = qkv[..., : (nq + nkv) * d].unflatten(-1, (nq + nkv, d))  # [..., H + Hkv, D] view
+        if layer.q_norm is not None:
+            eps = self.spec.rms_norm_eps
+            qk[..., :nq, :] = F.rms_norm(qk[..., :nq, :], (d,), layer.q_norm, eps)
+            qk[..., nq:, :] = F.rms_norm(qk[..., nq:, :], (d,), layer.k_norm, eps)
+        # qk*cos + rotate_half(qk)*sin, written back into qkv so k and v stay adjacent for the cache
+        torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin, out=qk)
+        return qkv
+
+    def _residual_matmul(self, x: torch.Tensor, a: torch.Tensor, w_t: torch.Tensor,
+                         bias: torch.Tensor | None) -> torch.Tensor:
+        """``x + a @ w_t (+ bias)`` for 2-D x; one addmm unless TP must all-reduce the product first."""
+        if self.all_reduce is None and bias is None:
+            return torch.addmm(x, a, w_t)
+        y = torch.mm(a, w_t)
+        if self.all_reduce is not None:
+            self.all_reduce(y)  # row-parallel: partial sums over this rank's slice of the inner dim
+        return x + y if bias is None else x + y + bias
+
+    def _out_and_mlp(self, layer: _Layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Residual o-projection, then the residual gated MLP. x: ``[N, hidden]``, attn: ``[N, H*D]``."""
+        x = self._residual_matmul(x, attn, layer.o_w_t, layer.o_b)
+        h = F.rms_norm(x, (x.shape[-1],), layer.mlp_norm, self.spec.rms_norm_eps)
+        gate_up = F.linear(h, layer.gate_up_w, layer.gate_up_b)  # [N, 2 * I]
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self._residual_matmul(x, F.silu(gate) * up, layer.down_w_t, layer.down_b)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head, in float32 for sampling and log-probs. ``[B, hidden] -> [B, V]``."""
+        h = F.rms_norm(x, (x.shape[-1],), self.norm, self.spec.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()
+
+    # ---- the verbs --------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def prefill(self, tokens: torch.Tensor, last: torch.Tensor, cache: KVCache, rows: torch.Tensor,
+                src: torch.Tensor | None = None) -> torch.Tensor:
+        """Run right-padded prompts, write their KV into cache ``rows``; logits at ``last``.
+
+        tokens: ``[N, T]`` prompt ids, right-padded; last: ``[N]`` index of each prompt's last token;
+        rows: ``[M]`` cache rows to fill; src: ``[M]`` prompt of each row (None: row i <- prompt i,
+        M == N). ``n`` samples of one prompt share its prefill by listing the prompt n times in src.
+        Returns ``[N, V]`` float32 logits of each prompt's last token.
+        """
+        n, t = tokens.shape
+        cs = self.rope_table(t)[:t]  # [T, 2, D]
+        cos, sin = cs[:, 0:1], cs[:, 1:2]  # [T, 1, D]: broadcast over heads
+        nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        x = F.embedding(tokens.flatten(), self.embed)  # [N*T, hidden]
+        for i, layer in enumerate(self.layers):
+            qkv = self._qkv(layer, x.view(n, t, -1), cos, sin)  # [N, T, (H + 2Hkv) * D]
+            q, k, v = qkv.unflatten(-1, (nq + 2 * nkv, d)).transpose(1, 2).split([nq, nkv, nkv], dim=1)
+            cache.write_prefill(i, rows, k if src is None else k.index_select(0, src),
+                                v if src is None else v.index_select(0, src))  # k, v: [N, Hkv, T, D]
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                                  enable_gqa=nkv != nq)  # [N, H, T, D]
+            x = self._out_and_mlp(layer, x, attn.transpose(1, 2).reshape(n * t, nq * d))
+        x_last = x.view(n, t, -1)[torch.arange(n, device=x.device), last]  # [N, hidden]
+        return self.logits(x_last)
+
+    @torch.no_grad()
+    def decode_step(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache, seq_len: int
+                    ) -> torch.Tensor:
+        """One token for each of the first B cache rows. tokens, pos: ``[B]``; returns ``[B, V]``.
+
+        Row b attends to cache positions ``[0, pos[b]]``; ``seq_len`` (host-known, >= max(pos)+1)
+        bounds the slice of the cache read, so no host sync is needed to size it.
+        """
+        b, s = tokens.shape[0], seq_len
+        nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        cs = self.rope_table(cache.max_seq_len)[pos]  # [B, 2, D]
+        cos, sin = cs[:, 0:1], cs[:, 1:2]  # [B, 1, D]
+        valid = cache.positions[:s] <= pos[:, None]  # [B, S]
+        mask = torch.where(valid, 0.0, float("-inf")).to(self.dtype)[:, None, None, :]  # [B, 1, 1, S]
+        write_idx = cache.decode_write_index(pos)  # [B, 2, Hkv], shared by all layers
+        x = F.embedding(tokens, self.embed)  # [B, hidden]
+        for i, layer in enumerate(self.layers):
+            qkv = self._qkv(layer, x, cos, sin)  # [B, (H + 2Hkv) * D]
+            cache.write_decode(i, write_idx, qkv[:, nq * d:].view(b, 2, nkv, d))
+            k, v = cache.layer_prefix(i, b, s)  # [B, Hkv, S, D] views of the cache
+            q = qkv[:, : nq * d].view(b, nkv, nq // nkv, d)  # [B, Hkv, G, D]: GQA without repeat
+            scores = torch.add(mask, torch.matmul(q, k.transpose(-1, -2)), alpha=self.scale)  # [B,Hkv,G,S]
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
+            attn = torch.matmul(probs, v).view(b, nq * d)  # [B, H * D]
+            x = self._out_and_mlp(layer, x, attn)
+        return self.logits(x)

@@ -1,0 +1,404 @@
+"""TorchEngine: the embedded, pure-PyTorch generation engine (continuous batching, one event loop).
+
+Concurrency model. Everything runs on the asyncio event loop of the caller (a Ray async actor, the
+HTTP server, or ``asyncio.run``): the first ``generate`` starts a *step task* on that loop which
+repeats "admit waiting requests (prefill) -> one decode step -> ``await asyncio.sleep(0)``". A
+step is synchronous and short (one forward pass), so every other coroutine — ``generate`` adding
+requests, ``pause``, ``abort``, ``begin/load/end_weight_update`` — runs *between* steps. That is
+what makes a weight flip atomic with no lock: ``end_weight_update`` copies the staged tensors into
+the parameters in one synchronous call, so no step ever mixes versions, and every token records
+the version that produced it. On CUDA the copy is queued on the same stream as the steps, so the
+ordering holds on the device too.
+
+Requests join the running batch at the next step and leave it as soon as they finish. ``pause``
+with ``mode="abort"`` ends everything in flight (partial outputs, ``finish_reason="abort"``);
+``mode="keep"`` freezes running sequences with their KV cache and continues them on ``resume``
+(tokens after a weight update then attend to KV computed by the old weights, as SGLang's in-place
+pause does). New requests wait while paused.
+
+Simplifications, on purpose: one engine per process and per loop (moving to a new loop drops what
+was in flight on the old one); a request's samples are admitted together; no preemption; under
+tensor parallelism every rank must receive the same calls in the same order (pause before updating).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import random
+from typing import Any, Iterable, Sequence
+
+import msgspec
+import torch
+
+from meshrl.engines.batch import RunningBatch
+from meshrl.engines.cuda_graphs import DecodeGraphs, default_bucket_sizes
+from meshrl.engines.kv_cache import KVCache
+from meshrl.engines.layout import ModelSpec
+from meshrl.engines.model import Transformer
+from meshrl.engines.tp import TensorParallel
+from meshrl.engines.types import Completion, GenerateRequest, GenerateResult, PauseMode
+from meshrl.engines.weights import StagedWeights, eos_token_ids, iter_safetensors, load_all, load_hf_config
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TorchEngineConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """How to build and run a TorchEngine."""
+
+    dtype: str = "auto"
+    """'float32', 'bfloat16', 'float16', or 'auto' (bfloat16 on CUDA, float32 on CPU)."""
+    device: str = "auto"
+    """'cpu', 'cuda', 'cuda:N', or 'auto' (CUDA when available)."""
+    max_batch_size: int = 256
+    """Most sequences (samples) running at once: the number of KV cache rows."""
+    kv_cache_bytes: int = 0
+    """Memory budget of the KV cache in bytes; caps the rows below max_batch_size. 0: no cap."""
+    max_seq_len: int = 0
+    """Prompt + generated tokens per sequence. 0: min(model's max_position_embeddings, 4096)."""
+    max_prefill_tokens: int = 16384
+    """Padded prompt tokens per prefill forward (at least one request is always admitted)."""
+    max_stop_token_ids: int = 8
+    """Most stop ids per request, EOS included (a fixed-width row of the stop table)."""
+    cuda_graphs: bool = True
+    """Capture decode steps in CUDA graphs (CUDA only; batches with top-k/top-p run eagerly)."""
+    cuda_graph_batch_sizes: tuple[int, ...] = ()
+    """Batch-size buckets to capture; (): 1, 2, 4, 8, then multiples of 16 up to max_batch_size."""
+    compile: bool = False
+    """torch.compile the decode step (with dynamic batch size; before graph capture when both)."""
+    seed: int = 0
+    """Seeds the per-request seeds of requests that bring none."""
+    initial_version: int = 0
+    """Policy version of the weights the engine starts with."""
+    generate_timeout_s: float = 3600.0
+    """How long one ``generate`` call may wait for its requests before aborting them."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", *_DTYPES):
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.max_batch_size < 1 or self.max_prefill_tokens < 1:
+            raise ValueError("max_batch_size and max_prefill_tokens must be >= 1")
+
+
+class _Pending:
+    """A request from submission until its result is delivered."""
+
+    __slots__ = ("request", "rid", "seed", "future", "completions", "remaining")
+
+    def __init__(self, request: GenerateRequest, rid: str, seed: int, future: asyncio.Future):
+        self.request, self.rid, self.seed, self.future = request, rid, seed, future
+        self.completions: list[Completion | None] = [None] * request.sampling.n
+        self.remaining = request.sampling.n
+
+
+class TorchEngine:
+    """Continuous-batching generation over a ``Transformer``; implements the ``Engine`` protocol."""
+
+    def __init__(self, hf_config: Any, weights: Iterable[tuple[str, torch.Tensor]],
+                 config: TorchEngineConfig = TorchEngineConfig(), *, eos_ids: Sequence[int] | None = None,
+                 model_path: str | None = None, tp: TensorParallel | None = None):
+        self.config, self.model_path, self.hf_config = config, model_path, hf_config
+        self.spec = ModelSpec.from_hf_config(hf_config)
+        dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto"
+                           else config.device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        dtype = _DTYPES.get(config.dtype) or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+        self.device, self.dtype = dev, dtype
+        tp = tp or TensorParallel()
+        self.model = Transformer(self.spec, dtype=dtype, device=dev, tp_rank=tp.rank, tp_size=tp.size,
+                                 all_reduce=tp.all_reduce)
+        load_all(self.model, weights)
+        seq = config.max_seq_len or min(self.spec.max_position_embeddings, 4096)
+        per_row = KVCache.bytes_per_row(num_layers=self.spec.num_layers, num_kv_heads=self.model.num_kv_heads,
+                                        max_seq_len=seq, head_dim=self.spec.head_dim, dtype=dtype)
+        rows = config.max_batch_size
+        if config.kv_cache_bytes:
+            rows = min(rows, config.kv_cache_bytes // per_row)
+            if rows < 1:
+                raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} holds no sequence: one row of "
+                                 f"max_seq_len={seq} needs {per_row} bytes")
+        self.cache = KVCache(num_layers=self.spec.num_layers, rows=rows, num_kv_heads=self.model.num_kv_heads,
+                             max_seq_len=seq, head_dim=self.spec.head_dim, dtype=dtype, device=dev)
+        self.model.rope_table(seq)  # built now: CUDA graph capture must not allocate it
+        self.eos_ids = tuple(eos_ids) if eos_ids is not None else self.spec.eos_token_ids
+        self._batch = RunningBatch(self.model, self.cache, eos_ids=self.eos_ids,
+                                   max_stop_ids=config.max_stop_token_ids)
+        core = self._batch.decode_core
+        if config.compile:
+            core = torch.compile(core, dynamic=True)
+        self._core = core
+        self._graphs = None
+        if config.cuda_graphs and dev.type == "cuda":
+            sizes = list(config.cuda_graph_batch_sizes) or default_bucket_sizes(rows)
+            self._graphs = DecodeGraphs(self._batch, core, [min(s, rows) for s in sizes])
+        self._version = config.initial_version
+        self._rng = random.Random(config.seed)
+        self._ids = itertools.count()
+        self._waiting: collections.deque[_Pending] = collections.deque()
+        self._requests: dict[str, _Pending] = {}
+        self._paused = False
+        self._stage: StagedWeights | None = None
+        self._task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self.steps = 0  # decode steps run (a metric)
+
+    # ---- constructors -----------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, path: str, config: TorchEngineConfig = TorchEngineConfig(), **kw: Any
+                        ) -> "TorchEngine":
+        """Load a local HF checkpoint directory (config.json + safetensors)."""
+        hf_config = load_hf_config(path)
+        return cls(hf_config, iter_safetensors(path), config, eos_ids=eos_token_ids(path, hf_config),
+                   model_path=path, **kw)
+
+    @classmethod
+    def from_hf_model(cls, model_or_state_dict: Any, hf_config: Any = None,
+                      config: TorchEngineConfig = TorchEngineConfig(), **kw: Any) -> "TorchEngine":
+        """Copy weights from an in-memory HF model (config read from it) or an HF-named state dict."""
+        if isinstance(model_or_state_dict, torch.nn.Module):
+            hf_config = hf_config or model_or_state_dict.config
+            state = model_or_state_dict.state_dict()
+        else:
+            state = model_or_state_dict
+        if hf_config is None:
+            raise ValueError("from_hf_model with a state dict needs hf_config")
+        return cls(hf_config, state.items(), config, **kw)
+
+    # ---- state ------------------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        """Policy version of the weights new tokens come from."""
+        return self._version
+
+    @property
+    def is_paused(self) -> bool:
+        return self._paused
+
+    @property
+    def num_running(self) -> int:
+        """Sequences (samples) in the running batch."""
+        return self._batch.size
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests submitted but not yet admitted."""
+        return len(self._waiting)
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.cache.rows
+
+    # ---- generation -------------------------------------------------------------------------
+
+    def _validate(self, req: GenerateRequest) -> None:
+        sp, ids = req.sampling, req.input_ids
+        if not ids:
+            raise ValueError(f"request {req.request_id!r} has no input_ids")
+        if min(ids) < 0 or max(ids) >= self.spec.vocab_size:
+            raise ValueError(f"request {req.request_id!r} has token ids outside [0, {self.spec.vocab_size})")
+        if len(ids) + sp.max_new_tokens > self.cache.max_seq_len:
+            raise ValueError(f"request {req.request_id!r}: {len(ids)} prompt tokens + max_new_tokens="
+                             f"{sp.max_new_tokens} exceed max_seq_len={self.cache.max_seq_len}")
+        if sp.n > self.cache.rows:
+            raise ValueError(f"request {req.request_id!r}: n={sp.n} exceeds max_batch_size={self.cache.rows}")
+        self._batch.stop_ids(req)
+
+    async def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
+        """Complete every request (``n`` samples each); results in request order.
+
+        Waits at most ``generate_timeout_s`` for the engine (which may be paused); on timeout or
+        cancellation the unfinished requests are aborted.
+        """
+        for r in requests:
+            self._validate(r)
+        self._ensure_step_task()
+        loop = asyncio.get_running_loop()
+        pending = []
+        for r in requests:
+            rid = r.request_id or f"req-{next(self._ids)}"
+            if rid in self._requests or any(p.rid == rid for p in pending):
+                raise ValueError(f"request_id {rid!r} is already in flight")
+            seed = r.sampling.seed if r.sampling.seed is not None else self._rng.getrandbits(32)
+            pending.append(_Pending(r, rid, seed, loop.create_future()))
+        for p in pending:
+            self._requests[p.rid] = p
+            self._waiting.append(p)
+        self._wake.set()
+        try:
+            return list(await asyncio.wait_for(asyncio.gather(*(p.future for p in pending)),
+                                               self.config.generate_timeout_s))
+        except asyncio.TimeoutError:
+            left = [p.rid for p in pending if not p.future.done()]
+            for rid in left:
+                self._abort(rid, "generate timed out")
+            raise TimeoutError(f"generate: {len(left)} of {len(pending)} requests unfinished after "
+                               f"{self.config.generate_timeout_s}s (paused={self._paused}, running="
+                               f"{self._batch.size}, waiting={len(self._waiting)}); they were aborted") from None
+        except asyncio.CancelledError:
+            for p in pending:
+                if not p.future.done():
+                    self._abort(p.rid, "generate was cancelled")
+            raise
+
+    def _ensure_step_task(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._task is not None and not self._task.done() and self._loop is loop:
+            return
+        if self._loop is not None and self._loop is not loop:
+            self._drop_all()  # futures of a previous loop cannot be resolved any more
+        self._loop, self._wake = loop, asyncio.Event()
+        self._task = loop.create_task(self._step_loop(), name="TorchEngine.step_loop")
+
+    async def _step_loop(self) -> None:
+        try:
+            while True:
+                if self._paused or not (self._waiting or self._batch.size):
+                    self._wake.clear()
+                    # idle: woken by generate() or resume(); an idle engine needs no timeout
+                    await self._wake.wait()
+                    continue
+                self.step()
+                await asyncio.sleep(0)  # lets pause/abort/weight updates/new requests run between steps
+        except Exception as exc:  # a failed step fails every caller instead of hanging them
+            err = RuntimeError(f"TorchEngine step failed: {type(exc).__name__}: {exc}")
+            err.__cause__ = exc
+            for p in list(self._requests.values()):
+                if not p.future.done():
+                    p.future.set_exception(err)
+            self._drop_all()
+
+    def step(self) -> None:
+        """Admit what fits (one prefill), then one decode step of the running batch."""
+        if self._waiting and self._batch.free_rows:
+            self._admit()
+        b = self._batch.size
+        if b:
+            if self._graphs is not None and self._graphs.can_run(b):
+                tok = self._graphs.replay(b)
+            else:
+                tok = self._core(b, self._batch.seq_len(), sampling_flags=self._batch.sampling_flags())
+            self._deliver(self._batch.after_decode(tok))
+            self.steps += 1
+
+    def _admit(self) -> None:
+        chosen, rows, longest = [], 0, 0
+        while self._waiting:
+            p = self._waiting[0]
+            n, t = p.request.sampling.n, max(longest, len(p.request.input_ids))
+            if rows + n > self._batch.free_rows or (chosen and (len(chosen) + 1) * t > self.config.max_prefill_tokens):
+                break
+            self._waiting.popleft()
+            chosen.append((p, p.request, p.seed))
+            rows, longest = rows + n, t
+        if chosen:
+            self._deliver(self._batch.admit(chosen, self._version))
+
+    def _deliver(self, finished: list) -> None:
+        for seq, completion in finished:
+            p: _Pending = seq.owner
+            p.completions[seq.index] = completion
+            p.remaining -= 1
+            if p.remaining == 0:
+                self._resolve(p)
+
+    def _resolve(self, p: _Pending) -> None:
+        self._requests.pop(p.rid, None)
+        if not p.future.done():
+            p.future.set_result(GenerateResult(request_id=p.rid, prompt_tokens=len(p.request.input_ids),
+                                               completions=list(p.completions)))
+
+    # ---- control ----------------------------------------------------------------------------
+
+    def _abort(self, rid: str, message: str) -> bool:
+        p = self._requests.get(rid)
+        if p is None:
+            return False
+        if p in self._waiting:
+            self._waiting.remove(p)
+            p.completions = [Completion(output_ids=[], logprobs=[], finish_reason="abort", versions=[])
+                             for _ in p.completions]
+            self._resolve(p)
+        else:
+            rows = {s.row: "abort" for s in self._batch.running() if s.owner is p}
+            if rows:
+                self._deliver(self._batch.retire(rows))
+        return True
+
+    async def abort(self, request_id: str) -> None:
+        """End one request now; its result holds the tokens so far, ``finish_reason="abort"``."""
+        self._abort(request_id, "aborted by request")
+
+    def abort_all(self) -> None:
+        for rid in list(self._requests):
+            self._abort(rid, "aborted")
+
+    async def pause(self, mode: PauseMode = "abort") -> None:
+        """Stop stepping. ``"abort"`` ends all requests in flight; ``"keep"`` keeps them for resume."""
+        if mode not in ("abort", "keep"):
+            raise ValueError(f"pause mode must be 'abort' or 'keep', got {mode!r}")
+        self._paused = True
+        if mode == "abort":
+            self.abort_all()
+
+    async def resume(self) -> None:
+        """Continue stepping (kept sequences first, then waiting requests)."""
+        self._paused = False
+        if self._wake is not None:
+            self._wake.set()
+
+    def _drop_all(self) -> None:
+        self._waiting.clear()
+        self._requests.clear()
+        if self._batch.size:
+            self._batch.retire({r: "abort" for r in range(self._batch.size)})
+
+    def flush_cache(self) -> bool:
+        """SGLang's flush: succeeds only while idle. There is no prefix cache, so nothing to drop."""
+        return not (self._batch.size or self._waiting)
+
+    # ---- weights ----------------------------------------------------------------------------
+
+    async def begin_weight_update(self) -> None:
+        """Start staging a new version; generation continues on the current weights meanwhile."""
+        self._stage = StagedWeights(self.model)
+
+    async def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Stage full, HF-named tensors (any subset, over several calls); invisible until the end."""
+        if self._stage is None:
+            raise RuntimeError("load_weights outside a weight update: call begin_weight_update first")
+        self._stage.add(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
+
+    async def end_weight_update(self, version: int) -> None:
+        """Make everything staged visible at once, between two steps, as policy ``version``."""
+        if self._stage is None:
+            raise RuntimeError("end_weight_update without begin_weight_update")
+        stage, self._stage = self._stage, None
+        stage.apply()
+        self._version = int(version)
+        self._batch.mark_version(self._version)
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """``begin_weight_update`` + ``load_weights`` + ``end_weight_update`` in one call."""
+        await self.begin_weight_update()
+        await self.load_weights(named_tensors)
+        await self.end_weight_update(version)
+
+    def get_weights_by_name(self, hf_name: str) -> torch.Tensor:
+        """The current value of one HF-named weight, unfused (unsharded engines only)."""
+        return self.model.get_hf(hf_name)
+
+    async def shutdown(self) -> None:
+        """Abort everything and stop the step task."""
+        self.abort_all()
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._task = None

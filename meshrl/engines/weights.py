@@ -1,0 +1,96 @@
+"""Reading Hugging Face checkpoints, and staging weight updates until they are applied as a whole.
+
+A checkpoint is a local directory holding ``config.json`` and ``*.safetensors`` files (sharded or
+not), as written by ``save_pretrained``; nothing is fetched from a hub. ``StagedWeights`` is the
+"begin / load (several times) / end" half of a weight update: pieces are copied to the engine's
+device and dtype as they arrive (so the sender may reuse its buffers), and only ``apply`` writes
+them into the live parameters, in place.
+
+Simplifications, on purpose: a staged update holds a full copy of every tensor it received (peak
+memory is weights + update); tensors are read whole from safetensors, then sliced for TP.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from meshrl.engines.model import Transformer
+
+
+def load_hf_config(path: str) -> Any:
+    """The ``transformers`` config of a local checkpoint directory."""
+    from transformers import AutoConfig
+
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"{path!r} has no config.json: pass a Hugging Face checkpoint directory")
+    return AutoConfig.from_pretrained(path, local_files_only=True)
+
+
+def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of every ``*.safetensors`` file in ``path`` (CPU tensors, checkpoint dtype)."""
+    from safetensors import safe_open
+
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path!r} has no *.safetensors files")
+    for f in files:
+        with safe_open(os.path.join(path, f), framework="pt") as st:
+            for name in st.keys():
+                yield name, st.get_tensor(name)
+
+
+def eos_token_ids(path: str | None, hf_config: Any) -> tuple[int, ...]:
+    """EOS ids: the config's, plus ``generation_config.json``'s when the checkpoint has one."""
+    ids: list[int] = []
+    sources = [getattr(hf_config, "eos_token_id", None)]
+    gen = os.path.join(path, "generation_config.json") if path else None
+    if gen and os.path.isfile(gen):
+        with open(gen) as fh:
+            sources.append(json.load(fh).get("eos_token_id"))
+    for eos in sources:
+        for i in [eos] if isinstance(eos, int) else (eos or []):
+            if i not in ids:
+                ids.append(int(i))
+    return tuple(ids)
+
+
+def load_all(model: Transformer, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Load a complete checkpoint; raise naming the HF weights that are missing."""
+    loaded = model.load_hf(named_tensors)
+    missing = sorted(set(model.layout.hf_index) - loaded)
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ValueError(f"checkpoint is missing {len(missing)} weights: {missing[:5]}{more}")
+
+
+class StagedWeights:
+    """A weight update received piecewise, invisible to generation until ``apply``."""
+
+    def __init__(self, model: Transformer):
+        self.model = model
+        self.pieces: list[tuple[str, tuple[slice, ...], torch.Tensor]] = []
+        self.hf_names: set[str] = set()
+
+    @torch.no_grad()
+    def add(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy this rank's piece of each full HF-named tensor to the engine's device and dtype."""
+        m = self.model
+        for hf_name, t in named_tensors:
+            if m.layout.is_skipped(hf_name):
+                continue
+            name, dst, piece = m.place(hf_name, t)
+            self.pieces.append((name, dst, piece.to(device=m.device, dtype=m.dtype, copy=True)))
+            self.hf_names.add(hf_name)
+
+    @torch.no_grad()
+    def apply(self) -> int:
+        """Write every staged piece into the live parameters (in place); returns tensors applied."""
+        for name, dst, piece in self.pieces:
+            self.model.params[name][dst].copy_(piece)
+        n = len(self.pieces)
+        self.pieces.clear()
+        return n
