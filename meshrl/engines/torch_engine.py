@@ -233,7 +233,7 @@ class TorchEngine:
             return list(await asyncio.wait_for(asyncio.gather(*(p.future for p in pending)),
                                                self.config.generate_timeout_s))
         except asyncio.TimeoutError:
-            left = [p.rid for p in pending if not p.future.done()]
+            left = [p.rid for p in pending if self._requests.get(p.rid) is p]  # (futures got cancelled)
             for rid in left:
                 self._abort(rid, "generate timed out")
             raise TimeoutError(f"generate: {len(left)} of {len(pending)} requests unfinished after "
@@ -241,7 +241,7 @@ class TorchEngine:
                                f"{self._batch.size}, waiting={len(self._waiting)}); they were aborted") from None
         except asyncio.CancelledError:
             for p in pending:
-                if not p.future.done():
+                if self._requests.get(p.rid) is p:
                     self._abort(p.rid, "generate was cancelled")
             raise
 

@@ -1,0 +1,227 @@
+"""TorchEngine scheduling: continuous batching, seeds, stops, pause/abort/resume, versioned weight updates.
+
+Invariants rather than golden values: a request's tokens do not depend on what shares its batch;
+a weight update shows up exactly where the per-token versions flip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from meshrl.engines import GenerateRequest, SamplingParams, TorchEngine, TorchEngineConfig
+
+torch.set_num_threads(1)
+V = 80
+
+
+def hf_model(seed: int = 0, tied: bool = True):
+    cfg = Qwen2Config(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=96, tie_word_embeddings=tied, eos_token_id=None)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(6.0)  # sharper logits than HF's init: greedy ties are then impossible in practice
+    return model
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return hf_model()
+
+
+def engine(hf, **kw) -> TorchEngine:
+    return TorchEngine.from_hf_model(hf, config=TorchEngineConfig(**{"max_batch_size": 4, "max_seq_len": 64, **kw}))
+
+
+def req(prompt, rid="", **sp) -> GenerateRequest:
+    return GenerateRequest(input_ids=prompt, request_id=rid,
+                           sampling=SamplingParams(**{"max_new_tokens": 8, "temperature": 0, **sp}))
+
+
+PROMPTS = [[5 + i, 9, 17 + 2 * i, 4] * (1 + i % 3) for i in range(9)]
+
+
+async def wait_steps(eng: TorchEngine, n: int, timeout_s: float = 20.0) -> None:
+    """Yield to the engine until it has run ``n`` more decode steps."""
+    target = eng.steps + n
+    async with asyncio.timeout(timeout_s):
+        while eng.steps < target:
+            await asyncio.sleep(0)
+
+
+def test_results_do_not_depend_on_batch_composition(hf):
+    """9 requests of different lengths on 4 rows equal each request run alone (greedy and seeded)."""
+    reqs = [req(p, max_new_tokens=3 + i % 5) for i, p in enumerate(PROMPTS)]
+    reqs += [req(p, temperature=1.0, seed=100 + i, max_new_tokens=6) for i, p in enumerate(PROMPTS[:4])]
+    eng = engine(hf)
+    together = asyncio.run(eng.generate(reqs))
+    alone = [asyncio.run(engine(hf, max_batch_size=1).generate([r]))[0] for r in reqs]
+    for a, b, r in zip(together, alone, reqs):
+        assert a.completions[0].output_ids == b.completions[0].output_ids
+        assert len(a.completions[0].output_ids) == r.sampling.max_new_tokens
+        assert torch.allclose(torch.tensor(a.completions[0].logprobs), torch.tensor(b.completions[0].logprobs),
+                              atol=1e-5)
+    assert eng.num_running == 0 and eng.num_waiting == 0
+
+
+def test_late_request_joins_the_running_batch(hf):
+    async def main():
+        eng = engine(hf)
+        long = asyncio.create_task(eng.generate([req(PROMPTS[0], max_new_tokens=40)]))
+        await wait_steps(eng, 5)
+        late = await eng.generate([req(PROMPTS[1], max_new_tokens=4)])  # finishes while `long` still runs
+        assert not long.done() and eng.num_running == 1
+        return (await long)[0], late[0]
+
+    long, late = asyncio.run(main())
+    solo = asyncio.run(engine(hf).generate([req(PROMPTS[1], max_new_tokens=4), req(PROMPTS[0], max_new_tokens=40)]))
+    assert late.completions[0].output_ids == solo[0].completions[0].output_ids
+    assert long.completions[0].output_ids == solo[1].completions[0].output_ids
+
+
+def test_n_samples_share_prefill_and_seeds_are_reproducible(hf):
+    eng = engine(hf, max_batch_size=8)
+    r = req(PROMPTS[2], temperature=1.0, n=4, seed=7, max_new_tokens=10)
+    a, b = asyncio.run(eng.generate([r]))[0], asyncio.run(eng.generate([r, req(PROMPTS[3], n=3)]))[0]
+    outs = [c.output_ids for c in a.completions]
+    assert outs == [c.output_ids for c in b.completions]  # same seed, other company: same samples
+    assert len({tuple(o) for o in outs}) == 4  # samples of one prompt differ from each other
+    unseeded = asyncio.run(eng.generate([req(PROMPTS[2], temperature=1.0, n=4, max_new_tokens=10)]))[0]
+    assert [c.output_ids for c in unseeded.completions] != outs
+
+
+def test_stop_tokens_and_ignore_eos(hf):
+    eng = engine(hf)
+    free = asyncio.run(eng.generate([req(PROMPTS[4], max_new_tokens=10)]))[0].completions[0].output_ids
+    stop = free[3]
+    first = free.index(stop)
+    c = asyncio.run(eng.generate([req(PROMPTS[4], max_new_tokens=10, stop_token_ids=(stop,))]))[0].completions[0]
+    assert c.output_ids == free[: first + 1] and c.finish_reason == "stop"
+    eos_engine = TorchEngine.from_hf_model(hf, config=TorchEngineConfig(max_batch_size=2, max_seq_len=64),
+                                           eos_ids=[stop])
+    c = asyncio.run(eos_engine.generate([req(PROMPTS[4], max_new_tokens=10)]))[0].completions[0]
+    assert c.output_ids == free[: first + 1] and c.finish_reason == "stop"
+    c = asyncio.run(eos_engine.generate([req(PROMPTS[4], max_new_tokens=10, ignore_eos=True)]))[0].completions[0]
+    assert c.output_ids == free and c.finish_reason == "length"
+
+
+def test_pause_abort_then_resume(hf):
+    async def main():
+        eng = engine(hf)
+        task = asyncio.create_task(eng.generate([req(p, max_new_tokens=50) for p in PROMPTS[:6]]))
+        await wait_steps(eng, 3)
+        await eng.pause("abort")
+        first = await task  # aborted requests come back at once, with their partial outputs
+        assert eng.is_paused and eng.num_running == 0
+        later = asyncio.create_task(eng.generate([req(PROMPTS[0], max_new_tokens=5)]))
+        await asyncio.sleep(0.05)
+        assert not later.done() and eng.num_waiting == 1  # paused: new work waits
+        await eng.resume()
+        return first, await asyncio.wait_for(later, 20)
+
+    first, later = asyncio.run(main())
+    reasons = [r.completions[0].finish_reason for r in first]
+    assert reasons == ["abort"] * 6
+    assert 1 <= len(first[0].completions[0].output_ids) < 50  # running: partial
+    assert first[5].completions[0].output_ids == []  # never admitted (4 rows): empty
+    assert later[0].completions[0].finish_reason == "length"
+
+
+def test_pause_keep_resumes_in_place(hf):
+    reqs = [req(p, max_new_tokens=30) for p in PROMPTS[:3]]
+    expected = asyncio.run(engine(hf).generate(reqs))
+
+    async def main():
+        eng = engine(hf)
+        task = asyncio.create_task(eng.generate(reqs))
+        await wait_steps(eng, 4)
+        await eng.pause("keep")
+        steps = eng.steps
+        await asyncio.sleep(0.05)
+        assert eng.steps == steps and eng.num_running == 3 and not task.done()
+        await eng.resume()
+        return await asyncio.wait_for(task, 20)
+
+    got = asyncio.run(main())
+    assert [r.completions[0].output_ids for r in got] == [r.completions[0].output_ids for r in expected]
+
+
+def test_abort_one_request(hf):
+    async def main():
+        eng = engine(hf)
+        task = asyncio.create_task(eng.generate([req(PROMPTS[0], "keep-me", max_new_tokens=12),
+                                                 req(PROMPTS[1], "drop-me", max_new_tokens=40)]))
+        await wait_steps(eng, 2)
+        await eng.abort("drop-me")
+        await eng.abort("no-such-request")  # unknown ids are ignored, like SGLang's abort_request
+        return await asyncio.wait_for(task, 20)
+
+    kept, dropped = asyncio.run(main())
+    assert kept.completions[0].finish_reason == "length" and len(kept.completions[0].output_ids) == 12
+    assert dropped.completions[0].finish_reason == "abort" and len(dropped.completions[0].output_ids) < 40
+    assert dropped.request_id == "drop-me"
+
+
+def test_weight_update_flips_exactly_at_version_boundary():
+    """New weights whose LM head is zero make every later greedy token 0 with log-prob -log(V).
+
+    Staged weights are invisible: generation runs on version 0 between ``begin`` and ``end``.
+    """
+    a = hf_model(seed=0, tied=False)
+    zero_head = {"lm_head.weight": torch.zeros(V, 64)}
+
+    async def main():
+        eng = TorchEngine.from_hf_model(a, config=TorchEngineConfig(max_batch_size=4, max_seq_len=64))
+        task = asyncio.create_task(eng.generate([req(PROMPTS[0], max_new_tokens=30),
+                                                 req(PROMPTS[1], max_new_tokens=30, n=2)]))
+        await wait_steps(eng, 4)
+        await eng.begin_weight_update()
+        await eng.load_weights(zero_head)
+        await wait_steps(eng, 3)  # staged, not visible: these steps still run version 0
+        await eng.end_weight_update(1)
+        assert eng.version == 1
+        return await asyncio.wait_for(task, 20)
+
+    res = asyncio.run(main())
+    ref = asyncio.run(TorchEngine.from_hf_model(a, config=TorchEngineConfig(max_batch_size=4, max_seq_len=64))
+                      .generate([req(PROMPTS[0], max_new_tokens=30), req(PROMPTS[1], max_new_tokens=30)]))
+    for r, expect in zip(res, [ref[0], ref[1], ref[1]]):
+        for c in r.completions:
+            k = c.versions.index(1)
+            assert c.versions == [0] * k + [1] * (30 - k) and k >= 7
+            assert c.output_ids[:k] == expect.completions[0].output_ids[:k]
+            assert c.output_ids[k:] == [0] * (30 - k)
+            assert torch.allclose(torch.tensor(c.logprobs[k:]), torch.full((30 - k,), -torch.log(torch.tensor(V * 1.0))))
+            assert c.behavior_version == 0
+
+
+def test_update_weights_before_generation_equals_fresh_engine():
+    a, b = hf_model(seed=0), hf_model(seed=5)
+    eng = TorchEngine.from_hf_model(a, config=TorchEngineConfig(max_batch_size=2, max_seq_len=64))
+    asyncio.run(eng.update_weights(list(b.state_dict().items()), version=3))
+    got = asyncio.run(eng.generate([req(PROMPTS[0])]))[0].completions[0]
+    fresh = asyncio.run(TorchEngine.from_hf_model(b, config=TorchEngineConfig(max_batch_size=2, max_seq_len=64))
+                        .generate([req(PROMPTS[0])]))[0].completions[0]
+    assert got.output_ids == fresh.output_ids and got.versions == [3] * 8
+
+
+def test_generate_timeout_aborts_and_says_why(hf):
+    async def main():
+        eng = engine(hf, generate_timeout_s=0.2)
+        await eng.pause("keep")
+        with pytest.raises(TimeoutError, match=r"1 of 1 requests unfinished after 0.2s \(paused=True"):
+            await eng.generate([req(PROMPTS[0])])
+        assert eng.num_waiting == 0
+
+    asyncio.run(main())
+
+
+def test_pause_mode_is_checked(hf):
+    with pytest.raises(ValueError, match="'abort' or 'keep'"):
+        asyncio.run(engine(hf).pause("retract"))
