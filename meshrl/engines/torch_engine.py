@@ -180,6 +180,11 @@ class TorchEngine:
         return self._paused
 
     @property
+    def is_updating(self) -> bool:
+        """Between ``begin_weight_update`` and ``end_weight_update``."""
+        return self._stage is not None
+
+    @property
     def num_running(self) -> int:
         """Sequences (samples) in the running batch."""
         return self._batch.size

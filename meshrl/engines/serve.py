@@ -1,0 +1,307 @@
+"""An SGLang-compatible HTTP server over TorchEngine: ``python -m meshrl.engines.serve --model DIR``.
+
+It speaks the request/response schemas of SGLang's ``/generate`` and control endpoints (see
+``shared/SGLANG_PROTOCOL.md``), so agents, tools and meshrl's SGLang adapter can use it unchanged:
+``meta_info`` carries ``finish_reason`` dicts, ``weight_version`` / ``weight_versions`` spans, and
+``output_token_logprobs`` as ``[logprob, token_id, null]``; ``/health`` answers 503 while paused.
+``make_app`` builds the aiohttp application (tests start it in-process on a free port); more
+endpoints (the weight-update ones) plug in through ``extra_routes`` or ``app.router`` with the
+engine at ``app[ENGINE]``.
+
+Simplifications, on purpose: no streaming; no input-token or top-k log-probs; sampling params that
+TorchEngine does not implement (``min_p``, penalties, ``stop`` strings, grammars) are accepted only
+at their neutral value, anything else is a 400 naming the field; ``pause_generation`` supports
+``abort`` and ``in_place`` (not ``retract``). Text in/out works only when the checkpoint directory
+has a ``tokenizer.json``; otherwise the server behaves like SGLang with ``skip_tokenizer_init``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import os
+import time
+from typing import Any, Awaitable, Callable, Iterable
+
+from aiohttp import web
+
+from meshrl.engines.torch_engine import TorchEngine, TorchEngineConfig
+from meshrl.engines.types import Completion, GenerateRequest, GenerateResult, SamplingParams
+
+SGLANG_COMPAT_VERSION = "0.5.23"
+"""The SGLang release whose HTTP surface this server follows (reported as ``version``)."""
+
+ENGINE = web.AppKey("engine", TorchEngine)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+_SUPPORTED_SAMPLING = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos", "n",
+                       "sampling_seed"}
+_NEUTRAL_SAMPLING = {"min_p": 0.0, "min_new_tokens": 0, "repetition_penalty": 1.0, "frequency_penalty": 0.0,
+                     "presence_penalty": 0.0, "stop": None, "json_schema": None, "regex": None, "ebnf": None,
+                     "structural_tag": None, "logit_bias": None, "custom_params": None}
+_IGNORED_SAMPLING = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval"}
+_GENERATE_FIELDS = {"input_ids", "text", "sampling_params", "return_logprob", "logprob_start_len",
+                    "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "stream", "rid"}
+_NULL_FIELDS = {"image_data", "audio_data", "video_data", "lora_path", "custom_logit_processor", "session_params",
+                "return_hidden_states", "data_parallel_rank", "priority", "bootstrap_host", "bootstrap_port",
+                "bootstrap_room", "input_embeds", "log_metrics", "modalities"}
+
+
+class BadRequest(ValueError):
+    """A request the server rejects with HTTP 400."""
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+def _sampling(d: dict[str, Any]) -> SamplingParams:
+    if not isinstance(d, dict):
+        raise BadRequest(f"sampling_params must be an object, got {type(d).__name__}")
+    for key, value in d.items():
+        if key in _SUPPORTED_SAMPLING or key in _IGNORED_SAMPLING:
+            continue
+        if key in _NEUTRAL_SAMPLING:
+            if value not in (_NEUTRAL_SAMPLING[key], None, [], ""):
+                raise BadRequest(f"sampling param {key}={value!r} is not supported by TorchEngine "
+                                 f"(only {_NEUTRAL_SAMPLING[key]!r})")
+            continue
+        raise BadRequest(f"unknown sampling param {key!r}")
+    kw = {k: d[k] for k in ("max_new_tokens", "temperature", "top_p", "top_k", "ignore_eos", "n") if d.get(k) is not None}
+    kw.setdefault("max_new_tokens", 128)  # SGLang's default
+    if d.get("stop_token_ids"):
+        kw["stop_token_ids"] = tuple(int(t) for t in d["stop_token_ids"])
+    if d.get("sampling_seed") is not None:
+        kw["seed"] = int(d["sampling_seed"])
+    try:
+        return SamplingParams(**kw)
+    except (TypeError, ValueError) as exc:
+        raise BadRequest(f"bad sampling_params: {exc}") from None
+
+
+def _spans(versions: list[int]) -> list[dict[str, Any]]:
+    """Per-token versions as SGLang 0.5.23's ``weight_versions``: ``[{version, start, end}]``, end exclusive."""
+    spans: list[dict[str, Any]] = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1]["version"] == str(v):
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": str(v), "start": i, "end": i + 1})
+    return spans
+
+
+class _Server:
+    """Handlers bound to one engine (and its tokenizer, if any)."""
+
+    def __init__(self, engine: TorchEngine, tokenizer: Any, server_args: dict[str, Any]):
+        self.engine, self.tokenizer, self.server_args = engine, tokenizer, server_args
+        self._rids = itertools.count()
+
+    def _requests(self, body: dict[str, Any]) -> tuple[list[GenerateRequest], bool]:
+        unknown = [k for k in body if k not in _GENERATE_FIELDS and k not in _NULL_FIELDS]
+        if unknown:
+            raise BadRequest(f"unknown /generate fields {unknown}")
+        for k in _NULL_FIELDS:
+            if body.get(k):
+                raise BadRequest(f"/generate field {k!r} is not supported by TorchEngine")
+        if body.get("stream"):
+            raise BadRequest("stream=true is not supported by this server: send stream=false")
+        if body.get("logprob_start_len", -1) not in (-1, None) or body.get("top_logprobs_num") \
+                or body.get("token_ids_logprob"):
+            raise BadRequest("only output-token log-probs are supported (logprob_start_len=-1, no top_logprobs_num)")
+        if "input_ids" in body and body["input_ids"] is not None:
+            ids = body["input_ids"]
+        elif body.get("text") is not None:
+            if self.tokenizer is None:
+                raise BadRequest("this server has no tokenizer (no tokenizer.json): send input_ids")
+            texts = body["text"]
+            ids = [e.ids for e in self.tokenizer.encode_batch(texts)] if isinstance(texts, list) \
+                else self.tokenizer.encode(texts).ids
+        else:
+            raise BadRequest("send input_ids (or text)")
+        single = bool(ids) and all(isinstance(t, int) for t in ids)
+        batch = [ids] if single else ids
+        if not batch or not all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in batch):
+            raise BadRequest("input_ids must be a non-empty list of ints or a list of such lists")
+        sp = body.get("sampling_params") or {}
+        sps = sp if isinstance(sp, list) else [sp] * len(batch)
+        if len(sps) != len(batch):
+            raise BadRequest(f"{len(sps)} sampling_params for {len(batch)} prompts")
+        rid = body.get("rid")
+        rids = rid if isinstance(rid, list) else [rid] * len(batch) if single or rid is None else None
+        if rids is None or len(rids) != len(batch):
+            raise BadRequest("rid must be a string (one prompt) or a list with one id per prompt")
+        reqs = [GenerateRequest(input_ids=p, sampling=_sampling(s), request_id=r or f"srv-{next(self._rids)}")
+                for p, s, r in zip(batch, sps, rids)]
+        return reqs, single
+
+    def _out(self, res: GenerateResult, j: int, c: Completion, sp: SamplingParams, return_logprob: bool,
+             latency_s: float) -> dict[str, Any]:
+        if c.finish_reason == "stop":
+            reason: dict[str, Any] = {"type": "stop", "matched": c.output_ids[-1]}
+        elif c.finish_reason == "length":
+            reason = {"type": "length", "length": sp.max_new_tokens}
+        else:
+            reason = {"type": "abort", "message": "Abort before or during generation."}
+        meta: dict[str, Any] = {
+            "id": res.request_id if len(res.completions) == 1 else f"{res.request_id}-{j}",
+            "finish_reason": reason, "prompt_tokens": res.prompt_tokens, "completion_tokens": len(c.output_ids),
+            "cached_tokens": 0, "weight_version": str(c.versions[-1] if c.versions else self.engine.version),
+            "weight_versions": _spans(c.versions), "e2e_latency": latency_s,
+        }
+        if return_logprob:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(c.logprobs, c.output_ids)]
+            meta["input_token_logprobs"] = []
+        out: dict[str, Any] = {"output_ids": c.output_ids, "meta_info": meta}
+        if self.tokenizer is not None:
+            out = {"text": self.tokenizer.decode(c.output_ids), **out}
+        return out
+
+    async def generate(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+            if not isinstance(body, dict):
+                raise BadRequest("the body must be a JSON object")
+            reqs, single = self._requests(body)
+            t0 = time.perf_counter()
+            results = await self.engine.generate(reqs)
+        except (BadRequest, ValueError) as exc:
+            return _error(400, str(exc))
+        except TimeoutError as exc:
+            return _error(504, str(exc))
+        latency = time.perf_counter() - t0
+        outs = [self._out(res, j, c, r.sampling, bool(body.get("return_logprob")), latency)
+                for r, res in zip(reqs, results) for j, c in enumerate(res.completions)]
+        return web.json_response(outs[0] if single and len(outs) == 1 else outs)
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.engine.is_paused or self.engine.is_updating:
+            return web.Response(status=503, text="paused" if self.engine.is_paused else "updating weights")
+        return web.Response(status=200)
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        if self.engine.is_paused or self.engine.is_updating:
+            return web.Response(status=503, text="paused" if self.engine.is_paused else "updating weights")
+        probe = GenerateRequest(input_ids=[0], sampling=SamplingParams(max_new_tokens=1, temperature=0),
+                                request_id=f"health-{next(self._rids)}")
+        try:
+            await asyncio.wait_for(self.engine.generate([probe]), 20.0)
+        except asyncio.TimeoutError:
+            return web.Response(status=503, text="a one-token generation did not finish within 20 s")
+        return web.Response(status=200)
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        e = self.engine
+        return web.json_response({
+            "model_path": e.model_path, "tokenizer_path": e.model_path if self.tokenizer is not None else None,
+            "is_generation": True, "preferred_sampling_params": None, "weight_version": str(e.version),
+            "has_image_understanding": False, "has_audio_understanding": False, "model_type": e.spec.model_type,
+            "architectures": getattr(e.hf_config, "architectures", None),
+        })
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        e = self.engine
+        return web.json_response({
+            **self.server_args, "version": SGLANG_COMPAT_VERSION, "engine": "meshrl.TorchEngine",
+            "model_path": e.model_path, "tp_size": 1, "dp_size": 1, "dtype": str(e.dtype).removeprefix("torch."),
+            "device": str(e.device), "max_running_requests": e.max_batch_size, "context_length": e.cache.max_seq_len,
+            "max_total_num_tokens": e.max_batch_size * e.cache.max_seq_len, "random_seed": e.config.seed,
+            "skip_tokenizer_init": self.tokenizer is None, "weight_version": str(e.version),
+        })
+
+    async def pause(self, request: web.Request) -> web.Response:
+        body = await request.json() if request.can_read_body else {}
+        mode = (body or {}).get("mode", "abort")
+        if mode not in ("abort", "in_place"):
+            return _error(400, f"pause mode {mode!r} is not supported by TorchEngine: use 'abort' or 'in_place'")
+        await self.engine.pause("abort" if mode == "abort" else "keep")
+        return web.json_response({"success": True, "status": "ok", "message": "Generation paused successfully."})
+
+    async def resume(self, request: web.Request) -> web.Response:
+        await self.engine.resume()
+        return web.json_response({"success": True, "status": "ok", "message": "Generation continued successfully."})
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = await request.json() if request.can_read_body else {}
+        if (body or {}).get("abort_all"):
+            self.engine.abort_all()
+        elif (body or {}).get("rid"):
+            await self.engine.abort(body["rid"])
+        return web.Response(status=200)
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        if self.engine.flush_cache():
+            return web.Response(status=200, text="Cache flushed.\n")
+        return web.Response(status=400, text="Cache not flushed: there are running or waiting requests.\n")
+
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        try:
+            t = self.engine.get_weights_by_name(body["name"])
+        except KeyError as exc:
+            return _error(400, str(exc.args[0]) if exc.args else "missing 'name'")
+        rows = int(body.get("truncate_size", 100))
+        return web.json_response(t[:rows].float().tolist())
+
+
+def make_app(engine: TorchEngine, *, tokenizer: Any = None, server_args: dict[str, Any] | None = None,
+             extra_routes: Iterable[tuple[str, str, Handler]] = ()) -> web.Application:
+    """The aiohttp application serving ``engine``; ``extra_routes`` are ``(method, path, handler)``."""
+    s = _Server(engine, tokenizer, dict(server_args or {}))
+    app = web.Application(client_max_size=64 * 1024**2)
+    app[ENGINE] = engine
+    routes = [
+        ("POST", "/generate", s.generate), ("GET", "/health", s.health), ("GET", "/health_generate", s.health_generate),
+        ("GET", "/get_model_info", s.model_info), ("GET", "/model_info", s.model_info),
+        ("GET", "/get_server_info", s.server_info), ("GET", "/server_info", s.server_info),
+        ("POST", "/pause_generation", s.pause), ("POST", "/continue_generation", s.resume),
+        ("POST", "/abort_request", s.abort_request), ("GET", "/flush_cache", s.flush_cache),
+        ("POST", "/flush_cache", s.flush_cache), ("POST", "/get_weights_by_name", s.get_weights_by_name),
+        ("GET", "/get_weights_by_name", s.get_weights_by_name), *extra_routes,
+    ]
+    for method, path, handler in routes:
+        app.router.add_route(method, path, handler)
+
+    async def stop_engine(app: web.Application) -> None:
+        await engine.shutdown()
+
+    app.on_shutdown.append(stop_engine)
+    return app
+
+
+def load_tokenizer(path: str | None) -> Any:
+    """The checkpoint's ``tokenizer.json`` (``tokenizers``), or None when it has none."""
+    f = os.path.join(path, "tokenizer.json") if path else None
+    if not f or not os.path.isfile(f):
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(f)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="Serve a local HF checkpoint with TorchEngine over SGLang's HTTP API.")
+    p.add_argument("--model", required=True, help="checkpoint directory (config.json + *.safetensors)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--max-batch-size", type=int, default=256)
+    p.add_argument("--max-seq-len", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-cuda-graphs", action="store_true")
+    a = p.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    cfg = TorchEngineConfig(dtype=a.dtype, device=a.device, max_batch_size=a.max_batch_size,
+                            max_seq_len=a.max_seq_len, seed=a.seed, cuda_graphs=not a.no_cuda_graphs)
+    engine = TorchEngine.from_pretrained(a.model, cfg)
+    app = make_app(engine, tokenizer=load_tokenizer(a.model),
+                   server_args={"host": a.host, "port": a.port, "model_path": a.model})
+    web.run_app(app, host=a.host, port=a.port, print=lambda msg: print(msg, flush=True))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,290 @@
+"""The SGLang-compatible server over real HTTP on 127.0.0.1: every endpoint against its schema.
+
+Response shapes are checked by converting the JSON into msgspec Structs written from
+SGLANG_PROTOCOL.md (strict types, tagged ``finish_reason`` unions), and the generated tokens against
+the engine called directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import aiohttp
+import msgspec
+import pytest
+import torch
+from aiohttp import web
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from meshrl.engines import GenerateRequest, SamplingParams, TorchEngine, TorchEngineConfig
+from meshrl.engines.serve import SGLANG_COMPAT_VERSION, make_app
+
+torch.set_num_threads(1)
+TIMEOUT = aiohttp.ClientTimeout(total=30)
+
+
+class FinishStop(msgspec.Struct, tag_field="type", tag="stop"):
+    matched: int
+
+
+class FinishLength(msgspec.Struct, tag_field="type", tag="length"):
+    length: int
+
+
+class FinishAbort(msgspec.Struct, tag_field="type", tag="abort"):
+    message: str
+
+
+class Span(msgspec.Struct, forbid_unknown_fields=True):
+    version: str
+    start: int
+    end: int
+
+
+class Meta(msgspec.Struct):
+    id: str
+    finish_reason: FinishStop | FinishLength | FinishAbort
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    weight_version: str
+    weight_versions: list[Span]
+    output_token_logprobs: list[tuple[float, int, None]] | None = None
+
+
+class Out(msgspec.Struct):
+    output_ids: list[int]
+    meta_info: Meta
+
+
+def hf_model():
+    cfg = Qwen2Config(vocab_size=72, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=96, tie_word_embeddings=True, eos_token_id=None)
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.mul_(6.0)
+    return m
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return hf_model()
+
+
+def make_engine(hf) -> TorchEngine:
+    return TorchEngine.from_hf_model(hf, config=TorchEngineConfig(max_batch_size=8, max_seq_len=80))
+
+
+@contextlib.asynccontextmanager
+async def serve(engine: TorchEngine):
+    """The app on a free port of 127.0.0.1; yields (session, base_url)."""
+    runner = web.AppRunner(make_app(engine, server_args={"host": "127.0.0.1"}))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}", timeout=TIMEOUT) as session:
+            yield session
+    finally:
+        await runner.cleanup()
+
+
+async def post(s: aiohttp.ClientSession, path: str, body: dict | None = None):
+    async with s.post(path, json=body or {}) as r:
+        return r.status, (await r.json() if r.content_type == "application/json" else await r.text())
+
+
+async def get(s: aiohttp.ClientSession, path: str):
+    async with s.get(path) as r:
+        return r.status, (await r.json() if r.content_type == "application/json" else await r.text())
+
+
+async def until(pred, what: str, timeout_s: float = 20.0) -> None:
+    t0 = time.monotonic()
+    while not pred():
+        if time.monotonic() - t0 > timeout_s:
+            raise TimeoutError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.001)
+
+
+P0, P1 = [5, 9, 17, 4, 30], [11, 12, 13]
+
+
+def test_generate_schema_tokens_and_logprobs(hf):
+    ref = asyncio.run(make_engine(hf).generate([
+        GenerateRequest(input_ids=P0, sampling=SamplingParams(max_new_tokens=6, temperature=0)),
+        GenerateRequest(input_ids=P1, sampling=SamplingParams(max_new_tokens=5, temperature=0.8, n=2, seed=3)),
+        GenerateRequest(input_ids=P0, sampling=SamplingParams(max_new_tokens=5, temperature=0.8, n=2, seed=4))]))
+
+    async def main():
+        async with serve(make_engine(hf)) as s:
+            st, one = await post(s, "/generate", {"input_ids": P0, "return_logprob": True, "rid": "a",
+                                                  "sampling_params": {"max_new_tokens": 6, "temperature": 0}})
+            assert st == 200 and isinstance(one, dict)
+            st2, many = await post(s, "/generate", {
+                "input_ids": [P1, P0], "return_logprob": True,
+                "sampling_params": [{"max_new_tokens": 5, "temperature": 0.8, "n": 2, "sampling_seed": 3},
+                                    {"max_new_tokens": 5, "temperature": 0.8, "n": 2, "sampling_seed": 4,
+                                     "min_p": 0.0, "skip_special_tokens": True}]})
+            return one, st2, many
+
+    one, st2, many = asyncio.run(main())
+    o = msgspec.convert(one, Out)
+    c = ref[0].completions[0]
+    assert o.output_ids == c.output_ids and o.meta_info.id == "a"
+    assert o.meta_info.finish_reason == FinishLength(length=6)
+    assert o.meta_info.prompt_tokens == len(P0) and o.meta_info.completion_tokens == 6
+    assert [t for _, t, _ in o.meta_info.output_token_logprobs] == c.output_ids  # index 1: token id
+    assert torch.allclose(torch.tensor([lp for lp, _, _ in o.meta_info.output_token_logprobs]),
+                          torch.tensor(c.logprobs), atol=1e-6)  # index 0: log-prob
+    assert o.meta_info.weight_version == "0" and o.meta_info.weight_versions == [Span("0", 0, 6)]
+    assert st2 == 200 and isinstance(many, list) and len(many) == 4  # prompt-major: P1 s0, P1 s1, P0 s0, P0 s1
+    outs = [msgspec.convert(x, Out) for x in many]
+    expect = [x.output_ids for x in ref[1].completions + ref[2].completions]
+    assert [x.output_ids for x in outs] == expect
+
+
+def test_stop_abort_pause_health_flush(hf):
+    async def main():
+        engine = make_engine(hf)
+        async with serve(engine) as s:
+            st, free = await post(s, "/generate", {"input_ids": P0, "sampling_params": {"max_new_tokens": 8,
+                                                                                         "temperature": 0}})
+            stop = free["output_ids"][2]
+            st, stopped = await post(s, "/generate", {"input_ids": P0, "sampling_params": {
+                "max_new_tokens": 8, "temperature": 0, "stop_token_ids": [stop]}})
+            assert msgspec.convert(stopped, Out).meta_info.finish_reason == FinishStop(matched=stop)
+            assert stopped["output_ids"] == free["output_ids"][: free["output_ids"].index(stop) + 1]
+            assert (await get(s, "/health"))[0] == 200 and (await get(s, "/health_generate"))[0] == 200
+            assert (await get(s, "/flush_cache"))[0] == 200
+
+            # abort one request by rid while it runs
+            long = asyncio.create_task(post(s, "/generate", {"input_ids": P1, "rid": "long",
+                                                             "sampling_params": {"max_new_tokens": 70}}))
+            await until(lambda: engine.steps > 3 and engine.num_running == 1, "the long request to run")
+            assert (await post(s, "/flush_cache"))[0] == 400  # busy: SGLang refuses to flush
+            assert (await post(s, "/abort_request", {"rid": "long"}))[0] == 200
+            st, aborted = await long
+            a = msgspec.convert(aborted, Out)
+            assert isinstance(a.meta_info.finish_reason, FinishAbort) and 0 < len(a.output_ids) < 70
+
+            # pause (abort mode) ends in-flight work; health is 503 until continue
+            long = asyncio.create_task(post(s, "/generate", {"input_ids": P1, "sampling_params": {"max_new_tokens": 70}}))
+            await until(lambda: engine.num_running == 1, "the request to run")
+            st, body = await post(s, "/pause_generation", {"mode": "abort"})
+            assert st == 200 and body["success"] is True
+            st, aborted = await long
+            assert aborted["meta_info"]["finish_reason"]["type"] == "abort"
+            assert (await get(s, "/health"))[0] == 503 and (await get(s, "/health_generate"))[0] == 503
+            st, body = await post(s, "/pause_generation", {"mode": "retract"})
+            assert st == 400 and "retract" in body["error"]["message"]
+            assert (await post(s, "/continue_generation"))[0] == 200
+            assert (await get(s, "/health"))[0] == 200
+
+            # in_place pause keeps the request; continue finishes it with every token
+            long = asyncio.create_task(post(s, "/generate", {"input_ids": P1, "sampling_params": {"max_new_tokens": 20}}))
+            await until(lambda: engine.num_running == 1, "the request to run")
+            await post(s, "/pause_generation", {"mode": "in_place"})
+            await asyncio.sleep(0.05)
+            assert not long.done() and engine.num_running == 1
+            await post(s, "/continue_generation")
+            st, done = await long
+            assert done["meta_info"]["finish_reason"] == {"type": "length", "length": 20}
+
+    asyncio.run(main())
+
+
+def test_bad_requests_are_400_naming_the_field(hf):
+    async def main():
+        async with serve(make_engine(hf)) as s:
+            cases = [
+                ({"input_ids": P0, "sampling_params": {"max_tokens": 4}}, "max_tokens"),
+                ({"input_ids": P0, "sampling_params": {"min_p": 0.1}}, "min_p"),
+                ({"input_ids": P0, "sampling_params": {"top_p": 0.0}}, "top_p"),
+                ({"input_ids": P0, "stream": True}, "stream"),
+                ({"text": "hello"}, "no tokenizer"),
+                ({"input_ids": [[1, 2], []]}, "input_ids"),
+                ({"input_ids": P0, "frobnicate": 1}, "frobnicate"),
+                ({"input_ids": [500]}, "outside [0, 72)"),
+                ({"input_ids": P0, "return_logprob": True, "logprob_start_len": 0}, "logprob_start_len"),
+            ]
+            for body, needle in cases:
+                st, out = await post(s, "/generate", body)
+                assert st == 400 and needle in out["error"]["message"], (body, out)
+
+    asyncio.run(main())
+
+
+def test_info_endpoints_and_weights(hf):
+    async def main():
+        engine = make_engine(hf)
+        async with serve(engine) as s:
+            st, info = await get(s, "/get_server_info")
+            assert st == 200 and info["version"] == SGLANG_COMPAT_VERSION and info["tp_size"] == 1
+            assert info["max_running_requests"] == 8 and info["context_length"] == 80
+            st, mi = await get(s, "/get_model_info")
+            assert st == 200 and mi["is_generation"] is True and mi["weight_version"] == "0"
+            assert (await get(s, "/model_info"))[1] == mi and (await get(s, "/server_info"))[0] == 200
+            name = "model.layers.1.self_attn.k_proj.weight"
+            st, rows = await post(s, "/get_weights_by_name", {"name": name, "truncate_size": 3})
+            assert st == 200 and torch.equal(torch.tensor(rows), hf.state_dict()[name][:3])
+            st, err = await post(s, "/get_weights_by_name", {"name": "model.nope"})
+            assert st == 400 and "model.nope" in err["error"]["message"]
+            await engine.update_weights({name: torch.zeros(32, 64)}, version=5)
+            st, rows = await post(s, "/get_weights_by_name", {"name": name, "truncate_size": 2})
+            assert rows == [[0.0] * 64] * 2
+            assert (await get(s, "/get_model_info"))[1]["weight_version"] == "5"
+            st, out = await post(s, "/generate", {"input_ids": P0, "sampling_params": {"max_new_tokens": 2}})
+            assert out["meta_info"]["weight_version"] == "5"
+            assert out["meta_info"]["weight_versions"] == [{"version": "5", "start": 0, "end": 2}]
+
+    asyncio.run(main())
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_cli_serves_a_checkpoint_directory(tmp_path, hf):
+    hf.save_pretrained(tmp_path)
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "meshrl.engines.serve", "--model", str(tmp_path), "--port",
+                             str(port), "--max-batch-size", "4", "--max-seq-len", "64"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    async def main():
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}", timeout=TIMEOUT) as s:
+            t0 = time.monotonic()
+            while True:
+                assert proc.poll() is None, proc.stdout.read()
+                try:
+                    if (await get(s, "/health"))[0] == 200:
+                        break
+                except aiohttp.ClientConnectionError:
+                    pass
+                assert time.monotonic() - t0 < 60, "server did not answer /health within 60 s"
+                await asyncio.sleep(0.2)
+            return await post(s, "/generate", {"input_ids": P0, "sampling_params": {"max_new_tokens": 4,
+                                                                                     "temperature": 0}})
+
+    try:
+        st, out = asyncio.run(main())
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    ref = asyncio.run(make_engine(hf).generate([GenerateRequest(
+        input_ids=P0, sampling=SamplingParams(max_new_tokens=4, temperature=0))]))
+    assert st == 200 and out["output_ids"] == ref[0].completions[0].output_ids
