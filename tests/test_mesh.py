@@ -56,7 +56,7 @@ class Waiter(Actor):
     """An async actor with a sync endpoint that blocks, to check the threading rule."""
 
     def __init__(self):
-        self.gate = asyncio.Event()
+        self.gates: dict[str, asyncio.Event] = {}  # by key: async calls may start out of order
         self.sync_gate = threading.Event()
         self.sync_active = 0
         self.sync_max = 0
@@ -66,19 +66,22 @@ class Waiter(Actor):
         return x
 
     @endpoint
-    async def hold(self) -> int:
-        await self.gate.wait()
+    async def rank(self) -> int:
         return current_rank().rank
 
     @endpoint
-    async def open_gate(self) -> None:
-        self.gate.set()
-        self.gate = asyncio.Event()
+    async def hold(self, key: str) -> int:
+        await self.gates.setdefault(key, asyncio.Event()).wait()
+        return current_rank().rank
 
     @endpoint
-    async def rank_or_wait(self) -> int:
+    async def open_gate(self, key: str) -> None:
+        self.gates.setdefault(key, asyncio.Event()).set()
+
+    @endpoint
+    async def rank_or_wait(self, key: str) -> int:
         if current_rank().rank == 0:
-            await self.gate.wait()
+            await self.gates.setdefault(key, asyncio.Event()).wait()
         return current_rank().rank
 
     @endpoint
@@ -88,6 +91,10 @@ class Waiter(Actor):
         self.sync_gate.wait(30)
         self.sync_active -= 1
         return self.sync_max
+
+    @endpoint
+    async def blocked(self) -> int:
+        return self.sync_active
 
     @endpoint
     async def unblock(self) -> None:
@@ -203,12 +210,12 @@ def test_endpoint_exception_keeps_type_message_and_remote_traceback(counters):
 
 def test_stream_yields_in_arrival_order(waiters):
     async def run():
-        stream = waiters.rank_or_wait.stream()
+        stream = waiters.rank_or_wait.stream("stream")
         seen = []
         async for rank in stream:
             seen.append(rank)
             if len(seen) == 1:  # rank 0 waits until rank 1 has been seen
-                await waiters.slice(b=0).open_gate.call_one()
+                await waiters.slice(b=0).open_gate.call_one("stream")
         return seen
 
     assert asyncio.run(run()) == [1, 0]
@@ -218,20 +225,25 @@ def test_stream_yields_in_arrival_order(waiters):
 
 def test_choose_picks_the_least_loaded(waiters):
     async def run():
-        first = waiters.hold.choose()
-        second = waiters.hold.choose()  # rank of `first` has one call outstanding
-        await waiters.open_gate.call().within(30)
+        first = waiters.hold.choose("choose")
+        second = waiters.hold.choose("choose")  # rank of `first` has one call outstanding
+        await waiters.open_gate.call("choose").within(30)
         return await first.within(30), await second.within(30)
 
     assert sorted(asyncio.run(run())) == [0, 1]
     # Idle actors are taken in turn.
-    assert {waiters.echo.choose(1).get(timeout=30) for _ in range(4)} == {1}
+    ranks = [waiters.rank.choose().get(timeout=30) for _ in range(4)]
+    assert ranks[:2] == ranks[2:] and sorted(ranks[:2]) == [0, 1]
 
 
 def test_sync_endpoint_of_async_actor_runs_off_the_loop(waiters):
     one = waiters.slice(b=1)
     blocked = [one.block.call_one(), one.block.call_one()]
+    deadline = time.monotonic() + 30
     # The event loop still answers while a sync endpoint blocks its thread.
+    while one.blocked.call_one().get(timeout=10) == 0:
+        assert time.monotonic() < deadline, "the sync endpoint never started"
+        time.sleep(0.02)
     assert one.echo.call_one(7).get(timeout=10) == 7
     one.unblock.call_one().get(timeout=10)
     assert [f.get(timeout=30) for f in blocked] == [1, 1]  # sync endpoints never overlapped
@@ -254,7 +266,7 @@ def test_await_from_the_driver_loop_and_get_refuses_to_block_it(counters):
 
 
 def test_timeouts_name_what_was_waited_for(waiters):
-    pending = waiters.hold.call()
+    pending = waiters.hold.call("timeouts")
     with pytest.raises(TimeoutError, match=r"`hold` on mesh 'waiters': rank\(s\) \[0, 1\] did not answer"):
         pending.get(timeout=0.2)
 
@@ -263,7 +275,7 @@ def test_timeouts_name_what_was_waited_for(waiters):
             await pending.within(0.2)
 
     asyncio.run(run())
-    waiters.open_gate.call().get(timeout=30)
+    waiters.open_gate.call("timeouts").get(timeout=30)
     assert sorted(pending.get(timeout=30).values()) == [0, 1]
 
 

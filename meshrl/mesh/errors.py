@@ -15,7 +15,11 @@ Timeouts raise the builtin ``TimeoutError`` with a message that says what was wa
 
 from __future__ import annotations
 
+import re
+
 import ray.exceptions
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 class ActorFailure(Exception):
@@ -34,7 +38,7 @@ class ActorFailure(Exception):
 def translate(exc: BaseException, mesh: str, rank: int, method: str) -> BaseException:
     """The exception to raise at the caller for ``exc`` from ``mesh``/``rank``'s ``method``."""
     if isinstance(exc, ray.exceptions.RayActorError):
-        return ActorFailure(mesh, rank, str(exc))
+        return ActorFailure(mesh, rank, _ANSI.sub("", str(exc)))
     if isinstance(exc, ray.exceptions.RayTaskError):
         exc = exc.as_instanceof_cause()
     if isinstance(exc, Exception):

@@ -124,7 +124,7 @@ class _Supervisor:
                 return
             entry.cause = str(exc)
             log.warning("actor %s/%d died (%s); waiting for its restart", entry.mesh, entry.rank, entry.cause)
-            entry.ref = entry.handle.__ray_ready__.remote()
+            entry.ref = _revival(entry.handle)
         except Exception as exc:
             log.error("supervising actor %s/%d: %s", entry.mesh, entry.rank, exc)
             return
@@ -154,6 +154,11 @@ class _Supervisor:
             loop.call_soon_threadsafe(call)
         else:
             call()
+
+
+def _revival(handle: Any) -> Any:
+    """A call that answers once the restarted actor is up (Ray retries it while it restarts)."""
+    return handle.__ray_ready__.options(max_task_retries=-1).remote()
 
 
 async def _awaited(result: Any) -> Any:

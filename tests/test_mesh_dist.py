@@ -1,0 +1,103 @@
+"""torch.distributed inside meshes, on real gloo process groups between real Ray actors."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import ray.cloudpickle
+
+from meshrl.mesh import (
+    Actor,
+    actor_address,
+    current_device_mesh,
+    current_rank,
+    endpoint,
+    init_torch_distributed_on,
+    join_process_group,
+    spawn_procs,
+)
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+# Starting four torch-importing processes on two shared cores takes 10-20 s.
+pytestmark = pytest.mark.slow
+
+
+class Worker(Actor):
+    def __init__(self):
+        import torch
+
+        torch.set_num_threads(1)
+        self.groups = {}
+
+    @endpoint
+    def all_reduce(self) -> dict:
+        import torch
+        import torch.distributed as dist
+
+        dm = current_device_mesh()
+        world = torch.tensor([float(current_rank().rank + 1)])
+        dist.all_reduce(world)
+        along_tp = torch.tensor([float(current_rank().rank + 1)])
+        dist.all_reduce(along_tp, group=dm.get_group("tp"))
+        return {"world": world.item(), "tp": along_tp.item(), "dims": dm.mesh_dim_names, "shape": tuple(dm.shape)}
+
+    @endpoint
+    def join_and_broadcast(self, rank_offset: int, world: int, addr: str, port: int) -> list[float]:
+        import torch
+        import torch.distributed as dist
+
+        rank = rank_offset + current_rank().rank
+        pg = join_process_group("weights", rank, world, addr, port, backend="gloo", timeout=60)
+        t = torch.arange(4, dtype=torch.float32) * 10 if rank == 0 else torch.zeros(4)
+        dist.broadcast(t, src=0, group=pg)
+        dist.destroy_process_group(pg)
+        return t.tolist()
+
+    @endpoint
+    def has_default_group(self) -> bool:
+        import torch.distributed as dist
+
+        return dist.is_initialized()
+
+
+@pytest.fixture(scope="module")
+def trainers(ray_cluster):
+    """A 2-D {dp: 2, tp: 2} mesh with a gloo group and a DeviceMesh in every actor."""
+    procs = spawn_procs({"dp": 2, "tp": 2}, cpus_per_proc=0.1, name="test-dist")
+    mesh = procs.spawn("trainers", Worker)
+    info = init_torch_distributed_on(mesh, timeout=60).get(timeout=120)
+    assert [i["rank"] for i in info.values()] == [0, 1, 2, 3]
+    assert {i["backend"] for i in info.values()} == {"gloo"} and {i["world_size"] for i in info.values()} == {4}
+    yield mesh
+    procs.stop()
+
+
+def test_gloo_all_reduce_over_the_mesh_and_along_an_axis(trainers):
+    out = trainers.all_reduce.call().get(timeout=60)
+    for coords, o in out.items():
+        assert o["world"] == 1 + 2 + 3 + 4
+        dp = coords["dp"]
+        assert o["tp"] == (2 * dp + 1) + (2 * dp + 2)  # ranks 2dp, 2dp+1 are one tp group
+        assert o["dims"] == ("dp", "tp") and o["shape"] == (2, 2)
+
+
+def test_two_meshes_join_one_group_and_broadcast(trainers):
+    # One side has a default group already (the trainers), the other has none.
+    senders = trainers.slice(dp=0)
+    procs = spawn_procs({"procs": 2}, cpus_per_proc=0.1, name="test-dist-receivers")
+    receivers = procs.spawn("receivers", Worker)
+    assert receivers.has_default_group.call().get(timeout=60).values() == [False, False]
+    addr, port = actor_address(senders.slice(tp=0)).get(timeout=30)
+    a = senders.join_and_broadcast.call(0, 4, addr, port)
+    b = receivers.join_and_broadcast.call(2, 4, addr, port)
+    expected = [0.0, 10.0, 20.0, 30.0]
+    assert a.get(timeout=90).values() == [expected] * 2
+    assert b.get(timeout=90).values() == [expected] * 2
+    procs.stop()
+
+
+def test_init_outside_a_whole_mesh_is_refused(trainers):
+    with pytest.raises(ValueError, match="needs every actor of mesh 'trainers'"):
+        init_torch_distributed_on(trainers.slice(dp=0))

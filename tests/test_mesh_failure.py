@@ -1,0 +1,132 @@
+"""Dead actors on a real local Ray cluster: ActorFailure within seconds, never a hang; restarts."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+import pytest
+import ray
+import ray.cloudpickle
+
+from meshrl.mesh import Actor, ActorFailure, RestartEvent, current_rank, endpoint, spawn_procs
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+FAIL_WITHIN_S = 10.0
+
+
+def first_failure(call) -> tuple[ActorFailure, float]:
+    """Call ``call`` until it raises ``ActorFailure`` (Ray kills asynchronously); (error, seconds)."""
+    start = time.monotonic()
+    while time.monotonic() - start < FAIL_WITHIN_S:
+        try:
+            call()
+        except ActorFailure as exc:
+            return exc, time.monotonic() - start
+        time.sleep(0.05)
+    raise AssertionError(f"no ActorFailure within {FAIL_WITHIN_S} s")
+
+
+class Fragile(Actor):
+    def __init__(self):
+        self.calls = 0
+        self.gate = threading.Event()
+
+    @endpoint
+    def ping(self) -> int:
+        self.calls += 1
+        return self.calls
+
+    @endpoint
+    def die(self) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    @endpoint
+    def die_on_rank0_else_wait(self) -> int:
+        if current_rank().rank == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        self.gate.wait(120)  # far longer than the caller may wait
+        return current_rank().rank
+
+
+class BadInit(Actor):
+    def __init__(self, setting: str):
+        raise ValueError(f"bad config: {setting}")
+
+    @endpoint
+    def ping(self) -> int:
+        return 1
+
+
+@pytest.fixture(scope="module")
+def procs(ray_cluster):
+    procs = spawn_procs({"procs": 2}, cpus_per_proc=0.2, name="test-failure")
+    yield procs
+    procs.stop()
+
+
+def test_killed_process_raises_actor_failure_within_seconds(procs):
+    mesh = procs.slice(procs=0).spawn("victim", Fragile, share=0.25)
+    assert mesh.ping.call_one().get(timeout=60) == 1
+    start = time.monotonic()
+    with pytest.raises(ActorFailure, match="actor victim/0 failed") as info:
+        mesh.die.call_one().get(timeout=60)
+    assert time.monotonic() - start < FAIL_WITHIN_S
+    assert info.value.mesh == "victim" and info.value.rank == 0 and info.value.cause
+    with pytest.raises(ActorFailure, match="victim/0"):  # and every later call, at once
+        mesh.ping.call_one().get(timeout=FAIL_WITHIN_S)
+
+
+def test_ray_kill_surfaces_as_actor_failure_with_the_rank(procs):
+    mesh = procs.spawn("killed", Fragile, share=0.25)
+    mesh.ready().get(timeout=60)
+    ray.kill(ray.get_actor("killed/1"))
+    failure, _ = first_failure(lambda: mesh.ping.call().get(timeout=60))
+    assert failure.mesh == "killed" and failure.rank == 1
+    mesh.stop()
+
+
+def test_a_death_fails_the_whole_call_without_waiting_for_the_rest(procs):
+    mesh = procs.spawn("halfdead", Fragile, share=0.25)
+    mesh.ready().get(timeout=60)
+    start = time.monotonic()
+    with pytest.raises(ActorFailure, match="halfdead/0"):
+        mesh.die_on_rank0_else_wait.call().get(timeout=60)  # rank 1 would answer after 120 s
+    assert time.monotonic() - start < FAIL_WITHIN_S
+    mesh.stop()
+
+
+def test_failing_init_raises_actor_failure_naming_the_cause(procs):
+    mesh = procs.slice(procs=1).spawn("badinit", BadInit, "lr=-1", share=0.25)
+    start = time.monotonic()
+    with pytest.raises(ActorFailure, match=r"(?s)badinit/0 failed.*BadInit.__init__.*bad config: lr=-1"):
+        mesh.ready().get(timeout=60)
+    with pytest.raises(ActorFailure, match="bad config"):
+        mesh.ping.call_one().get(timeout=60)
+    assert time.monotonic() - start < FAIL_WITHIN_S + 20  # includes the process start
+
+
+def test_supervised_actor_restarts_and_tells_the_owner(procs):
+    events: list[RestartEvent] = []
+    restarted = threading.Event()
+
+    def on_restart(event: RestartEvent) -> None:
+        events.append(event)
+        restarted.set()
+
+    mesh = procs.slice(procs=1).spawn("phoenix", Fragile, max_restarts=1, on_restart=on_restart, share=0.25)
+    assert mesh.ping.call_one().get(timeout=60) == 1
+    assert mesh.ping.call_one().get(timeout=60) == 2
+    with pytest.raises(ActorFailure, match="phoenix/0"):
+        mesh.die.call_one().get(timeout=60)
+    assert restarted.wait(60), "on_restart was not called"
+    assert events[0].mesh == "phoenix" and events[0].rank == 0 and events[0].restarts == 1
+    assert "actor" in events[0].cause  # Ray's words for the death
+    # A fresh incarnation, with its rank context, answers again.
+    assert mesh.ping.call_one().get(timeout=60) == 1
+    mesh.stop()
+    first_failure(lambda: mesh.ping.call_one().get(timeout=60))
