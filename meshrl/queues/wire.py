@@ -1,0 +1,108 @@
+"""The samples' wire format: msgpack via msgspec, for ``put_encoded`` / ``get_batch_encoded``.
+
+Handing Ray a ``list[Sample]`` pickles every struct one by one; one msgpack blob per batch is
+cheaper to build and to parse and is the format the pipeline uses between actors (measured in
+``bench/bench_queue.py``). The queue itself never materialises the samples of an encoded batch:
+it splits the blob into one raw msgpack slice per sample, reads only the fields it schedules by
+(``SampleMeta``), and hands the slices back verbatim in ``get_batch_encoded``.
+
+Simplification on purpose: an encoded sample's scalar fields are type-checked on ``put``, its
+token lists only for being arrays; element types are checked when the consumer decodes. Blobs
+made by ``encode_samples`` from real ``Sample``s are always valid.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import msgspec
+
+from meshrl.queues.sample import Sample
+
+__all__ = ["SampleMeta", "decode_samples", "encode_samples", "meta_of", "split_encoded"]
+
+# Built once: constructing an encoder/decoder costs more than encoding a small batch.
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(list[Sample])
+_one_decoder = msgspec.msgpack.Decoder(Sample)
+_raw_list_decoder = msgspec.msgpack.Decoder(list[msgspec.Raw])
+
+
+class SampleMeta(NamedTuple):
+    """What the queue needs from a sample to schedule it."""
+
+    group_id: int
+    group_size: int
+    behavior_version: int
+    num_tokens: int
+    t_generated: float
+
+
+class _EncodedView(msgspec.Struct):
+    """The required fields of ``Sample``; the lists stay undecoded (msgspec skips other fields)."""
+
+    prompt_id: int
+    group_id: int
+    group_size: int
+    prompt_ids: msgspec.Raw
+    response_ids: msgspec.Raw
+    behavior_logprobs: msgspec.Raw
+    behavior_version: int
+    t_generated: float = 0.0
+
+
+_view_decoder = msgspec.msgpack.Decoder(_EncodedView)
+
+
+def encode_samples(samples: list[Sample | msgspec.Raw]) -> bytes:
+    """One msgpack blob for a batch of samples (raw slices from ``split_encoded`` pass verbatim)."""
+    return _encoder.encode(samples)
+
+
+def decode_samples(blob: bytes) -> list[Sample]:
+    """Inverse of ``encode_samples``; a malformed blob raises a ``msgspec.MsgspecError``."""
+    return _decoder.decode(blob)
+
+
+def decode_one(item: Sample | msgspec.Raw) -> Sample:
+    return item if isinstance(item, Sample) else _one_decoder.decode(item)
+
+
+def meta_of(s: Sample) -> SampleMeta:
+    return SampleMeta(s.group_id, s.group_size, s.behavior_version,
+                      len(s.prompt_ids) + len(s.response_ids), s.t_generated)
+
+
+def split_encoded(blob: bytes) -> tuple[list[msgspec.Raw], list[SampleMeta]]:
+    """One raw slice and its ``SampleMeta`` per sample of an ``encode_samples`` blob.
+
+    Raises ``ValueError`` naming the problem when the blob is not a list of samples.
+    """
+    try:
+        # A Raw slice keeps its whole source blob alive; copies let a straggling group hold
+        # only its own bytes (capacity_tokens would not see the rest).
+        raws = [r.copy() for r in _raw_list_decoder.decode(blob)]
+        metas = []
+        for i, raw in enumerate(raws):
+            v = _view_decoder.decode(raw)
+            metas.append(SampleMeta(v.group_id, v.group_size, v.behavior_version,
+                                    _array_len(v.prompt_ids, i, "prompt_ids")
+                                    + _array_len(v.response_ids, i, "response_ids"),
+                                    v.t_generated))
+            _array_len(v.behavior_logprobs, i, "behavior_logprobs")
+    except msgspec.MsgspecError as e:
+        raise ValueError(f"put_encoded: the blob is not a msgpack list of Sample: {e}") from None
+    return raws, metas
+
+
+def _array_len(raw: msgspec.Raw, index: int, name: str) -> int:
+    """Length from a msgpack array header, without decoding the elements."""
+    b = memoryview(raw)
+    head = b[0]
+    if 0x90 <= head <= 0x9F:  # fixarray
+        return head & 0x0F
+    if head == 0xDC:  # array 16
+        return int.from_bytes(b[1:3], "big")
+    if head == 0xDD:  # array 32
+        return int.from_bytes(b[1:5], "big")
+    raise ValueError(f"put_encoded: sample {index}'s {name} is not an array")
