@@ -178,17 +178,35 @@ class Transformer:
         cs = self.rope_table(t)[:t]  # [T, 2, D]
         cos, sin = cs[:, 0:1], cs[:, 1:2]  # [T, 1, D]: broadcast over heads
         nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        prompts = torch.arange(n, device=tokens.device)
         x = F.embedding(tokens.flatten(), self.embed)  # [N*T, hidden]
         for i, layer in enumerate(self.layers):
             qkv = self._qkv(layer, x.view(n, t, -1), cos, sin)  # [N, T, (H + 2Hkv) * D]
             q, k, v = qkv.unflatten(-1, (nq + 2 * nkv, d)).transpose(1, 2).split([nq, nkv, nkv], dim=1)
             cache.write_prefill(i, rows, k if src is None else k.index_select(0, src),
                                 v if src is None else v.index_select(0, src))  # k, v: [N, Hkv, T, D]
-            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
-                                                  enable_gqa=nkv != nq)  # [N, H, T, D]
-            x = self._out_and_mlp(layer, x, attn.transpose(1, 2).reshape(n * t, nq * d))
-        x_last = x.view(n, t, -1)[torch.arange(n, device=x.device), last]  # [N, hidden]
-        return self.logits(x_last)
+            if i < len(self.layers) - 1:
+                attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                                      enable_gqa=nkv != nq)  # [N, H, T, D]
+                x = self._out_and_mlp(layer, x, attn.transpose(1, 2).reshape(n * t, nq * d))
+            else:
+                # last layer: only the last prompt token's output matters (the cache already has
+                # every position's k/v), so attention, o-projection and MLP run on N rows, not N*T
+                q_last = qkv[prompts, last, : nq * d].view(n, nkv, nq // nkv, d)  # [N, Hkv, G, D]
+                valid = torch.arange(t, device=tokens.device) <= last[:, None]  # [N, T]
+                mask = torch.where(valid, 0.0, float("-inf")).to(self.dtype)[:, None, None, :]
+                attn = self._attend(q_last, k, v, mask).view(n, nq * d)
+                x = self._out_and_mlp(layer, x.view(n, t, -1)[prompts, last], attn)  # [N, hidden]
+        return self.logits(x)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Single-query GQA attention. q ``[B, Hkv, G, D]``, k/v ``[B, Hkv, S, D]``, mask ``[B, 1, 1, S]``.
+
+        Plain matmuls over the kv heads (no repeat of k/v); returns ``[B, Hkv, G, D]``.
+        """
+        scores = torch.add(mask, torch.matmul(q, k.transpose(-1, -2)), alpha=self.scale)  # [B, Hkv, G, S]
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
+        return torch.matmul(probs, v)
 
     @torch.no_grad()
     def decode_step(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache, seq_len: int
@@ -211,8 +229,6 @@ class Transformer:
             cache.write_decode(i, write_idx, qkv[:, nq * d:].view(b, 2, nkv, d))
             k, v = cache.layer_prefix(i, b, s)  # [B, Hkv, S, D] views of the cache
             q = qkv[:, : nq * d].view(b, nkv, nq // nkv, d)  # [B, Hkv, G, D]: GQA without repeat
-            scores = torch.add(mask, torch.matmul(q, k.transpose(-1, -2)), alpha=self.scale)  # [B,Hkv,G,S]
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
-            attn = torch.matmul(probs, v).view(b, nq * d)  # [B, H * D]
+            attn = self._attend(q, k, v, mask).view(b, nq * d)  # [B, H * D]
             x = self._out_and_mlp(layer, x, attn)
         return self.logits(x)

@@ -1,0 +1,100 @@
+"""TorchEngine vs Hugging Face ``generate`` on the 2-core CPU, same model, batch, sampling and lengths.
+
+Run: ``OMP_NUM_THREADS=1 pytest bench/bench_engine_cpu.py --benchmark-only``. Each case builds an
+embedded-default-sized Qwen2 model (random weights, float32) and generates ``new_tokens`` tokens
+for ``prompts x n`` sequences of ``prompt_len`` tokens with temperature-1 sampling and no early stop
+(HF: no EOS in the config; TorchEngine: ``ignore_eos``), one thread each. HF runs first, then the
+engine on the same weights; the engine case writes ``speedup`` (HF time / engine time) and both
+write ``tok_per_s`` into ``extra_info`` and print one line per pair.
+
+Cases: ``small`` (hidden 64, 2 layers, 64 sequences), ``default`` (hidden 128, 4 layers, 256
+sequences), ``grpo`` (the ``default`` model, 32 prompts x 8 samples: TorchEngine prefills each prompt
+once, HF's ``num_return_sequences`` prefills every copy), ``wide`` (hidden 64, 512 sequences).
+
+Timing is CPU time of this process (``time.process_time``), not wall time: the machine is shared
+and both sides run on one thread, so CPU time is the cost that does not depend on the neighbours.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, Qwen2Config  # noqa: E402
+
+from meshrl.engines import GenerateRequest, SamplingParams, TorchEngine, TorchEngineConfig  # noqa: E402
+
+torch.set_num_threads(1)
+
+CASES = {  # hidden, layers, prompts, n, prompt_len, new_tokens
+    "small": (64, 2, 64, 1, 12, 8),
+    "default": (128, 4, 256, 1, 12, 8),
+    "grpo": (128, 4, 32, 8, 12, 8),
+    "wide": (64, 2, 512, 1, 16, 12),
+}
+ROUNDS = 5
+_times: dict[str, float] = {}
+
+
+class _Case:
+    def __init__(self, name: str):
+        hidden, layers, prompts, n, plen, new = CASES[name]
+        self.n, self.new, self.sequences = n, new, prompts * n
+        cfg = Qwen2Config(vocab_size=64, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                          tie_word_embeddings=True, eos_token_id=None, pad_token_id=0)
+        torch.manual_seed(0)
+        self.hf = AutoModelForCausalLM.from_config(cfg).eval()
+        self.engine = TorchEngine.from_hf_model(self.hf, config=TorchEngineConfig(
+            max_batch_size=self.sequences, max_seq_len=plen + new, device="cpu", dtype="float32"))
+        self.ids = torch.randint(1, 64, (prompts, plen), generator=torch.Generator().manual_seed(1))
+        self.reqs = [GenerateRequest(input_ids=p.tolist(), sampling=SamplingParams(
+            max_new_tokens=new, temperature=1.0, top_p=1.0, top_k=-1, n=n, ignore_eos=True)) for p in self.ids]
+
+    def run_hf(self) -> int:
+        with torch.no_grad():
+            out = self.hf.generate(input_ids=self.ids, attention_mask=torch.ones_like(self.ids),
+                                   max_new_tokens=self.new, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                                   num_return_sequences=self.n, pad_token_id=0)
+        return (out.shape[1] - self.ids.shape[1]) * out.shape[0]
+
+    def run_engine(self) -> int:
+        res = asyncio.run(self.engine.generate(self.reqs))
+        return sum(len(c.output_ids) for r in res for c in r.completions)
+
+
+_cases: dict[str, _Case] = {}
+
+
+def _case(name: str) -> _Case:
+    if name not in _cases:
+        _cases.clear()
+        _cases[name] = _Case(name)
+    return _cases[name]
+
+
+@pytest.mark.parametrize("impl", ["hf", "engine"])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.benchmark(timer=time.process_time, group="engine-cpu")
+def test_generate_cpu(benchmark, request, case, impl):
+    c = _case(case)
+    fn = c.run_hf if impl == "hf" else c.run_engine
+    tokens = fn()  # warm-up; also checks the lengths
+    assert tokens == c.sequences * c.new
+    benchmark.pedantic(fn, rounds=ROUNDS, iterations=1)
+    t = benchmark.stats.stats.median
+    _times[f"{case}/{impl}"] = t
+    benchmark.extra_info["tok_per_s"] = tokens / t
+    if impl == "engine" and f"{case}/hf" in _times:
+        speedup = _times[f"{case}/hf"] / t
+        benchmark.extra_info["speedup"] = speedup
+        line = (f"[bench_engine_cpu] {case}: {c.sequences} seq x {c.new} tok  HF {tokens / _times[f'{case}/hf']:,.0f} "
+                f"tok/s  TorchEngine {tokens / t:,.0f} tok/s  speedup {speedup:.2f}x")
+        with request.config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
+            print("\n" + line, flush=True)
