@@ -16,7 +16,6 @@ Names an endpoint must not have, because the mesh itself uses them: see ``RESERV
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import logging
 from typing import TYPE_CHECKING, Annotated, Any, Generic, TypeVar
@@ -25,7 +24,8 @@ import ray
 
 from meshrl.mesh import supervision
 from meshrl.mesh.actor import Actor
-from meshrl.mesh.adverbs import Endpoint, Future, MeshState, state_for
+from meshrl.mesh.adverbs import Endpoint, Future
+from meshrl.mesh.state import Flush, MeshState, state_for
 from meshrl.mesh.shape import Shape
 
 log = logging.getLogger("meshrl.mesh")
@@ -111,17 +111,15 @@ class _ActorMeshImpl(Generic[A]):
 
     def ready(self) -> Future[None]:
         """Done when every actor finished ``__init__``; ``ActorFailure`` if one died instead."""
-        cfs = self._submit_all("__ray_ready__", (), {})
-        return Future(self._name, "__init__", cfs, self._shape.ranks, _none)
+        refs = self._submit_all("__ray_ready__", (), {})
+        return Future(self._name, "__init__", refs, self._shape.ranks, _none, self._state)
 
-    def flush(self) -> Future[None]:
-        """Done when every broadcast sent so far through this mesh finished; raises their failures."""
-        with self._state.lock:
-            pending = list(self._state.broadcasts)
-        return Future(self._name, "broadcast", pending, (-1,) * len(pending), self._flushed, check=False)
+    def flush(self) -> Flush:
+        """Done when every broadcast sent so far through this mesh finished; raises their failures.
 
-    def _flushed(self, _values: list[Any]) -> None:
-        self._state.raise_errors()
+        ``mesh.flush().get(timeout=...)`` or ``await mesh.flush().within(seconds)``.
+        """
+        return Flush(self._name, self._state)
 
     def stop(self) -> None:
         """Kill the actors of this mesh (no restart). Safe to call twice.
@@ -148,29 +146,24 @@ class _ActorMeshImpl(Generic[A]):
 
     # -- used by Endpoint --------------------------------------------------------------------
 
-    def _submit_one(self, method: str, pos: int, args: Any, kwargs: Any) -> concurrent.futures.Future[Any]:
+    def _submit_one(self, method: str, pos: int, args: Any, kwargs: Any) -> Any:
         state = self._state
         if state.errors:
             state.raise_errors()
-        rank = self._shape.ranks[pos]
-        cf = getattr(self._handles[pos], method).remote(*args, **kwargs).future()
+        ref = getattr(self._handles[pos], method).remote(*args, **kwargs)
         with state.lock:
-            state.outstanding[rank] += 1
-        cf.add_done_callback(functools.partial(state.finished, rank))
-        return cf
+            state.outstanding[self._shape.ranks[pos]] += 1
+        return ref
 
-    def _submit_all(self, method: str, args: Any, kwargs: Any) -> list[concurrent.futures.Future[Any]]:
+    def _submit_all(self, method: str, args: Any, kwargs: Any) -> list[Any]:
         state = self._state
         if state.errors:
             state.raise_errors()
-        cfs = [getattr(handle, method).remote(*args, **kwargs).future() for handle in self._handles]
-        ranks = self._shape.ranks
+        refs = [getattr(handle, method).remote(*args, **kwargs) for handle in self._handles]
         with state.lock:
-            for rank in ranks:
+            for rank in self._shape.ranks:
                 state.outstanding[rank] += 1
-        for cf, rank in zip(cfs, ranks):
-            cf.add_done_callback(functools.partial(state.finished, rank))
-        return cfs
+        return refs
 
     def _least_loaded(self) -> int:
         state = self._state
@@ -188,8 +181,9 @@ class _ActorMeshImpl(Generic[A]):
                     best, best_load = pos, load
         return best
 
-    def _track_broadcast(self, method: str, pos: int, cf: concurrent.futures.Future[Any]) -> None:
+    def _track_broadcast(self, method: str, pos: int, ref: Any) -> None:
         state = self._state
+        cf = ref.future()
         with state.lock:
             state.broadcasts.add(cf)
         cf.add_done_callback(functools.partial(state.broadcast_done, self._name, self._shape.ranks[pos], method))
