@@ -57,12 +57,14 @@ class GroupStore:
 
     def add(self, reservation_id: int, items: list[Sample | msgspec.Raw], metas: list[SampleMeta]) -> None:
         """Append samples (already validated by the queue) to their groups."""
+        g: Group | None = None
         for item, m in zip(items, metas):
-            g = self.groups.get(m.group_id)
-            if g is None:
-                g = Group(m.group_id, m.group_size, reservation_id,
-                          min_behavior_version=m.behavior_version)
-                self.groups[m.group_id] = g
+            if g is None or m.group_id != g.group_id:  # batches mostly hold groups contiguously
+                g = self.groups.get(m.group_id)
+                if g is None:
+                    g = Group(m.group_id, m.group_size, reservation_id,
+                              min_behavior_version=m.behavior_version)
+                    self.groups[m.group_id] = g
             g.items.append(item)
             g.versions.append(m.behavior_version)
             g.t_generated.append(m.t_generated)

@@ -150,9 +150,10 @@ class SampleQueue:
                     f"{self._store.num_samples} queued samples ({self._store.ready_samples} in "
                     f"complete groups); unblocked by get_batch() consuming samples")
 
-        await self._wait(fits, timeout, self.config.put_timeout_s, what, "put_wait_s")
-        # The reservation may have been cancelled or filled by another put while this one waited.
-        check_put(metas, rid, self._res.get(rid), self._store.groups)
+        if not fits():
+            await self._wait(fits, timeout, self.config.put_timeout_s, what, "put_wait_s")
+            # The reservation may have been cancelled or filled by another put meanwhile.
+            check_put(metas, rid, self._res.get(rid), self._store.groups)
         res = self._res[rid]
         self._store.add(rid, items, metas)
         for gid in {m.group_id for m in metas}:
@@ -219,14 +220,8 @@ class SampleQueue:
 
         taken = await self._wait(lambda: self._try_take(n, current_version), timeout,
                                  self.config.get_timeout_s, what, "get_wait_s")
-        now = time.time()
-        for g in taken:
-            if current_version - g.min_behavior_version > self._adm.max_staleness:
-                self._counters.kept_stale += g.group_size
-            for v, t in zip(g.versions, g.t_generated):
-                self._counters.record_consumed(max(0, current_version - v), now - t if t > 0 else None)
+        self._counters.record_consumed(taken, current_version, self._adm.max_staleness, time.time())
         self._adm.consume(n)
-        self._counters.samples_consumed += n
         self._throughput.add(n)
         self._notify()
         return taken

@@ -12,6 +12,8 @@ from collections import deque
 
 import msgspec
 
+from meshrl.queues.groups import Group
+
 __all__ = ["QueueCounters", "ThroughputWindow"]
 
 
@@ -45,11 +47,20 @@ class QueueCounters(msgspec.Struct, kw_only=True):
     staleness_hist: dict[int, int] = {}
     """Consumed samples by staleness (trainer version minus the sample's behaviour version)."""
 
-    def record_consumed(self, staleness: int, age_s: float | None) -> None:
-        self.staleness_hist[staleness] = self.staleness_hist.get(staleness, 0) + 1
-        if age_s is not None:
-            self.age_s_sum += age_s
-            self.age_count += 1
+    def record_consumed(self, groups: list[Group], version: int, max_staleness: int, now: float) -> None:
+        """Count groups handed to the trainer at ``version`` (the hot path: plain loops)."""
+        hist = self.staleness_hist
+        for g in groups:
+            if version - g.min_behavior_version > max_staleness:
+                self.kept_stale += g.group_size
+            for v in g.versions:
+                k = version - v if v < version else 0
+                hist[k] = hist.get(k, 0) + 1
+            for t in g.t_generated:
+                if t > 0:  # 0 = the producer did not stamp it
+                    self.age_s_sum += now - t
+                    self.age_count += 1
+        self.samples_consumed += sum(g.group_size for g in groups)
 
 
 class ThroughputWindow:

@@ -51,7 +51,7 @@ class _EncodedView(msgspec.Struct):
     t_generated: float = 0.0
 
 
-_view_decoder = msgspec.msgpack.Decoder(_EncodedView)
+_views_decoder = msgspec.msgpack.Decoder(list[_EncodedView])
 
 
 def encode_samples(samples: list[Sample | msgspec.Raw]) -> bytes:
@@ -79,23 +79,19 @@ def split_encoded(blob: bytes) -> tuple[list[msgspec.Raw], list[SampleMeta]]:
     Raises ``ValueError`` naming the problem when the blob is not a list of samples.
     """
     try:
+        views = _views_decoder.decode(blob)
         # A Raw slice keeps its whole source blob alive; copies let a straggling group hold
         # only its own bytes (capacity_tokens would not see the rest).
         raws = [r.copy() for r in _raw_list_decoder.decode(blob)]
-        metas = []
-        for i, raw in enumerate(raws):
-            v = _view_decoder.decode(raw)
-            metas.append(SampleMeta(v.group_id, v.group_size, v.behavior_version,
-                                    _array_len(v.prompt_ids, i, "prompt_ids")
-                                    + _array_len(v.response_ids, i, "response_ids"),
-                                    v.t_generated))
-            _array_len(v.behavior_logprobs, i, "behavior_logprobs")
     except msgspec.MsgspecError as e:
         raise ValueError(f"put_encoded: the blob is not a msgpack list of Sample: {e}") from None
+    metas = [SampleMeta(v.group_id, v.group_size, v.behavior_version,
+                        _array_len(v.prompt_ids) + _array_len(v.response_ids), v.t_generated)
+             for v in views]
     return raws, metas
 
 
-def _array_len(raw: msgspec.Raw, index: int, name: str) -> int:
+def _array_len(raw: msgspec.Raw) -> int:
     """Length from a msgpack array header, without decoding the elements."""
     b = memoryview(raw)
     head = b[0]
@@ -105,4 +101,4 @@ def _array_len(raw: msgspec.Raw, index: int, name: str) -> int:
         return int.from_bytes(b[1:3], "big")
     if head == 0xDD:  # array 32
         return int.from_bytes(b[1:5], "big")
-    raise ValueError(f"put_encoded: sample {index}'s {name} is not an array")
+    raise ValueError("put_encoded: a sample's prompt_ids or response_ids is not an array")
