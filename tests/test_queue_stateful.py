@@ -259,7 +259,8 @@ TestQueueMachine = QueueMachine.TestCase
        script=st.lists(st.tuples(st.sampled_from(["reserve", "fill", "cancel", "train"]),
                                  st.integers(1, 4)), min_size=10, max_size=80))
 def test_in_order_producers_never_lose_work(eta, g, k, spv, script):
-    """Admission's promise: work generated at the granted version is never dropped as stale."""
+    """Admission's promise: work generated at (or after) the granted version and delivered in
+    grant order is never dropped as stale, whatever the interleaving of steps and cancels."""
     sps = g * k
 
     async def main():
@@ -274,9 +275,12 @@ def test_in_order_producers_never_lose_work(eta, g, k, spv, script):
                     pass
             elif action == "fill" and pending:
                 r = pending.pop(0)
+                # The engine generated with the weights of the grant, or with newer ones it
+                # received since (which only makes the sample fresher).
+                version = r.min_version if arg % 2 else steps // spv
                 batch = [Sample(prompt_id=gid * g + i, group_id=gid + i // g, group_size=g,
                                 prompt_ids=[1], response_ids=[2], behavior_logprobs=[0.0],
-                                behavior_version=r.min_version) for i in range(r.n)]
+                                behavior_version=version) for i in range(r.n)]
                 gid += r.n // g
                 await q.put(batch, r.id, timeout=0)
             elif action == "cancel" and pending:
