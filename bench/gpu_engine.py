@@ -1,0 +1,206 @@
+"""TorchEngine vs Hugging Face ``generate`` on one GPU: tokens/s, decode step time, bandwidth floor.
+
+Run on an H200 (needs torch, transformers, and ``msgspec`` for meshrl's request types):
+
+    python bench/gpu_engine.py                     # Qwen2.5-0.5B (batch 128) and 7B (batch 32) shapes
+    python bench/gpu_engine.py --models 0.5b --rounds 5
+    python bench/gpu_engine.py --tiny              # a 2-layer model on CPU: checks the script runs
+
+Each model is built from a Qwen2.5-shaped config with random bf16 weights (HF's own init, directly
+on the GPU). All sides generate ``--new-tokens`` tokens for ``--batch`` prompts of ``--prompt-len``
+random tokens with temperature-1 sampling and no early stop (the config has no EOS; TorchEngine
+also gets ``ignore_eos``):
+
+- ``hf``: plain ``generate`` (dynamic cache, eager);
+- ``hf-static``: ``generate(cache_implementation="static")``, which HF compiles with torch.compile
+  on CUDA (warm-up rounds absorb the compilation);
+- ``torch-engine``: TorchEngine (CUDA graphs on by default; ``--compile`` adds torch.compile).
+
+The decode step time is (full run - prefill-only run) / (new_tokens - 1). Its floor is the bytes one
+step must read — every weight once (the embedding table only as the LM head) plus the KV cache at
+the mean context length — divided by ``--hbm-tb-s`` (4.0 TB/s, about what an H200 sustains).
+
+A correctness check runs first: TorchEngine's sampled log-probs against HF's forward pass on the
+same tokens (max |diff| must be <= 2e-2 in bf16, 1e-4 in float32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from transformers import AutoModelForCausalLM, Qwen2Config  # noqa: E402
+
+from meshrl.engines import GenerateRequest, SamplingParams, TorchEngine, TorchEngineConfig  # noqa: E402
+
+SHAPES = {  # Qwen2.5 configs (config.json of the released checkpoints)
+    "0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                 num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
+    "7b": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+               num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False),
+    "tiny": dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+}
+DEFAULT_BATCH = {"0.5b": 128, "7b": 32, "tiny": 4}
+
+
+def build_hf(shape: str, device: torch.device, dtype: torch.dtype, max_len: int):
+    cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=max(32768, max_len), rope_theta=1e6,
+                      rms_norm_eps=1e-6, eos_token_id=None, bos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device: torch.device, rounds: int, warmup: int) -> float:
+    """Median seconds of ``fn`` over ``rounds`` after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(rounds):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def hf_runner(model, ids: torch.Tensor, new: int, static: bool):
+    def run(n_new: int = new):
+        with torch.no_grad():
+            kw = {"cache_implementation": "static"} if static else {}
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new,
+                                 min_new_tokens=n_new, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                                 pad_token_id=0, **kw)
+        assert out.shape == (ids.shape[0], ids.shape[1] + n_new), out.shape
+    return run
+
+
+def engine_runner(engine: TorchEngine, ids: torch.Tensor, new: int):
+    def run(n_new: int = new):
+        reqs = [GenerateRequest(input_ids=p, sampling=SamplingParams(max_new_tokens=n_new, temperature=1.0,
+                                                                     ignore_eos=True)) for p in ids.tolist()]
+        res = asyncio.run(engine.generate(reqs))
+        assert all(len(r.completions[0].output_ids) == n_new for r in res)
+    return run
+
+
+def check_logprobs(model, engine: TorchEngine, vocab: int, device: torch.device) -> float:
+    """Max |engine log-prob - HF forward log-prob| over 4 sampled sequences of 24 tokens (<= 88 in all)."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (5, 17, 33, 64)]
+    reqs = [GenerateRequest(input_ids=p, sampling=SamplingParams(max_new_tokens=24, temperature=0.8, seed=i,
+                                                                 ignore_eos=True)) for i, p in enumerate(prompts)]
+    worst = 0.0
+    for p, r in zip(prompts, asyncio.run(engine.generate(reqs))):
+        c = r.completions[0]
+        with torch.no_grad():
+            logits = model(torch.tensor([p + c.output_ids], device=device)).logits[0, len(p) - 1: -1].float()
+        ref = torch.log_softmax(logits / 0.8, -1).gather(1, torch.tensor(c.output_ids, device=device)[:, None])
+        worst = max(worst, float((ref.squeeze(1).cpu() - torch.tensor(c.logprobs)).abs().max()))
+    return worst
+
+
+def floor_s(model, batch: int, prompt: int, new: int, dtype: torch.dtype, tb_s: float) -> float:
+    """Bytes one decode step must read (weights once + KV at the mean context) / bandwidth."""
+    cfg = model.config
+    size = torch.empty((), dtype=dtype).element_size()
+    params = sum(p.numel() for p in model.parameters())
+    if not cfg.tie_word_embeddings:
+        params -= cfg.vocab_size * cfg.hidden_size  # the input embedding: B rows gathered, not read whole
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * size
+    return (params * size + batch * (prompt + new / 2) * kv_per_token) / (tb_s * 1e12)
+
+
+def bench_model(shape: str, args, device: torch.device, dtype: torch.dtype) -> list[tuple]:
+    batch = args.batch or DEFAULT_BATCH[shape]
+    prompt, new = args.prompt_len, args.new_tokens
+    model = build_hf(shape, device, dtype, prompt + new)
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (batch, prompt), generator=torch.Generator().manual_seed(1)).to(device)
+    cfg = TorchEngineConfig(dtype=str(dtype).removeprefix("torch."), device=str(device), max_batch_size=batch,
+                            max_seq_len=max(prompt + new, 96), cuda_graphs=not args.no_cuda_graphs, compile=args.compile)
+    t0 = time.perf_counter()
+    engine = TorchEngine.from_hf_model(model, config=cfg)
+    print(f"[{shape}] TorchEngine ready in {time.perf_counter() - t0:.1f}s "
+          f"(KV cache {engine.cache.nbytes / 2**30:.2f} GiB, cuda_graphs={engine._graphs is not None})", flush=True)
+    err = check_logprobs(model, engine, vocab, device)
+    tol = 2e-2 if dtype != torch.float32 else 1e-4
+    print(f"[{shape}] log-prob check vs HF forward: max |diff| = {err:.2e} "
+          f"({'PASS' if err <= tol else 'FAIL'}, tolerance {tol:g})", flush=True)
+    rows = []
+    runners = [("torch-engine", engine_runner(engine, ids, new))]
+    if not args.skip_hf:
+        runners += [("hf", hf_runner(model, ids, new, static=False))]
+    if not args.skip_hf_static:
+        runners += [("hf-static", hf_runner(model, ids, new, static=True))]
+    floor = floor_s(model, batch, prompt, new, dtype, args.hbm_tb_s)
+    for name, run in runners:
+        warm = args.warmup + (2 if name == "hf-static" else 0)  # compilation happens in the first calls
+        full = timed(run, device, args.rounds, warm)
+        pre = timed(lambda: run(1), device, args.rounds, 1)
+        step = (full - pre) / max(1, new - 1)
+        rows.append((shape, name, batch, batch * new / full, step, floor, full, pre))
+        print(f"[{shape}] {name}: {batch * new / full:,.0f} tok/s, decode step {step * 1e3:.3f} ms "
+              f"(floor {floor * 1e3:.3f} ms), prefill {pre * 1e3:.1f} ms", flush=True)
+    del engine, model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="0.5b,7b", help="comma-separated: 0.5b, 7b")
+    p.add_argument("--tiny", action="store_true", help="a 2-layer model on CPU, float32, 4 x (8 + 8) tokens")
+    p.add_argument("--batch", type=int, default=0, help="0: 128 for 0.5b, 32 for 7b")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--hbm-tb-s", type=float, default=4.0)
+    p.add_argument("--compile", action="store_true", help="TorchEngine: torch.compile the decode step")
+    p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--skip-hf-static", action="store_true")
+    args = p.parse_args(argv)
+    if args.tiny:
+        shapes, device, dtype = ["tiny"], torch.device("cpu"), torch.float32
+        args.prompt_len, args.new_tokens, args.rounds = 8, 8, 1
+        torch.set_num_threads(1)
+    else:
+        if not torch.cuda.is_available():
+            p.error("no CUDA device: run with --tiny on CPU")
+        shapes, device, dtype = args.models.split(","), torch.device("cuda"), torch.bfloat16
+    rows = [r for s in shapes for r in bench_model(s, args, device, dtype)]
+    print(f"\n{'model':6} {'impl':13} {'batch':>5} {'tok/s':>10} {'vs hf':>6} {'vs static':>9} {'step ms':>8} "
+          f"{'floor ms':>8} {'step/floor':>10}")
+    for shape, name, batch, tps, step, floor, _, _ in rows:
+        base = {n: t for s, n, _, t, *_ in rows if s == shape}
+        vs = lambda k: f"{tps / base[k]:.2f}x" if k in base else "-"  # noqa: E731
+        print(f"{shape:6} {name:13} {batch:5d} {tps:10,.0f} {vs('hf'):>6} {vs('hf-static'):>9} {step * 1e3:8.3f} "
+              f"{floor * 1e3:8.3f} {step / floor:10.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
