@@ -44,13 +44,16 @@ class DecodeGraphs:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(2):  # warm-up: cuBLAS handles, allocator, lazy module loading
-                core(self.max_size, s, sampling_flags=_GRAPH_FLAGS)
+            # warm-up: cuBLAS handles, allocator, lazy module loading, and (with torch.compile) every
+            # specialisation, so that nothing compiles or syncs while a graph is being captured
+            for b in [self.max_size] + self.sizes:
+                core(b, s, sampling_flags=_GRAPH_FLAGS)
+                self._reset_rows(0, b)  # each call advanced positions: keep them in range
         torch.cuda.current_stream().wait_stream(side)
         for b in reversed(self.sizes):  # largest first: smaller graphs reuse its pool memory
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                out = core(b, s, sampling_flags=_GRAPH_FLAGS)
+                out = core(b, s, sampling_flags=_GRAPH_FLAGS)  # recorded, not run
             self._graphs[b] = (graph, out)
         torch.cuda.synchronize()
         self._reset_rows(0, batch.rows)

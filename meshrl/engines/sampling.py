@@ -6,9 +6,10 @@ greedy rows (temperature 0) use the unscaled logits and take the argmax.
 
 Randomness is counter-based: row b draws one uniform number ``u = hash(seed_b, position_b)`` and
 picks the token by inverse CDF. A sample is therefore a pure function of its seed and its logits:
-it does not depend on which other requests share the batch, needs no generator state to move when
-rows are compacted, has no host sync, and is capturable in a CUDA graph. Unseeded requests get a
-seed drawn from the engine's seeded generator.
+it does not depend on which other requests share the batch and needs no generator state to move
+when rows are compacted. ``uniform`` computes u on the device (no host sync, capturable in a CUDA
+graph); ``uniform_np`` computes the same numbers on the host, which is cheaper on CPU than a dozen
+tiny kernels. Unseeded requests get a seed drawn from the engine's seeded generator.
 
 Simplifications, on purpose: top-k/top-p sort the full vocabulary (only when some row asks for
 them); ``min_p``, repetition penalties and logit biases are not implemented.
