@@ -7,6 +7,7 @@ import os
 import sys
 import threading
 import time
+from typing import Iterator
 
 import pytest
 import ray.cloudpickle
@@ -107,7 +108,7 @@ class Waiter(Actor):
 
 
 @pytest.fixture(scope="module")
-def procs(ray_cluster) -> ProcMesh:
+def procs(ray_cluster) -> Iterator[ProcMesh]:
     procs = spawn_procs({"a": 2, "b": 2}, cpus_per_proc=0.1, env={"MESHRL_TEST_ENV": "yes"}, name="test-mesh")
     yield procs
     procs.stop()
@@ -139,6 +140,11 @@ def test_shape_names_and_ranks(counters):
     import ray
 
     assert ray.get_actor("counters/3") is not None
+
+
+def test_rank_is_only_known_inside_actors():
+    with pytest.raises(RuntimeError, match="not inside a mesh actor"):
+        current_rank()
 
 
 def test_call_returns_one_value_per_rank(counters):

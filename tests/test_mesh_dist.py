@@ -13,6 +13,7 @@ from meshrl.mesh import (
     current_device_mesh,
     current_rank,
     endpoint,
+    init_torch_distributed,
     init_torch_distributed_on,
     join_process_group,
     spawn_procs,
@@ -56,6 +57,16 @@ class Worker(Actor):
         return t.tolist()
 
     @endpoint
+    def init_alone(self, timeout: float) -> str:
+        from meshrl.mesh import init_torch_distributed
+
+        try:
+            init_torch_distributed(timeout=timeout)
+        except TimeoutError as exc:
+            return str(exc)
+        return "joined"
+
+    @endpoint
     def has_default_group(self) -> bool:
         import torch.distributed as dist
 
@@ -95,9 +106,14 @@ def test_two_meshes_join_one_group_and_broadcast(trainers):
     expected = [0.0, 10.0, 20.0, 30.0]
     assert a.get(timeout=90).values() == [expected] * 2
     assert b.get(timeout=90).values() == [expected] * 2
+    # A rendezvous whose rank 0 never comes times out and says what it waited for.
+    alone = receivers.slice(procs=1).init_alone.call_one(1.0).get(timeout=60)
+    assert "rank 1 of mesh 'receivers' waited 1.0 s for rank 0" in alone
     procs.stop()
 
 
 def test_init_outside_a_whole_mesh_is_refused(trainers):
     with pytest.raises(ValueError, match="needs every actor of mesh 'trainers'"):
         init_torch_distributed_on(trainers.slice(dp=0))
+    with pytest.raises(RuntimeError, match="not inside a mesh actor"):
+        init_torch_distributed()

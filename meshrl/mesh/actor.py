@@ -17,7 +17,9 @@ so one CPU-heavy sync method would stall every other call):
   (``.get()`` there raises; use ``await``). Sync endpoints are moved off the loop onto one
   dedicated thread per actor, so they still run one at a time in arrival order, may block and
   may burn CPU without stalling the async endpoints. They do run concurrently with the async
-  endpoints: state shared between the two kinds needs a lock.
+  endpoints: state shared between the two kinds needs a lock. Ray's ``max_concurrency`` (1000
+  for async actors; ``spawn(..., max_concurrency=N)``) bounds the calls in flight; keep it
+  large where calls wait on each other (a queue's ``get`` waiting for a ``put``), or they deadlock.
 
 Simplifications: one actor per process, so the mesh context is a module global; sync endpoints of
 an async actor share a single thread (no per-endpoint pools).
@@ -41,6 +43,7 @@ if TYPE_CHECKING:
     from typing import Self
 
     from meshrl.mesh.adverbs import Endpoint, Future
+    from meshrl.mesh.state import Flush
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -88,14 +91,13 @@ class Actor:
     if TYPE_CHECKING:
         # Type checkers see ``ActorMesh[A]`` as ``A`` (see ``actor_mesh``), so the mesh-side
         # surface is declared here for them; it does not exist on the actor object itself.
-        @property
-        def name(self) -> str: ...
-        @property
-        def sizes(self) -> dict[str, int]: ...
+        name: str
+        sizes: dict[str, int]
+
         def slice(self, **dims: int | slice) -> Self: ...
         def flatten(self, name: str) -> Self: ...
         def ready(self) -> Future[None]: ...
-        def flush(self) -> Future[None]: ...
+        def flush(self) -> Flush: ...
         def stop(self) -> None: ...
         def __len__(self) -> int: ...
 
@@ -211,7 +213,7 @@ def ray_actor_class(cls: type, supervised: bool) -> Any:
     if supervised in per_cls:
         return per_cls[supervised]
     is_async = has_async_methods(cls)
-    user_init = cls.__init__
+    user_init = cls.__init__  # type: ignore[misc]
 
     def __init__(self: Any, ctx: Context, *args: Any, **kwargs: Any) -> None:
         _set_context(ctx)  # a by-reference call: this class travels to Ray by value
@@ -230,6 +232,6 @@ def ray_actor_class(cls: type, supervised: bool) -> Any:
     sub.__qualname__ = cls.__qualname__
     sub.__module__ = cls.__module__
     sub.__doc__ = cls.__doc__
-    remote = ray.remote(concurrency_groups={WATCH_GROUP: 1}) if supervised else ray.remote
+    remote = ray.remote(concurrency_groups={WATCH_GROUP: 1}) if supervised else ray.remote  # type: ignore[call-overload]
     per_cls[supervised] = remote(sub)
     return per_cls[supervised]

@@ -166,8 +166,8 @@ class Future(Generic[R]):
                 raise self._timeout(timeout, waiting) from None
         self._release()
         for cf, rank in zip(cfs, self._ranks):
-            if cf.done() and (exc := cf.exception()) is not None:
-                raise translate(exc, self._mesh, rank, self._method)
+            if cf.done() and (err := cf.exception()) is not None:
+                raise translate(err, self._mesh, rank, self._method)
         return self._finish([cf.result() for cf in cfs])
 
     def _timeout(self, timeout: float | None, waiting: list[int]) -> TimeoutError:

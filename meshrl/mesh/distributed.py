@@ -128,13 +128,14 @@ def init_torch_distributed(backend: str | None = None, timeout: float = 120.0) -
     _generation += 1
     store, ip, port = _publish_or_fetch(key, rank, ctx.mesh, timeout)
     device_type = "cuda" if backend == "nccl" else "cpu"
-    env = {"RANK": rank, "WORLD_SIZE": world, "MASTER_ADDR": ip, "MASTER_PORT": port}
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": ip, "MASTER_PORT": str(port)}
     if device_type == "cuda":
-        env["LOCAL_RANK"] = _local_device_index()
+        device = _local_device_index()
+        env["LOCAL_RANK"] = str(device)
         # Set before any collective so NCCL binds this actor's GPU, not device 0 of a shared view.
-        torch.cuda.set_device(int(env["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
         os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
-    os.environ.update({k: str(v) for k, v in env.items()})
+    os.environ.update(env)
     try:
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
         _device_mesh = init_device_mesh(device_type, ctx.sizes, mesh_dim_names=ctx.labels)
@@ -199,7 +200,9 @@ def join_process_group(
         store, rank, world_size = next(rendezvous(f"tcp://{master_addr}:{master_port}", rank, world_size, timeout=td))
         store.set_timeout(td)
         store = PrefixStore(group_name, store)
-        pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name, timeout=td)
+        pg, _ = _new_process_group_helper(
+            world_size, rank, [], Backend(backend), store, group_name=group_name, timeout=td  # type: ignore[arg-type]
+        )
     except Exception as exc:
         exc.add_note(
             f"joining process group {group_name!r} as rank {rank} of {world_size} at {master_addr}:{master_port} "

@@ -214,7 +214,7 @@ class ProcMesh:
             options["max_concurrency"] = max_concurrency
         if self._env:
             options["runtime_env"] = {"env_vars": dict(self._env)}
-        handles = []
+        handles: list[Any] = []
         for rank, proc_rank in enumerate(self._shape.ranks):
             ctx = Context(name, uid, rank, self._shape.labels, self._shape.sizes)
             strategy = PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=self._bundle_of[proc_rank])
