@@ -16,7 +16,6 @@ Names an endpoint must not have, because the mesh itself uses them: see ``RESERV
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import TYPE_CHECKING, Annotated, Any, Generic, TypeVar
 
@@ -148,6 +147,8 @@ class _ActorMeshImpl(Generic[A]):
 
     def _submit_one(self, method: str, pos: int, args: Any, kwargs: Any) -> Any:
         state = self._state
+        if state.broadcasts:
+            state.check()
         if state.errors:
             state.raise_errors()
         ref = getattr(self._handles[pos], method).remote(*args, **kwargs)
@@ -155,8 +156,10 @@ class _ActorMeshImpl(Generic[A]):
             state.outstanding[self._shape.ranks[pos]] += 1
         return ref
 
-    def _submit_all(self, method: str, args: Any, kwargs: Any) -> list[Any]:
+    def _submit_all(self, method: str, args: Any, kwargs: Any, check: bool = True) -> list[Any]:
         state = self._state
+        if check and state.broadcasts:
+            state.check()
         if state.errors:
             state.raise_errors()
         refs = [getattr(handle, method).remote(*args, **kwargs) for handle in self._handles]
@@ -181,12 +184,10 @@ class _ActorMeshImpl(Generic[A]):
                     best, best_load = pos, load
         return best
 
-    def _track_broadcast(self, method: str, pos: int, ref: Any) -> None:
-        state = self._state
-        cf = ref.future()
-        with state.lock:
-            state.broadcasts.add(cf)
-        cf.add_done_callback(functools.partial(state.broadcast_done, self._name, self._shape.ranks[pos], method))
+    def _broadcast(self, method: str, args: Any, kwargs: Any) -> None:
+        # A burst of broadcasts is checked once, by the next other adverb (or every CHECK_EVERY).
+        refs = self._submit_all(method, args, kwargs, check=False)
+        self._state.sent(refs, self._name, self._shape.ranks, method)
 
 
 def _none(_values: list[Any]) -> None:

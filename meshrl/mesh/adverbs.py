@@ -10,8 +10,8 @@ is as close to raw Ray as it gets, because the mesh layer must cost almost nothi
   ``await ref`` does) and wake the event loop once, when all answered or one failed.
 
 Failures are attributed to a rank only on the error path. ``broadcast`` is fire and forget, but
-its failures are kept (see ``state``): raised by the next adverb on any view of the mesh in this
-process, or by ``mesh.flush()``.
+its failures are kept (see ``state``): logged when seen and raised by the next adverb on any view
+of the mesh in this process, or by ``mesh.flush()``.
 
 Simplifications: ``choose`` breaks ties round-robin; arguments are serialized once per actor (for
 a large argument sent to many actors, pass ``ray.put(x)``, which Ray resolves before the call).
@@ -285,9 +285,7 @@ class Endpoint(Generic[P, R, L]):
 
     def broadcast(self, *args: P.args, **kwargs: P.kwargs) -> None:
         """Call every actor without waiting; failures are logged and raised later (module doc)."""
-        mesh = self._mesh
-        for pos, ref in enumerate(mesh._submit_all(self._method, args, kwargs)):
-            mesh._track_broadcast(self._method, pos, ref)
+        self._mesh._broadcast(self._method, args, kwargs)
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> L:
         raise TypeError(

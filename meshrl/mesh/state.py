@@ -5,9 +5,13 @@ that mesh in the process (looked up by the mesh's id), so "outstanding calls fro
 means from this process.
 
 - ``outstanding[rank]``: calls sent and not yet collected by the caller (awaited, ``.get()``,
-  streamed, or the future dropped) or, for broadcasts, not yet finished. ``choose`` reads it.
-- Broadcast failures: logged when they happen, kept until the next adverb on the mesh (or
-  ``flush``) raises the oldest, then forgotten.
+  streamed, or the future dropped) or, for broadcasts, not yet seen finished. ``choose`` reads it.
+- Broadcasts: their refs are kept and checked without blocking (``ray.wait(..., timeout=0)``)
+  at the start of every other adverb on the mesh, every ``CHECK_EVERY`` broadcasts, and by ``flush``
+  (which waits). A failure is logged when seen and raised by that adverb or ``flush``; the
+  oldest is raised, the rest were logged. Checking lazily instead of with a completion callback
+  per call keeps a broadcast as cheap as a raw ``.remote()`` (a callback per call costs a thread
+  hop and a deserialization on Ray's thread while the caller runs).
 """
 
 from __future__ import annotations
@@ -18,11 +22,23 @@ import logging
 import threading
 import time
 import weakref
-from typing import Any, Generator
+from typing import Any, Generator, NamedTuple
+
+import ray
 
 from meshrl.mesh.errors import translate
 
 log = logging.getLogger("meshrl.mesh")
+
+CHECK_EVERY = 1024
+"""Pending broadcast calls after which ``broadcast`` itself looks for finished ones (bounds memory)."""
+
+
+class _Sent(NamedTuple):
+    ref: Any
+    mesh: str
+    rank: int
+    method: str
 
 
 class MeshState:
@@ -34,8 +50,8 @@ class MeshState:
         self.lock = threading.RLock()
         self.outstanding = [0] * size
         self.next_choice = 0
-        self.broadcasts: set[Any] = set()  # concurrent futures of unfinished broadcast calls
-        self.broadcast_done_cv = threading.Condition(self.lock)
+        self.broadcasts: list[_Sent] = []  # broadcast calls not yet seen finished
+        self._checking = threading.Lock()  # one checker at a time, so a call is collected once
         self.errors: collections.deque[BaseException] = collections.deque()
 
     def release(self, ranks: tuple[int, ...] | list[int]) -> None:
@@ -43,16 +59,44 @@ class MeshState:
             for rank in ranks:
                 self.outstanding[rank] -= 1
 
-    def broadcast_done(self, mesh: str, rank: int, method: str, cf: Any) -> None:
-        exc = cf.exception()
-        if exc is not None:
-            err = translate(exc, mesh, rank, method)
-            log.error("broadcast of `%s` to %s/%d failed: %s", method, mesh, rank, err)
-            self.errors.append(err)
+    def sent(self, refs: list[Any], mesh: str, ranks: tuple[int, ...], method: str) -> None:
+        """Remember broadcast calls (their outstanding counts were taken at submission)."""
         with self.lock:
-            self.outstanding[rank] -= 1
-            self.broadcasts.discard(cf)
-            self.broadcast_done_cv.notify_all()
+            self.broadcasts.extend(_Sent(ref, mesh, rank, method) for ref, rank in zip(refs, ranks))
+            many = len(self.broadcasts) >= CHECK_EVERY
+        if many:
+            self.check()
+
+    def check(self, timeout: float = 0.0) -> bool:
+        """Collect finished broadcasts (waiting up to ``timeout``); True if none is left pending."""
+        with self._checking:
+            with self.lock:
+                pending = list(self.broadcasts)
+            if not pending:
+                return True
+            refs = [s.ref for s in pending]
+            ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout)[0])
+            done = [s for s in pending if s.ref in ready]
+            if done:
+                try:
+                    ray.get([s.ref for s in done])
+                except ray.exceptions.RayError:
+                    self._record_failures(done)
+            with self.lock:
+                finished = {id(s) for s in done}
+                self.broadcasts = [s for s in self.broadcasts if id(s) not in finished]
+                for s in done:
+                    self.outstanding[s.rank] -= 1
+                return not self.broadcasts
+
+    def _record_failures(self, done: list[_Sent]) -> None:
+        for s in done:
+            try:
+                ray.get(s.ref)
+            except ray.exceptions.RayError as exc:
+                err = translate(exc, s.mesh, s.rank, s.method)
+                log.error("broadcast of `%s` to %s/%d failed: %s", s.method, s.mesh, s.rank, err)
+                self.errors.append(err)
 
     def raise_errors(self) -> None:
         """Raise the oldest unreported broadcast failure (the rest were logged) and forget them."""
@@ -67,26 +111,21 @@ class MeshState:
 
 
 class Flush:
-    """Done when the broadcasts sent before it finished; raises their first failure."""
+    """Done when every broadcast sent so far finished; raises the first failure among them."""
 
     def __init__(self, mesh: str, state: MeshState):
         self._mesh = mesh
         self._state = state
-        with state.lock:
-            self._pending = set(state.broadcasts)
 
     def get(self, timeout: float | None = None) -> None:
         state = self._state
         deadline = None if timeout is None else time.monotonic() + timeout
-        with state.lock:
-            while self._pending & state.broadcasts:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TimeoutError(
-                        f"flush of mesh {self._mesh!r}: {len(self._pending & state.broadcasts)} "
-                        f"broadcast call(s) did not finish within {timeout} s"
-                    )
-                state.broadcast_done_cv.wait(left)
+        while not state.check(timeout=0.1 if deadline is None else max(0.0, min(0.1, deadline - time.monotonic()))):
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"flush of mesh {self._mesh!r}: {len(state.broadcasts)} broadcast call(s) did "
+                    f"not finish within {timeout} s"
+                )
         state.raise_errors()
 
     def __await__(self) -> Generator[Any, None, None]:
