@@ -12,8 +12,9 @@ procs.stop()
 ```
 
 Modules: ``shape`` (dims, slicing, ValueMesh), ``actor`` (Actor, @endpoint, the threading rule),
-``adverbs`` (endpoints, adverbs and futures), ``actor_mesh``, ``proc_mesh`` (placement), ``supervision``
-(restarts), ``errors``, ``distributed`` (process groups).
+``adverbs`` (endpoints, adverbs and futures), ``state`` (outstanding calls, broadcast failures),
+``actor_mesh``, ``proc_mesh`` (placement), ``supervision`` (restarts), ``errors``, ``distributed``
+(process groups).
 """
 
 from meshrl.mesh.actor import Actor, Rank, current_rank, current_size, endpoint
