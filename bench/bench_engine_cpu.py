@@ -2,14 +2,17 @@
 
 Run: ``OMP_NUM_THREADS=1 pytest bench/bench_engine_cpu.py --benchmark-only``. Each case builds an
 embedded-default-sized Qwen2 model (random weights, float32) and generates ``new_tokens`` tokens
-for ``prompts x n`` sequences of ``prompt_len`` tokens with temperature-1 sampling and no early stop
-(HF: no EOS in the config; TorchEngine: ``ignore_eos``), one thread each. HF runs first, then the
-engine on the same weights; the engine case writes ``speedup`` (HF time / engine time) and both
-write ``tok_per_s`` into ``extra_info`` and print one line per pair.
+for ``prompts x n`` sequences with temperature-1 sampling and no early stop (HF: no EOS in the
+config; TorchEngine: ``ignore_eos``), one thread each. Prompts are 8-16 tokens long (uniform; HF
+gets them left-padded with an attention mask, as its batched ``generate`` needs), except in
+``fixed`` where all have 12. HF runs first, then the engine on the same weights and prompts; the
+engine case writes ``speedup`` (HF time / engine time), both write ``tok_per_s`` into
+``extra_info``, and one line per pair is printed.
 
 Cases: ``small`` (hidden 64, 2 layers, 64 sequences), ``default`` (hidden 128, 4 layers, 256
-sequences), ``grpo`` (the ``default`` model, 32 prompts x 8 samples: TorchEngine prefills each prompt
-once, HF's ``num_return_sequences`` prefills every copy), ``wide`` (hidden 64, 512 sequences).
+sequences), ``fixed`` (``default`` with equal prompt lengths: no padding for HF to waste),
+``grpo`` (the ``default`` model, 32 prompts x 8 samples: TorchEngine prefills each prompt once, HF's
+``num_return_sequences`` prefills every copy), ``wide`` (hidden 64, 512 sequences, 12 new tokens).
 
 Timing is CPU time of this process (``time.process_time``), not wall time: the machine is shared
 and both sides run on one thread, so CPU time is the cost that does not depend on the neighbours.
@@ -32,11 +35,12 @@ from meshrl.engines import GenerateRequest, SamplingParams, TorchEngine, TorchEn
 
 torch.set_num_threads(1)
 
-CASES = {  # hidden, layers, prompts, n, prompt_len, new_tokens
-    "small": (64, 2, 64, 1, 12, 8),
-    "default": (128, 4, 256, 1, 12, 8),
-    "grpo": (128, 4, 32, 8, 12, 8),
-    "wide": (64, 2, 512, 1, 16, 12),
+CASES = {  # hidden, layers, prompts, n, (min, max) prompt tokens, new_tokens
+    "small": (64, 2, 64, 1, (8, 16), 8),
+    "default": (128, 4, 256, 1, (8, 16), 8),
+    "fixed": (128, 4, 256, 1, (12, 12), 8),
+    "grpo": (128, 4, 32, 8, (8, 16), 8),
+    "wide": (64, 2, 512, 1, (8, 16), 12),
 }
 ROUNDS = 5
 _times: dict[str, float] = {}
@@ -44,7 +48,7 @@ _times: dict[str, float] = {}
 
 class _Case:
     def __init__(self, name: str):
-        hidden, layers, prompts, n, plen, new = CASES[name]
+        hidden, layers, prompts, n, (lo, hi), new = CASES[name]
         self.n, self.new, self.sequences = n, new, prompts * n
         cfg = Qwen2Config(vocab_size=64, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -52,14 +56,18 @@ class _Case:
         torch.manual_seed(0)
         self.hf = AutoModelForCausalLM.from_config(cfg).eval()
         self.engine = TorchEngine.from_hf_model(self.hf, config=TorchEngineConfig(
-            max_batch_size=self.sequences, max_seq_len=plen + new, device="cpu", dtype="float32"))
-        self.ids = torch.randint(1, 64, (prompts, plen), generator=torch.Generator().manual_seed(1))
-        self.reqs = [GenerateRequest(input_ids=p.tolist(), sampling=SamplingParams(
-            max_new_tokens=new, temperature=1.0, top_p=1.0, top_k=-1, n=n, ignore_eos=True)) for p in self.ids]
+            max_batch_size=self.sequences, max_seq_len=hi + new, device="cpu", dtype="float32"))
+        g = torch.Generator().manual_seed(1)
+        lengths = torch.randint(lo, hi + 1, (prompts,), generator=g).tolist()
+        ps = [torch.randint(1, 64, (k,), generator=g).tolist() for k in lengths]
+        self.ids = torch.tensor([[0] * (hi - len(p)) + p for p in ps])  # left-padded for HF
+        self.mask = torch.tensor([[0] * (hi - len(p)) + [1] * len(p) for p in ps])
+        self.reqs = [GenerateRequest(input_ids=p, sampling=SamplingParams(
+            max_new_tokens=new, temperature=1.0, top_p=1.0, top_k=-1, n=n, ignore_eos=True)) for p in ps]
 
     def run_hf(self) -> int:
         with torch.no_grad():
-            out = self.hf.generate(input_ids=self.ids, attention_mask=torch.ones_like(self.ids),
+            out = self.hf.generate(input_ids=self.ids, attention_mask=self.mask,
                                    max_new_tokens=self.new, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                                    num_return_sequences=self.n, pad_token_id=0)
         return (out.shape[1] - self.ids.shape[1]) * out.shape[0]

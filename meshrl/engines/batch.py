@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from meshrl.engines.kv_cache import KVCache
-from meshrl.engines.model import Transformer
+from meshrl.engines.model import PackedPrompts, Transformer
 from meshrl.engines.sampling import mix_seed, sample, uniform, uniform_np
 from meshrl.engines.types import Completion, FinishReason, GenerateRequest
 
@@ -98,16 +98,14 @@ class RunningBatch:
         """
         dev, lo = self.model.device, self.size
         prompts = [r.input_ids for _, r, _ in batch]
-        t = max(len(p) for p in prompts)
-        tokens = torch.tensor([p + [0] * (t - len(p)) for p in prompts], dtype=torch.int64)
         counts = [r.sampling.n for _, r, _ in batch]
-        m = sum(counts)
-        hi = lo + m
-        irows, frows, flag_rows = [], [], []
+        hi = lo + sum(counts)
+        irows, frows, flag_rows, first_rows = [], [], [], []
         for (owner, req, seed), n in zip(batch, counts):
             sp = req.sampling
             stops = self.stop_ids(req)
             greedy, filtered = sp.temperature == 0, sp.temperature > 0 and (sp.top_k != -1 or sp.top_p < 1)
+            first_rows.append(lo + len(irows))
             for j in range(n):
                 row = lo + len(irows)
                 self.seqs[row] = Seq(owner, j, row, version, greedy, filtered, bool(stops))
@@ -124,13 +122,14 @@ class RunningBatch:
         self.istate[lo:hi].copy_(torch.tensor(irows, dtype=torch.int64), non_blocking=True)
         self.fstate[lo:hi].copy_(torch.tensor(frows, dtype=torch.float32), non_blocking=True)
         self.flags[lo:hi].copy_(torch.tensor(flag_rows, dtype=torch.bool), non_blocking=True)
-        src = None if m == len(batch) else torch.repeat_interleave(torch.arange(len(batch)), torch.tensor(counts))
-        last = torch.tensor([len(p) - 1 for p in prompts])
-        rows = self.row_ids[lo:hi]
-        logits = self.model.prefill(tokens.to(dev, non_blocking=True), last.to(dev), self.cache, rows,
-                                    None if src is None else src.to(dev))  # [N, V]
-        if src is not None:
-            logits = logits.index_select(0, src.to(dev))  # [M, V]: the samples of a prompt share its logits
+        logits = self.model.prefill(PackedPrompts(prompts, first_rows, dev), self.cache)  # [N, V]
+        if hi - lo > len(batch):  # the other samples of a prompt copy its KV and share its logits
+            src = [f for f, n in zip(first_rows, counts) for _ in range(1, n)]
+            dst = [f + j for f, n in zip(first_rows, counts) for j in range(1, n)]
+            self.cache.move_rows(torch.tensor(src, device=dev), torch.tensor(dst, device=dev),
+                                 max(len(p) for p in prompts))
+            prompt_of_row = torch.repeat_interleave(torch.arange(len(batch)), torch.tensor(counts))
+            logits = logits.index_select(0, prompt_of_row.to(dev))  # [M, V]
         self.size = hi
         self._sample_and_record(logits, lo, hi)
         self.olen[lo:hi] = 1

@@ -48,15 +48,22 @@ class KVCache:
         b = pos.shape[0]
         return self._write_base + (self._row_offset[:b] + pos)[:, None, None]
 
+    def write_index(self, rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Flat indices ``[K, 2, Hkv]`` of position ``pos[i]`` in cache row ``rows[i]``."""
+        return self._write_base + (self._row_offset[rows] + pos)[:, None, None]
+
     def write_decode(self, layer: int, index: torch.Tensor, kv_new: torch.Tensor) -> None:
-        """Store ``kv_new[B, 2, Hkv, D]`` (keys then values) at ``index`` from ``decode_write_index``."""
+        """Store ``kv_new[K, 2, Hkv, D]`` (keys then values) at flat ``index`` ``[K, 2, Hkv]``."""
         self._flat[layer].index_put_((index,), kv_new)
 
-    def write_prefill(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store prompt keys/values ``[M, Hkv, T, D]`` at positions ``[0, T)`` of cache ``rows`` ``[M]``."""
-        t = k.shape[2]
-        self.kv[layer, 0, :, :, :t].index_copy_(0, rows, k)
-        self.kv[layer, 1, :, :, :t].index_copy_(0, rows, v)
+    def rows_prefix(self, layer: int, rows: torch.Tensor, rows_start: int | None, s: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[N, Hkv, s, D]`` of the given rows: a view when they are consecutive."""
+        if rows_start is not None:
+            kv = self.kv[layer, :, rows_start: rows_start + rows.shape[0], :, :s]
+        else:
+            kv = self.kv[layer, :, :, :, :s].index_select(1, rows)
+        return kv[0], kv[1]
 
     def layer_prefix(self, layer: int, b: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of keys and values ``[b, Hkv, s, D]`` of rows ``[0, b)``, positions ``[0, s)``."""
@@ -64,6 +71,6 @@ class KVCache:
         return kv[0], kv[1]
 
     def move_rows(self, src: torch.Tensor, dst: torch.Tensor, seq_len: int) -> None:
-        """Copy positions ``[0, seq_len)`` of rows ``src`` into rows ``dst`` (disjoint sets)."""
+        """Copy positions ``[0, seq_len)`` of rows ``src`` into rows ``dst`` (disjoint sets; sources may repeat)."""
         view = self.kv[:, :, :, :, :seq_len]
         view.index_copy_(2, dst, view.index_select(2, src))

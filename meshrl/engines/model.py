@@ -8,14 +8,17 @@ model never sees a mesh.
 
 The KV cache is a static slot cache (``kv_cache.py``): one row per running sequence, written in
 place. Decode attention reads each row's prefix ``[0, S)`` of the cache under an additive mask.
+Prefill packs prompts without padding for everything but attention, and runs the last layer's
+attention/MLP for the last prompt token only (the other positions only need their keys/values).
 
-Simplifications, on purpose: prefill runs on right-padded prompts (padding rows compute garbage that
-nothing reads; decode overwrites their cache entries before they become visible); no prefix caching;
-attention is plain matmul + softmax (no paged or flash kernels) so it runs the same on CPU and GPU.
+Simplifications, on purpose: no prefix caching; decode attention is plain matmul + softmax and
+prefill attention is SDPA over a right-padded view (no paged or varlen kernels), so it runs the
+same on CPU and GPU.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Callable, Iterable
 
 import torch
@@ -23,6 +26,32 @@ import torch.nn.functional as F
 
 from meshrl.engines.kv_cache import KVCache
 from meshrl.engines.layout import EngineLayout, ModelSpec
+
+
+class PackedPrompts:
+    """Prompts concatenated without padding, with what prefill needs to place each token.
+
+    tokens, positions, prompt_of: ``[total]`` (id, position in its prompt, prompt index);
+    last: ``[N]`` packed index of each prompt's last token; rows: ``[N]`` cache row that receives
+    each prompt's KV; rows_start: ``rows[0]`` when rows are consecutive (lets attention read the
+    cache through a view), else None; max_len: the longest prompt (host int).
+    """
+
+    __slots__ = ("tokens", "positions", "prompt_of", "last", "rows", "rows_start", "max_len")
+
+    def __init__(self, prompts: list[list[int]], rows: list[int], device: torch.device):
+        lengths = [len(q) for q in prompts]
+        flat = [tok for q in prompts for tok in q]
+        pos = [j for n in lengths for j in range(n)]
+        owner = [i for i, n in enumerate(lengths) for _ in range(n)]
+        ends = list(itertools.accumulate(lengths))
+        packed = torch.tensor([flat, pos, owner], dtype=torch.int64).to(device, non_blocking=True)  # one copy
+        self.tokens, self.positions, self.prompt_of = packed[0], packed[1], packed[2]
+        self.last = torch.tensor([e - 1 for e in ends], dtype=torch.int64).to(device, non_blocking=True)
+        self.rows = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+        consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
+        self.rows_start = rows[0] if consecutive else None
+        self.max_len = max(lengths)
 
 
 class _Layer:
@@ -155,7 +184,8 @@ class Transformer:
         h = F.rms_norm(x, (x.shape[-1],), layer.mlp_norm, self.spec.rms_norm_eps)
         gate_up = F.linear(h, layer.gate_up_w, layer.gate_up_b)  # [N, 2 * I]
         gate, up = gate_up.chunk(2, dim=-1)
-        return self._residual_matmul(x, F.silu(gate) * up, layer.down_w_t, layer.down_b)
+        act = F.silu(gate, inplace=True).mul_(up)  # in place: no new [N, I] buffers on the hot path
+        return self._residual_matmul(x, act, layer.down_w_t, layer.down_b)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head, in float32 for sampling and log-probs. ``[B, hidden] -> [B, V]``."""
@@ -165,38 +195,38 @@ class Transformer:
     # ---- the verbs --------------------------------------------------------------------------
 
     @torch.no_grad()
-    def prefill(self, tokens: torch.Tensor, last: torch.Tensor, cache: KVCache, rows: torch.Tensor,
-                src: torch.Tensor | None = None) -> torch.Tensor:
-        """Run right-padded prompts, write their KV into cache ``rows``; logits at ``last``.
+    def prefill(self, p: "PackedPrompts", cache: KVCache) -> torch.Tensor:
+        """Run packed prompts (no padding in the matmuls), write their KV into ``p.rows``.
 
-        tokens: ``[N, T]`` prompt ids, right-padded; last: ``[N]`` index of each prompt's last token;
-        rows: ``[M]`` cache rows to fill; src: ``[M]`` prompt of each row (None: row i <- prompt i,
-        M == N). ``n`` samples of one prompt share its prefill by listing the prompt n times in src.
-        Returns ``[N, V]`` float32 logits of each prompt's last token.
+        Matmuls and elementwise work run on the ``[total, hidden]`` packed tokens; only attention
+        sees a padded ``[N, H, T, D]`` view (queries scattered in, keys/values read back from the
+        cache). Returns ``[N, V]`` float32 logits of each prompt's last token.
         """
-        n, t = tokens.shape
-        cs = self.rope_table(t)[:t]  # [T, 2, D]
-        cos, sin = cs[:, 0:1], cs[:, 1:2]  # [T, 1, D]: broadcast over heads
+        n, t = p.last.shape[0], p.max_len
         nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        prompts = torch.arange(n, device=tokens.device)
-        x = F.embedding(tokens.flatten(), self.embed)  # [N*T, hidden]
+        cs = self.rope_table(t)[p.positions]  # [total, 2, D]
+        cos, sin = cs[:, 0:1], cs[:, 1:2]  # [total, 1, D]: broadcast over heads
+        write_idx = cache.write_index(p.rows[p.prompt_of], p.positions)  # [total, 2, Hkv]
+        x = F.embedding(p.tokens, self.embed)  # [total, hidden]
         for i, layer in enumerate(self.layers):
-            qkv = self._qkv(layer, x.view(n, t, -1), cos, sin)  # [N, T, (H + 2Hkv) * D]
-            q, k, v = qkv.unflatten(-1, (nq + 2 * nkv, d)).transpose(1, 2).split([nq, nkv, nkv], dim=1)
-            cache.write_prefill(i, rows, k if src is None else k.index_select(0, src),
-                                v if src is None else v.index_select(0, src))  # k, v: [N, Hkv, T, D]
+            qkv = self._qkv(layer, x, cos, sin)  # [total, (H + 2Hkv) * D]
+            cache.write_decode(i, write_idx, qkv[:, nq * d:].unflatten(-1, (2, nkv, d)))
+            k, v = cache.rows_prefix(i, p.rows, p.rows_start, t)  # [N, Hkv, T, D]
             if i < len(self.layers) - 1:
-                attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
-                                                      enable_gqa=nkv != nq)  # [N, H, T, D]
-                x = self._out_and_mlp(layer, x, attn.transpose(1, 2).reshape(n * t, nq * d))
+                q = qkv.new_zeros(n, t, nq * d)
+                q[p.prompt_of, p.positions] = qkv[:, : nq * d]  # [N, T, H*D], right-padded
+                # padded queries see stale cache entries past their prompt; their outputs are dropped
+                attn = F.scaled_dot_product_attention(q.view(n, t, nq, d).transpose(1, 2), k, v, is_causal=True,
+                                                      scale=self.scale, enable_gqa=nkv != nq)  # [N, H, T, D]
+                x = self._out_and_mlp(layer, x, attn.transpose(1, 2)[p.prompt_of, p.positions].flatten(1))
             else:
                 # last layer: only the last prompt token's output matters (the cache already has
-                # every position's k/v), so attention, o-projection and MLP run on N rows, not N*T
-                q_last = qkv[prompts, last, : nq * d].view(n, nkv, nq // nkv, d)  # [N, Hkv, G, D]
-                valid = torch.arange(t, device=tokens.device) <= last[:, None]  # [N, T]
+                # every position's k/v), so attention, o-projection and MLP run on N rows, not all
+                q_last = qkv[p.last, : nq * d].view(n, nkv, nq // nkv, d)  # [N, Hkv, G, D]
+                valid = cache.positions[:t] <= p.positions[p.last][:, None]  # [N, T]
                 mask = torch.where(valid, 0.0, float("-inf")).to(self.dtype)[:, None, None, :]
                 attn = self._attend(q_last, k, v, mask).view(n, nq * d)
-                x = self._out_and_mlp(layer, x.view(n, t, -1)[prompts, last], attn)  # [N, hidden]
+                x = self._out_and_mlp(layer, x[p.last], attn)  # [N, hidden]
         return self.logits(x)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
