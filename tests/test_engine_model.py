@@ -146,6 +146,10 @@ def test_bad_input_errors_name_the_problem():
         generate(engine, [GenerateRequest(input_ids=[5, 96])])
     with pytest.raises(ValueError, match="n=3 exceeds max_batch_size=2"):
         generate(engine, [GenerateRequest(input_ids=[5], sampling=SamplingParams(max_new_tokens=2, n=3))])
+    with pytest.raises(ValueError, match="request_id 'x' is already in flight"):
+        two = SamplingParams(max_new_tokens=2)
+        generate(engine, [GenerateRequest(input_ids=[5], request_id="x", sampling=two),
+                          GenerateRequest(input_ids=[6], request_id="x", sampling=two)])
     with pytest.raises(KeyError, match="model.layers.0.mlp.gate.weight"):
         asyncio.run(engine.update_weights({"model.layers.0.mlp.gate.weight": torch.zeros(2)}, 1))
     with pytest.raises(ValueError, match=r"q_proj.weight: expected shape \(64, 64\)"):

@@ -223,11 +223,12 @@ class TorchEngine:
             self._validate(r)
         self._ensure_step_task()
         loop = asyncio.get_running_loop()
-        pending = []
+        pending, rids = [], set()
         for r in requests:
             rid = r.request_id or f"req-{next(self._ids)}"
-            if rid in self._requests or any(p.rid == rid for p in pending):
+            if rid in self._requests or rid in rids:
                 raise ValueError(f"request_id {rid!r} is already in flight")
+            rids.add(rid)
             seed = r.sampling.seed if r.sampling.seed is not None else self._rng.getrandbits(32)
             pending.append(_Pending(r, rid, seed, loop.create_future()))
         for p in pending:
