@@ -1,0 +1,142 @@
+"""Typed configuration: msgspec Structs from defaults, a YAML file and dotted command-line overrides.
+
+Every component owns a ``msgspec.Struct`` with its defaults and a one-line doc per field; the
+root config only composes them. This module turns ``defaults ← YAML ← overrides`` into that
+root Struct, and fails at start, in one line naming the key, on an unknown key, a wrong type or
+a malformed override:
+
+    cfg = load_config(PipelineConfig, "run.yaml", ["algo=grpo", "queue.max_staleness=2"])
+
+Override values are parsed as YAML scalars/lists (``2`` is an int, ``1e-4`` a float, ``[1, 2]``
+a list, ``null`` None). Assigning a string to a field that holds a Struct selects one of that
+Struct's presets (``algo=grpo``): a Struct type opts in with a ``presets()`` classmethod that
+returns ``{name: {field: value}}``.
+
+Simplification: unions of Structs are not supported as config fields (one type per key).
+"""
+
+from __future__ import annotations
+
+import typing
+from pathlib import Path
+from typing import Any, Sequence, TypeVar
+
+import msgspec
+import yaml
+
+T = TypeVar("T", bound=msgspec.Struct)
+
+__all__ = ["ConfigError", "load_config", "apply_override", "to_yaml"]
+
+
+class ConfigError(ValueError):
+    """A configuration problem, stated in one line that names the key."""
+
+
+def _struct_type(tp: Any) -> type[msgspec.Struct] | None:
+    """The Struct type behind an annotation (``X``, ``X | None``), or None if it is not one."""
+    if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
+        return tp
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if len(args) == 1:
+        return _struct_type(args[0])
+    return None
+
+
+def _field_types(cls: type[msgspec.Struct]) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {name: hints[name] for name in cls.__struct_fields__}
+
+
+def _presets(cls: type[msgspec.Struct]) -> dict[str, dict[str, Any]]:
+    fn = getattr(cls, "presets", None)
+    return fn() if callable(fn) else {}
+
+
+def _merge(cls: type[msgspec.Struct], base: dict, update: dict, prefix: str) -> dict:
+    """Deep-merge ``update`` into ``base`` (builtins of a ``cls``), checking every key exists."""
+    types = _field_types(cls)
+    out = dict(base)
+    for key, value in update.items():
+        dotted = f"{prefix}{key}"
+        if key not in types:
+            raise ConfigError(f"unknown config key `{dotted}` (known: {', '.join(sorted(types))})")
+        sub = _struct_type(types[key])
+        if sub is not None and isinstance(value, str):
+            value = _preset_value(sub, value, dotted)
+        if sub is not None and isinstance(value, dict):
+            current = out.get(key)
+            if not isinstance(current, dict):
+                current = msgspec.to_builtins(sub())
+            out[key] = _merge(sub, current, value, dotted + ".")
+        else:
+            out[key] = value
+    return out
+
+
+def _preset_value(cls: type[msgspec.Struct], name: str, dotted: str) -> dict:
+    presets = _presets(cls)
+    if name not in presets:
+        known = ", ".join(sorted(presets)) or "none"
+        raise ConfigError(f"`{dotted}={name}`: no such preset for {cls.__name__} (presets: {known})")
+    # A preset starts from the Struct's defaults, so `algo=grpo` after `algo.x=1` resets x.
+    return {**msgspec.to_builtins(cls()), **presets[name]}
+
+
+def _nest(dotted: str, value: Any) -> dict:
+    keys = dotted.split(".")
+    if not all(keys):
+        raise ConfigError(f"malformed config key `{dotted}`")
+    node: Any = value
+    for key in reversed(keys):
+        node = {key: node}
+    return node
+
+
+def apply_override(cls: type[T], data: dict, override: str) -> dict:
+    """Apply one ``dotted.key=value`` override to builtins of ``cls``; return the new builtins."""
+    key, sep, raw = override.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"override `{override}` is not of the form key=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"`{key}`: cannot parse value {raw!r}: {exc}") from None
+    return _merge(cls, data, _nest(key, value), "")
+
+
+def _convert(cls: type[T], data: dict) -> T:
+    try:
+        return msgspec.convert(data, cls, strict=False)
+    except msgspec.ValidationError as exc:
+        # msgspec says "... - at `$.queue.max_staleness`"; lead with the key instead.
+        msg = str(exc)
+        where = ""
+        if " - at `$." in msg:
+            msg, _, where = msg.partition(" - at `$.")
+            where = where.rstrip("`")
+        raise ConfigError(f"`{where}`: {msg}" if where else msg) from None
+
+
+def load_config(
+    cls: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()
+) -> T:
+    """Build a ``cls`` from its defaults, then the YAML file at ``path``, then ``overrides``."""
+    data = msgspec.to_builtins(cls())
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of config keys")
+        data = _merge(cls, data, loaded, "")
+    for override in overrides:
+        data = apply_override(cls, data, override)
+    return _convert(cls, data)
+
+
+def to_yaml(cfg: msgspec.Struct) -> str:
+    """The resolved config as YAML, for the run directory and ``--print-config``."""
+    return yaml.safe_dump(msgspec.to_builtins(cfg), sort_keys=False)

@@ -1,0 +1,136 @@
+"""The warm start: a short supervised phase that teaches a fresh model the task's format.
+
+No pretrained weights exist offline, and RL from a random policy would never see a reward; a
+few hundred steps of supervised learning on ``prompt → answer`` leave a policy that is right
+some of the time, which is where RL starts. The result is a Hugging Face safetensors checkpoint
+(model, config, tokenizer) in a cache folder keyed by everything that shapes it, so later runs
+reuse it. It is written to a temporary folder and renamed into place, so a run killed midway
+never leaves a half-written cache entry.
+
+Simplification on purpose: one process, plain AdamW, constant learning rate.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+
+import msgspec
+import torch
+from transformers import AutoModelForCausalLM
+
+from meshrl.embedded.model import EmbeddedModelConfig, build_model_config
+from meshrl.embedded.tokenizer import build_char_tokenizer
+from meshrl.modeling import pack, response_logprobs
+from meshrl.tasks import Task
+
+__all__ = ["WarmStartConfig", "warm_start", "default_cache_dir"]
+
+_FORMAT = 1  # bump when the warm start's procedure changes, so old cache entries are not reused
+
+
+class WarmStartConfig(msgspec.Struct, kw_only=True):
+    """Supervised warm start of the embedded default (skipped with ``model.path``)."""
+
+    target_accuracy: float | None = 0.3
+    """Stop once greedy accuracy on a sample of *training* problems reaches this (None: run all
+    ``max_steps``); kept low on purpose, so that RL has room to improve."""
+    max_steps: int = 1000
+    """Upper bound on optimiser steps."""
+    check_every: int = 25
+    """Steps between accuracy checks."""
+    batch_size: int = 128
+    """Problems per step."""
+    lr: float = 1e-3
+    seed: int = 0
+    cache_dir: str | None = None
+    """Where checkpoints are cached; default $MESHRL_CACHE or ~/.cache/meshrl."""
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("MESHRL_CACHE", Path.home() / ".cache" / "meshrl"))
+
+
+def _cache_key(model_cfg: EmbeddedModelConfig, task: Task, cfg: WarmStartConfig, vocab_size: int) -> str:
+    train = task.split("train")
+    fingerprint = {
+        "format": _FORMAT,
+        "model": msgspec.to_builtins(model_cfg),
+        "warmstart": {k: v for k, v in msgspec.to_builtins(cfg).items() if k != "cache_dir"},
+        "task": [task.name, len(train), train[0].prompt, train[-1].prompt, len(task.split("test"))],
+        "vocab": vocab_size,
+    }
+    return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@torch.no_grad()
+def greedy_accuracy(model, tokenizer, task: Task, problems, max_new_tokens: int = 16) -> float:
+    """Share of ``problems`` whose greedy completion earns the task's full reward (HF generate)."""
+    model.eval()
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    try:
+        enc = tokenizer([p.prompt for p in problems], return_tensors="pt", padding=True)
+        out = model.generate(
+            **enc, max_new_tokens=max_new_tokens, do_sample=False,
+            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        )  # fmt: skip
+    finally:
+        tokenizer.padding_side = side
+        model.train()
+    texts = tokenizer.batch_decode(out[:, enc.input_ids.shape[1] :], skip_special_tokens=True)
+    return sum(task.reward(p, t).reward >= 1.0 for p, t in zip(problems, texts)) / len(problems)
+
+
+def warm_start(
+    model_cfg: EmbeddedModelConfig, task: Task, cfg: WarmStartConfig, *, log=print
+) -> Path:
+    """Return the warm-started checkpoint folder, training and caching it on first use."""
+    tokenizer = build_char_tokenizer()
+    root = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
+    out = root / "warmstart" / _cache_key(model_cfg, task, cfg, len(tokenizer))
+    if (out / "meshrl_warmstart.json").is_file():
+        log(f"warm start: reusing {out}")
+        return out
+
+    torch.manual_seed(cfg.seed)
+    model = AutoModelForCausalLM.from_config(build_model_config(model_cfg, tokenizer))
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    rng = random.Random(cfg.seed)
+    train = task.split("train")
+    eos = tokenizer.eos_token_id
+    probe = [train[rng.randrange(len(train))] for _ in range(256)]
+    start, last_loss, accuracy = time.perf_counter(), float("nan"), 0.0
+    for step in range(cfg.max_steps):
+        batch = [train[rng.randrange(len(train))] for _ in range(cfg.batch_size)]
+        prompts = [tokenizer.encode(p.prompt) for p in batch]
+        answers = [tokenizer.encode(p.answer) + [eos] for p in batch]
+        packed = pack(prompts, answers, pad_id=tokenizer.pad_token_id)
+        logits = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask).logits
+        logp = response_logprobs(logits, packed)
+        loss = -(logp * packed.response_mask).sum() / packed.response_mask.sum()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        last_loss = loss.item()
+        if (step + 1) % cfg.check_every == 0 or step + 1 == cfg.max_steps:
+            accuracy = greedy_accuracy(model, tokenizer, task, probe)
+            log(f"warm start: step {step + 1}  loss {last_loss:.3f}  train accuracy {accuracy:.0%}")
+            if cfg.target_accuracy is not None and accuracy >= cfg.target_accuracy:
+                break
+
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    meta = {"steps": step + 1, "train_accuracy": accuracy, "final_loss": last_loss, "seconds": time.perf_counter() - start}
+    (tmp / "meshrl_warmstart.json").write_text(json.dumps(meta))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    log(f"warm start: {meta['steps']} steps in {meta['seconds']:.0f}s, accuracy {accuracy:.0%}, saved {out}")
+    return out

@@ -1,0 +1,71 @@
+"""Tasks from files: prompts and answers in JSON Lines or Parquet, one record per problem.
+
+Each record has a prompt field and an answer field (names configurable); the reward is exact
+match after stripping white space, like the built-in tasks. Parquet needs ``pyarrow``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from meshrl.tasks.base import Problem, RewardOutput, exact_match_reward
+
+__all__ = ["FileTask", "load_problems"]
+
+
+def _records(path: Path) -> list[dict]:
+    if path.suffix == ".jsonl":
+        records = []
+        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+        return records
+    if path.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise ValueError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from None
+        return pq.read_table(path).to_pylist()
+    raise ValueError(f"{path}: prompts must be a .jsonl or .parquet file")
+
+
+def load_problems(path: str | Path, *, prompt_key: str = "prompt", answer_key: str = "answer") -> list[Problem]:
+    """Read problems from ``path``; every record must carry both keys."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"prompts file not found: {path}")
+    problems = []
+    for index, record in enumerate(_records(path)):
+        for key in (prompt_key, answer_key):
+            if key not in record:
+                raise ValueError(f"{path}: record {index} has no field {key!r}")
+        problems.append(Problem(id=index, prompt=str(record[prompt_key]), answer=str(record[answer_key])))
+    if not problems:
+        raise ValueError(f"{path}: no records")
+    return problems
+
+
+class FileTask:
+    """Problems from a training file and a held-out file."""
+
+    name = "file"
+
+    def __init__(self, train_path: str | Path, test_path: str | Path, *, prompt_key: str = "prompt", answer_key: str = "answer"):
+        self._splits = {
+            "train": load_problems(train_path, prompt_key=prompt_key, answer_key=answer_key),
+            "test": load_problems(test_path, prompt_key=prompt_key, answer_key=answer_key),
+        }
+
+    def split(self, name: str) -> Sequence[Problem]:
+        if name not in self._splits:
+            raise ValueError(f"unknown split {name!r}: use 'train' or 'test'")
+        return self._splits[name]
+
+    def reward(self, problem: Problem, completion: str) -> RewardOutput:
+        return exact_match_reward(problem, completion)
