@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerBase, Qwen2Config
 __all__ = ["EmbeddedModelConfig", "build_model_config"]
 
 
-class EmbeddedModelConfig(msgspec.Struct, kw_only=True):
+class EmbeddedModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Shape of the embedded default model (about 1M parameters at the defaults)."""
 
     hidden_size: int = 128

@@ -34,7 +34,7 @@ __all__ = ["WarmStartConfig", "warm_start", "default_cache_dir"]
 _FORMAT = 1  # bump when the warm start's procedure changes, so old cache entries are not reused
 
 
-class WarmStartConfig(msgspec.Struct, kw_only=True):
+class WarmStartConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Supervised warm start of the embedded default (skipped with ``model.path``)."""
 
     target_accuracy: float | None = 0.3
@@ -42,7 +42,7 @@ class WarmStartConfig(msgspec.Struct, kw_only=True):
     ``max_steps``); kept low on purpose, so that RL has room to improve."""
     max_steps: int = 1000
     """Upper bound on optimiser steps."""
-    check_every: int = 25
+    check_every: int = 10
     """Steps between accuracy checks."""
     batch_size: int = 128
     """Problems per step."""

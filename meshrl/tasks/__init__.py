@@ -24,7 +24,7 @@ __all__ = [
 ]
 
 
-class TaskConfig(msgspec.Struct, kw_only=True):
+class TaskConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Which task to learn."""
 
     kind: Literal["addition", "file"] = "addition"

@@ -1,0 +1,38 @@
+"""The ReferenceWorker role: log-probs of a frozen reference policy, for the KL term.
+
+Takes samples in the queue's wire format and returns them with ``ref_logprobs`` filled in,
+computed the same way as the trainer's (``log_softmax(logits / temperature)``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshrl.actors.train_step import split_by_tokens
+from meshrl.mesh import Actor, endpoint
+from meshrl.modeling import load_causal_lm, pack, response_logprobs
+from meshrl.queues import decode_samples, encode_samples
+
+__all__ = ["ReferenceWorker"]
+
+
+class ReferenceWorker(Actor):
+    def __init__(self, model_path: str, *, temperature: float, tokens_per_microbatch: int = 16384, threads: int = 1) -> None:
+        torch.set_num_threads(threads)
+        self.model = load_causal_lm(model_path).eval().requires_grad_(False)
+        self.pad_id = self.model.config.pad_token_id or 0
+        self.temperature, self.tokens_per_microbatch = temperature, tokens_per_microbatch
+
+    @endpoint
+    @torch.no_grad()
+    def annotate(self, encoded_samples: bytes) -> bytes:
+        samples = decode_samples(encoded_samples)
+        lengths = [s.num_tokens for s in samples]
+        for rows in split_by_tokens(range(len(samples)), lengths, self.tokens_per_microbatch):
+            chunk = [samples[i] for i in rows]
+            packed = pack([s.prompt_ids for s in chunk], [s.response_ids for s in chunk], pad_id=self.pad_id)
+            logits = self.model(input_ids=packed.input_ids, attention_mask=packed.attention_mask).logits
+            logp = response_logprobs(logits, packed, temperature=self.temperature)
+            for s, row in zip(chunk, logp):
+                s.ref_logprobs = row[: len(s.response_ids)].tolist()
+        return encode_samples(samples)

@@ -1,0 +1,74 @@
+"""The RolloutWorker role: one generation engine, driven by the controller's rollout loops.
+
+An async actor: several ``generate`` calls are in flight at once and the engine batches them
+continuously; ``update_weights`` lands between two decode steps, so a sample's per-token versions
+show exactly where the weights changed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import msgspec
+
+from meshrl.engines import GenerateRequest, GenerateResult
+from meshrl.engines.torch_engine import TorchEngine, TorchEngineConfig
+from meshrl.mesh import Actor, endpoint
+
+__all__ = ["RolloutConfig", "RolloutWorker"]
+
+
+class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Generation: engines, sampling, and how much work is in flight."""
+
+    num_workers: int = 1
+    """Rollout workers, one engine each."""
+    max_new_tokens: int = 8
+    """Completion length limit, in tokens (EOS included)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    prompts_per_request: int = 32
+    """Prompts per generate call (one queue reservation of prompts × samples_per_prompt)."""
+    requests_in_flight: int = 2
+    """Concurrent generate calls per worker, so the engine batches across them."""
+    threads: int = 1
+    """torch intra-op threads per worker."""
+    engine: TorchEngineConfig = TorchEngineConfig()
+
+    def __post_init__(self) -> None:
+        for name in ("num_workers", "max_new_tokens", "prompts_per_request", "requests_in_flight", "threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
+
+
+class RolloutWorker(Actor):
+    """Owns a ``TorchEngine`` loaded from a Hugging Face checkpoint directory."""
+
+    def __init__(self, model_path: str, engine: TorchEngineConfig, threads: int = 1) -> None:
+        import torch
+
+        torch.set_num_threads(threads)
+        self.engine = TorchEngine.from_pretrained(model_path, engine)
+
+    @endpoint
+    async def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
+        return await self.engine.generate(requests)
+
+    @endpoint
+    async def update_weights(self, named_tensors: dict[str, Any], version: int) -> int:
+        """Apply a whole new version atomically (between decode steps); returns the version."""
+        await self.engine.update_weights(named_tensors.items(), version)
+        return self.engine.version
+
+    @endpoint
+    async def version(self) -> int:
+        return self.engine.version
+
+    @endpoint
+    async def pause(self, mode: str = "keep") -> None:
+        await self.engine.pause(mode)
+
+    @endpoint
+    async def resume(self) -> None:
+        await self.engine.resume()

@@ -1,0 +1,78 @@
+"""The root config of a pipeline: it only composes the components' own configs.
+
+Defaults live in each component's Struct; ``examples/async_ppo.yaml`` and command-line overrides
+(``algo=grpo queue.max_staleness=2``) change them. ``validate`` checks what no single component
+can: that the parts agree with each other, and that paths exist.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+
+from meshrl.actors import AlgoConfig, RewardConfig, RolloutConfig, TrainerConfig
+from meshrl.config import ConfigError
+from meshrl.embedded import EmbeddedModelConfig, WarmStartConfig
+from meshrl.queues import QueueConfig
+from meshrl.tasks import TaskConfig
+
+__all__ = ["ModelConfig", "RunConfig", "PipelineConfig"]
+
+
+class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
+    path: str | None = None
+    """A local Hugging Face causal LM directory; None builds the embedded default."""
+    embedded: EmbeddedModelConfig = EmbeddedModelConfig()
+
+
+class RunConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """What to run and where the output goes."""
+
+    total_steps: int = 200
+    """Train steps."""
+    output_dir: str = "runs/async_ppo"
+    """metrics.jsonl, plots, config.yaml and the final checkpoint go here."""
+    eval_every: int = 25
+    """Train steps between held-out evaluations (0: only before and after)."""
+    eval_max_new_tokens: int | None = None
+    """Held-out generation length; None: rollout.max_new_tokens."""
+    seed: int = 0
+    progress: bool = True
+    """Show a progress bar (the per-step metrics lines print either way)."""
+    step_timeout_s: float = 600.0
+    """Longest wait for one train step, one batch or one weight push before the run stops."""
+    num_cpus: int | None = None
+    """CPUs of the local Ray cluster started when none is running; None: all of this machine's."""
+
+
+class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
+    run: RunConfig = RunConfig()
+    model: ModelConfig = ModelConfig()
+    task: TaskConfig = TaskConfig()
+    warmstart: WarmStartConfig = WarmStartConfig()
+    algo: AlgoConfig = AlgoConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    reward: RewardConfig = RewardConfig()
+    queue: QueueConfig = QueueConfig()
+    trainer: TrainerConfig = TrainerConfig()
+
+    def validate(self) -> "PipelineConfig":
+        """Cross-component checks; raise ConfigError naming the key."""
+        if self.model.path is not None and not (Path(self.model.path) / "config.json").is_file():
+            raise ConfigError(f"`model.path`: {self.model.path} is not a Hugging Face model directory (no config.json)")
+        group = self.algo.samples_per_prompt
+        if self.trainer.samples_per_step % group:
+            raise ConfigError(
+                f"`trainer.samples_per_step`: {self.trainer.samples_per_step} is not a multiple of "
+                f"algo.samples_per_prompt={group} (groups are trained whole)"
+            )
+        if self.run.total_steps < 1:
+            raise ConfigError(f"`run.total_steps`: must be >= 1, got {self.run.total_steps}")
+        if self.task.kind == "file" and not (self.task.train_file and self.task.test_file):
+            raise ConfigError("`task.train_file`: task.kind=file needs task.train_file and task.test_file")
+        for key in ("train_file", "test_file"):
+            path = getattr(self.task, key)
+            if self.task.kind == "file" and path and not Path(path).is_file():
+                raise ConfigError(f"`task.{key}`: file not found: {path}")
+        return self

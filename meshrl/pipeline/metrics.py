@@ -1,0 +1,99 @@
+"""What a run shows and writes: a progress bar, one line per step, metrics.jsonl, a role timeline.
+
+Every record in ``metrics.jsonl`` is one JSON object with a ``kind`` ("step", "eval", "summary"),
+the train ``step`` and the policy ``version``; step records carry everything the trainer, the
+queue and the controller measured. The timeline (``timeline.jsonl``) holds one span per piece of
+work a role did (role, what, start, end, in seconds since the run began) — the picture of overlap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+__all__ = ["RunLog", "format_step"]
+
+
+def format_step(m: dict[str, Any], total_steps: int) -> str:
+    """The one-line summary of a train step."""
+    acc = m.get("reward_info/correct")
+    parts = [
+        f"step {m['step']:>4}/{total_steps} v{m['version']}",
+        f"reward {m['reward_mean']:.3f}" + (f" acc {acc:.3f}" if acc is not None else ""),
+        f"stale {m['staleness_mean']:.2f}/{m['staleness_max']:.0f}",
+        f"{m['tokens_per_s']:,.0f} tok/s",
+        f"step {m['step_time_s']:.2f}s (train {m['train_time_s']:.2f} wait {m['batch_wait_s']:.2f} sync {m['sync_time_s']:.2f})",
+    ]
+    return " | ".join(parts)
+
+
+class RunLog:
+    """Writes metrics.jsonl and timeline.jsonl under ``out_dir`` and prints progress."""
+
+    def __init__(self, out_dir: Path, total_steps: int, *, progress: bool = True) -> None:
+        self.out_dir = out_dir
+        self.total_steps = total_steps
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self._metrics = (out_dir / "metrics.jsonl").open("w")
+        self._timeline = (out_dir / "timeline.jsonl").open("w")
+        self.t0 = time.perf_counter()
+        self.records: list[dict[str, Any]] = []
+        self._subscribers: list[asyncio.Queue] = []
+        self._bar = None
+        if progress:
+            from tqdm import tqdm
+
+            # disable=None: a bar on a terminal; plain lines in logs and pipes.
+            self._bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, file=sys.stderr, leave=True, disable=None)
+
+    def now(self) -> float:
+        """Seconds since the run began (the timeline's clock)."""
+        return time.perf_counter() - self.t0
+
+    def span(self, role: str, what: str, start: float, end: float, **extra: Any) -> None:
+        self._timeline.write(json.dumps({"role": role, "what": what, "start": round(start, 4), "end": round(end, 4), **extra}) + "\n")
+
+    def echo(self, line: str) -> None:
+        if self._bar is not None:
+            self._bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def record(self, kind: str, **fields: Any) -> dict[str, Any]:
+        rec = {"kind": kind, "time_s": round(self.now(), 3), **fields}
+        self.records.append(rec)
+        self._metrics.write(json.dumps(rec) + "\n")
+        self._metrics.flush()
+        for q in self._subscribers:
+            q.put_nowait(rec)
+        return rec
+
+    def step(self, metrics: dict[str, Any]) -> None:
+        self.record("step", **metrics)
+        self.echo(format_step(metrics, self.total_steps))
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", v=metrics["version"])
+
+    async def stream(self) -> AsyncIterator[dict[str, Any]]:
+        """Every record from now on, as the run writes it (ends when the log closes)."""
+        q: asyncio.Queue = asyncio.Queue()
+        self._subscribers.append(q)
+        try:
+            while (rec := await q.get()) is not None:
+                yield rec
+        finally:
+            self._subscribers.remove(q)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        for q in self._subscribers:
+            q.put_nowait(None)
+        self._metrics.close()
+        self._timeline.close()
