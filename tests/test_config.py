@@ -1,0 +1,64 @@
+"""Config loading: defaults, YAML, dotted overrides, presets, and one-line errors naming the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshrl.config import ConfigError, load_config, to_yaml
+from meshrl.pipeline import PipelineConfig
+
+
+def test_defaults_yaml_and_overrides_compose(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("queue:\n  max_staleness: 3\ntrainer:\n  lr: 2.0e-4\n")
+    cfg = load_config(PipelineConfig, path, ["queue.max_staleness=5", "rollout.temperature=0.7"])
+    assert cfg.queue.max_staleness == 5  # the override wins over the file
+    assert cfg.trainer.lr == pytest.approx(2e-4)  # the file wins over the default
+    assert cfg.rollout.temperature == pytest.approx(0.7)
+    assert cfg.trainer.samples_per_step == PipelineConfig().trainer.samples_per_step  # untouched default
+
+
+def test_preset_selects_algorithm_and_later_overrides_apply():
+    cfg = load_config(PipelineConfig, None, ["algo=grpo", "algo.samples_per_prompt=4"])
+    assert cfg.algo.advantage == "grpo" and cfg.algo.samples_per_prompt == 4
+    assert not cfg.algo.uses_critic
+
+
+def test_round_trip_through_yaml(tmp_path):
+    cfg = load_config(PipelineConfig, None, ["algo=grpo", "queue.max_staleness=2", "model.path=/x"])
+    (tmp_path / "c.yaml").write_text(to_yaml(cfg))
+    assert load_config(PipelineConfig, tmp_path / "c.yaml") == cfg
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["queue.max_stalenes=2"], "unknown config key `queue.max_stalenes`"),
+        (["queue.max_staleness=abc"], "`queue.max_staleness`: Expected `int`, got `str`"),
+        (["nonsense"], "not of the form key=value"),
+        (["algo=nope"], "no such preset"),
+        (["queue..x=1"], "malformed config key"),
+        (["algo.advantage=grpo"], "samples_per_prompt >= 2"),
+    ],
+)
+def test_bad_input_fails_with_one_line_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(PipelineConfig, None, overrides)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_unknown_key_in_yaml_is_named_with_its_path(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("trainer:\n  learning_rate: 0.1\n")
+    with pytest.raises(ConfigError, match="unknown config key `trainer.learning_rate`"):
+        load_config(PipelineConfig, path)
+
+
+def test_validate_checks_paths_and_cross_component_rules(tmp_path):
+    with pytest.raises(ConfigError, match="`model.path`"):
+        load_config(PipelineConfig, None, [f"model.path={tmp_path / 'missing'}"]).validate()
+    with pytest.raises(ConfigError, match="not a multiple of algo.samples_per_prompt=8"):
+        load_config(PipelineConfig, None, ["algo=grpo", "trainer.samples_per_step=12"]).validate()
+    with pytest.raises(ConfigError, match="`task.train_file`"):
+        load_config(PipelineConfig, None, ["task.kind=file"]).validate()

@@ -1,0 +1,68 @@
+"""Smoke runs of examples/async_ppo.py at tiny size, through a subprocess, as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "model.embedded.hidden_size=32", "model.embedded.num_hidden_layers=1", "model.embedded.intermediate_size=64",
+    "model.embedded.num_attention_heads=2", "model.embedded.num_key_value_heads=1",
+    "warmstart.max_steps=20", "warmstart.target_accuracy=null", "warmstart.batch_size=32",
+    "task.digits=1", "task.num_test=16", "trainer.samples_per_step=16", "rollout.prompts_per_request=4",
+    "rollout.requests_in_flight=2", "run.total_steps=3", "run.eval_every=2",
+]  # fmt: skip
+
+
+def run_example(tmp_path: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "MESHRL_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    return subprocess.run([sys.executable, str(ROOT / "examples" / "async_ppo.py"), *args],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ["ppo", "grpo_kl"])
+def test_example_runs_end_to_end_and_writes_its_outputs(tmp_path, algo):
+    extra = ["algo=grpo", "algo.samples_per_prompt=4", "algo.kl_coef=0.01"] if algo == "grpo_kl" else []
+    out = run_example(tmp_path, *TINY, *extra, f"run.output_dir={tmp_path / 'run'}")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "held-out accuracy:" in out.stdout
+
+    run = tmp_path / "run"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["kind"] == "step"]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for key in ("reward_mean", "staleness_mean", "staleness_max", "tokens_per_s", "step_time_s", "loss", "reward_info/correct"):
+        assert all(key in r for r in steps), key
+    assert [r["step"] for r in records if r["kind"] == "eval"] == [0, 2, 3]
+    assert records[-1]["kind"] == "summary"
+    if algo == "grpo_kl":
+        assert "kl" in steps[-1]  # the reference worker's log-probs reached the loss
+    assert (run / "plots.png").stat().st_size > 10_000
+    assert (run / "config.yaml").is_file() and (run / "timeline.jsonl").is_file()
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(run / "final")
+    tok = AutoTokenizer.from_pretrained(run / "final")
+    ids = torch.tensor([tok.encode("1+2=")])
+    assert model(input_ids=ids).logits.shape == (1, 4, len(tok))
+
+
+def test_bad_config_stops_at_start_with_one_line(tmp_path):
+    out = run_example(tmp_path, "queue.max_stalenes=2", timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "config error: unknown config key `queue.max_stalenes` (known: capacity_tokens, get_timeout_s, "
+        "max_staleness, put_timeout_s, reserve_timeout_s, stale_policy)"
+    ]
+    out = run_example(tmp_path, "--model", str(tmp_path / "nowhere"), timeout=120)
+    assert out.returncode == 2 and "`model.path`" in out.stderr and "no config.json" in out.stderr
