@@ -106,7 +106,7 @@ class ValueModel(nn.Module):
         return cls(AutoModel.from_pretrained(path, dtype=dtype))
 
     def forward(self, packed: Packed) -> torch.Tensor:
-        hidden = self.backbone(input_ids=packed.input_ids, attention_mask=packed.attention_mask).last_hidden_state
+        hidden = self.backbone(input_ids=packed.input_ids, attention_mask=packed.attention_mask, use_cache=False).last_hidden_state
         index = packed.predict_index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
         values = self.head(torch.gather(hidden, 1, index)).squeeze(-1).float()  # [B, R]
         return torch.where(packed.response_mask > 0, values, torch.zeros_like(values))

@@ -1,16 +1,21 @@
 """One RL optimisation step on a batch of samples: advantages, micro-batches, losses, gradients.
 
-    samples ─► pack ─► (no grad) values, proximal log-probs ─► rewards (+KL) ─► advantages
-        ─► for each PPO epoch and mini-batch: micro-batches by token budget ─► loss.backward()
-        ─► clip grad norm ─► optimiser step
+    samples ─► pack ─► (no grad, each rank its rows, gathered) values, proximal and reference
+        log-probs ─► rewards (+KL) ─► advantages (whole batch, on every rank)
+        ─► for each PPO epoch and mini-batch: this rank's rows ─► micro-batches by token budget
+        ─► loss.backward() (FSDP2 sums gradients over ranks) ─► global grad-norm clip ─► step
 
-The loss functions come from ``meshrl.algos``, chosen once from ``AlgoConfig`` when the updater
-is built. Each loss is normalised by the *mini-batch's* valid-token (or sequence) count, passed
-explicitly, so the gradient does not depend on how a mini-batch is split into micro-batches.
+Every dp rank holds the whole batch (``data_parallel`` module docstring): advantages (GRPO groups,
+GAE whitening, REINFORCE++ batch statistics) are computed on the full batch, identically on every
+rank, *before* the rows are split, so no group needs to sit on one rank. Each loss is normalised
+by the *mini-batch's* global valid-token (or sequence) count — over every micro-batch and rank,
+passed explicitly — so the gradient is the same for any micro-batch split and any dp size.
+
+A NaN/inf loss or gradient norm skips that optimiser update (counted in ``skipped_updates``);
+the caller decides when too many in a row stop the run.
 
 Simplifications on purpose: sequences that hit the length limit are treated as terminal (no
-value bootstrap); a single process computes the whole step (data parallelism wraps this from
-outside, see Trainer).
+value bootstrap); rows are split over ranks contiguously by count, not balanced by tokens.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import torch
 
 from meshrl import algos
 from meshrl.actors.algo_config import AlgoConfig
+from meshrl.actors.data_parallel import DataParallel, clip_grad_norm
 from meshrl.modeling import Packed, ValueModel, pack, response_logprobs
 from meshrl.queues import Sample
 
@@ -41,6 +47,11 @@ class StepBatch:
     @property
     def mask(self) -> torch.Tensor:
         return self.packed.response_mask > 0  # [B, R] bool
+
+    def to(self, device: torch.device) -> "StepBatch":
+        ref = self.ref_logprobs.to(device) if self.ref_logprobs is not None else None
+        return StepBatch(self.packed.to(device), self.behavior_logprobs.to(device), ref, self.rewards.to(device),
+                         self.group_ids.to(device), self.lengths)  # fmt: skip
 
 
 def _pad(rows: Sequence[Sequence[float]], width: int) -> torch.Tensor:
@@ -91,8 +102,8 @@ def split_by_tokens(indices: Sequence[int], lengths: Sequence[int], tokens_per_m
 
 
 def _select(batch: StepBatch, rows: list[int]) -> Packed:
-    idx = torch.tensor(rows, dtype=torch.long)
     p = batch.packed
+    idx = torch.tensor(rows, dtype=torch.long, device=p.input_ids.device)
     width = max(batch.lengths[i] for i in rows)
     return Packed(
         p.input_ids[idx, :width], p.attention_mask[idx, :width], p.predict_index[idx],
@@ -100,8 +111,19 @@ def _select(batch: StepBatch, rows: list[int]) -> Packed:
     )  # fmt: skip
 
 
+def _empty(batch: StepBatch) -> Packed:
+    """A micro-batch that trains nothing: row 0 with an all-zero loss mask (dp padding)."""
+    p = _select(batch, [0])
+    return Packed(p.input_ids, p.attention_mask, p.predict_index, torch.zeros_like(p.response_mask), p.response_ids)
+
+
 class PolicyUpdater:
-    """Computes one RL step for a policy (and critic) with optimisers owned by the caller."""
+    """Computes one RL step for a policy (and critic) with optimisers owned by the caller.
+
+    ``dp`` places this process on the trainer's data-parallel axis (default: one rank);
+    ``reference``, when given, is a frozen policy whose log-probs fill a batch that arrives
+    without ``ref_logprobs`` (the in-trainer alternative to a ReferenceWorker).
+    """
 
     def __init__(
         self,
@@ -114,10 +136,13 @@ class PolicyUpdater:
         tokens_per_microbatch: int,
         ppo_epochs: int = 1,
         minibatches: int = 1,
+        dp: DataParallel | None = None,
+        reference: torch.nn.Module | None = None,
     ) -> None:
         if algo.uses_critic and critic is None:
             raise ValueError("algo.advantage=gae needs a critic")
-        self.policy, self.critic, self.algo = policy, critic, algo
+        self.policy, self.critic, self.algo, self.reference = policy, critic, algo, reference
+        self.dp = dp if dp is not None else DataParallel(None)
         self.temperature, self.max_new_tokens = temperature, max_new_tokens
         self.tokens_per_microbatch, self.ppo_epochs, self.minibatches = tokens_per_microbatch, ppo_epochs, minibatches
         is_fn = algos.make_importance_sampling(
@@ -129,21 +154,29 @@ class PolicyUpdater:
         )  # fmt: skip
         self.kl = algos.kl_estimator(algo.kl_estimator)
 
+    def _microbatches(self, batch: StepBatch, rows: Sequence[int]) -> list[list[int] | None]:
+        return self.dp.microbatches(rows, lambda share: split_by_tokens(share, batch.lengths, self.tokens_per_microbatch))
+
     # -- no-grad passes over the whole batch -------------------------------------------------
 
     @torch.no_grad()
-    def _forward_all(self, batch: StepBatch, fn: Callable[[Packed], torch.Tensor]) -> torch.Tensor:
-        rows = list(range(len(batch.lengths)))
+    def _forward_all(self, batch: StepBatch, fn: Callable[[Packed], torch.Tensor], what: str) -> torch.Tensor:
+        """``fn`` on every row, each rank on its share; the whole ``[B, R]`` result on every rank."""
         out = torch.zeros_like(batch.behavior_logprobs)
-        for mb in split_by_tokens(rows, batch.lengths, self.tokens_per_microbatch):
-            out[torch.tensor(mb)] = fn(_select(batch, mb))
-        return out
+        for mb in self._microbatches(batch, range(len(batch.lengths))):
+            if mb is None:
+                fn(_empty(batch))  # keeps this rank's FSDP2 all-gathers in step with the others
+                continue
+            out[torch.tensor(mb, device=out.device)] = fn(_select(batch, mb)).float()
+        # Other ranks' rows are still zero here, so the SUM is an exact gather.
+        return self.dp.all_reduce(out, what=what)
 
-    def _logprobs(self, packed: Packed) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self.policy(input_ids=packed.input_ids, attention_mask=packed.attention_mask).logits
-        logp = response_logprobs(logits, packed, temperature=self.temperature)
+    def _logprobs(self, packed: Packed, model: torch.nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        model = self.policy if model is None else model
+        logits = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask, use_cache=False).logits
+        logp = response_logprobs(logits, packed, temperature=self.temperature)  # [B, R]
         index = packed.predict_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
-        scaled = torch.gather(logits, 1, index).float()
+        scaled = torch.gather(logits, 1, index).float()  # [B, R, V]
         if self.temperature > 0:
             scaled = scaled / self.temperature
         return logp, algos.entropy_from_logits(scaled)
@@ -184,56 +217,74 @@ class PolicyUpdater:
         max_grad_norm: float,
         generator: torch.Generator | None = None,
     ) -> dict[str, float]:
+        """One step; ``generator`` shuffles mini-batches and must be seeded alike on every rank."""
         algo = self.algo
-        old_values = self._forward_all(batch, self.critic) if self.critic is not None else None
+        batch = batch.to(self.dp.device)
+        if algo.kl_coef > 0 and batch.ref_logprobs is None:
+            if self.reference is None:
+                raise ValueError("algo.kl_coef > 0 but the batch has no ref_logprobs and the trainer no reference "
+                                 "model: run a ReferenceWorker or set trainer.reference_in_trainer=true")
+            batch.ref_logprobs = self._forward_all(batch, lambda p: self._logprobs(p, self.reference)[0], "reference log-probs")
+        old_values = self._forward_all(batch, self.critic, "old values") if self.critic is not None else None
         proximal = None
         if algo.policy_loss == "decoupled_ppo":
-            proximal = self._forward_all(batch, lambda p: self._logprobs(p)[0])
+            proximal = self._forward_all(batch, lambda p: self._logprobs(p)[0], "proximal log-probs")
         adv, returns = self.advantages(batch, old_values)
         old_logprobs = proximal if proximal is not None else batch.behavior_logprobs
 
         num_rows = len(batch.lengths)
-        self._loss_sum = 0.0  # micro-batch losses share the mini-batch normaliser, so they add up
-        policy_metrics, extra = [], {"grad_norm": 0.0, "critic_grad_norm": 0.0, "skipped_updates": 0.0}
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.dp.device)
+        policy_metrics: list[dict[str, torch.Tensor]] = []
+        extra = {"grad_norm": 0.0, "critic_grad_norm": 0.0, "skipped_updates": 0.0, "critic_skipped_updates": 0.0}
         for _ in range(self.ppo_epochs):
             order = torch.randperm(num_rows, generator=generator).tolist() if self.minibatches > 1 else list(range(num_rows))
             for minibatch in (order[i :: self.minibatches] for i in range(self.minibatches)):
-                policy_metrics += self._minibatch(batch, sorted(minibatch), adv, returns, old_values, old_logprobs, policy_optimizer, critic_optimizer)
-                # A NaN/inf gradient skips the update (counted) instead of poisoning the weights.
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_grad_norm))
+                rows = sorted(minibatch)
+                loss, metrics = self._minibatch(batch, rows, adv, returns, old_values, old_logprobs, policy_optimizer, critic_optimizer)
+                policy_metrics += metrics
+                loss = self.dp.all_reduce(loss.reshape(1), what="the mini-batch loss")[0]  # the global loss
+                loss_sum += loss
+                # A NaN/inf loss or gradient skips the update (counted) instead of poisoning the
+                # weights; the norm and the loss are global, so every rank decides alike.
+                grad_norm = clip_grad_norm(list(self.policy.parameters()), max_grad_norm)
                 extra["grad_norm"] = grad_norm
-                if math.isfinite(grad_norm):
+                if math.isfinite(grad_norm) and math.isfinite(float(loss)):
                     policy_optimizer.step()
                 else:
-                    extra["skipped_updates"] = extra.get("skipped_updates", 0.0) + 1
+                    extra["skipped_updates"] += 1
                 if self.critic is not None and critic_optimizer is not None:
-                    critic_norm = float(torch.nn.utils.clip_grad_norm_(self.critic.parameters(), max_grad_norm))
+                    critic_norm = clip_grad_norm(list(self.critic.parameters()), max_grad_norm)
                     extra["critic_grad_norm"] = critic_norm
                     if math.isfinite(critic_norm):
                         critic_optimizer.step()
-        reduced = {k: float(v) for k, v in algos.reduce_metrics(policy_metrics).items()}
+                    else:
+                        extra["critic_skipped_updates"] += 1
+        reduced = self.dp.reduce_metrics(algos.reduce_metrics(policy_metrics))
         mask = batch.mask
         reduced.update(extra)
-        reduced["loss"] = self._loss_sum / (self.ppo_epochs * self.minibatches)
+        reduced["loss"] = float(loss_sum) / (self.ppo_epochs * self.minibatches)
         reduced["advantage_mean"] = float(adv[mask].mean()) if mask.any() else 0.0
         if returns is not None and mask.any():
             reduced["value_mean"] = float(old_values[mask].mean())
         return reduced
 
     def _minibatch(self, batch, rows, adv, returns, old_values, old_logprobs, policy_optimizer, critic_optimizer):
-        algo, mask = self.algo, batch.mask
-        sel = torch.tensor(rows)
-        num_tokens = float(mask[sel].sum())
+        """Gradients of one mini-batch (this rank's share of ``rows``); its local loss and metrics."""
+        algo, device = self.algo, self.dp.device
+        # The global normaliser: every rank holds every row of the mini-batch, so counting here
+        # gives the all-ranks count without a collective (and the same number on every rank).
+        num_tokens = float(batch.mask[torch.tensor(rows, device=device)].sum())
         aggregate = algos.make_aggregator(
             algo.aggregation, num_tokens=max(num_tokens, 1.0), num_seqs=len(rows), max_tokens=self.max_new_tokens
         )
         policy_optimizer.zero_grad(set_to_none=True)
         if critic_optimizer is not None:
             critic_optimizer.zero_grad(set_to_none=True)
-        metrics = []
-        for mb in split_by_tokens(rows, batch.lengths, self.tokens_per_microbatch):
-            packed, idx = _select(batch, mb), torch.tensor(mb)
-            m = mask[idx]
+        metrics, loss_sum = [], torch.zeros((), dtype=torch.float64, device=device)
+        for mb in self._microbatches(batch, rows):
+            packed = _select(batch, mb) if mb is not None else _empty(batch)
+            idx = torch.tensor(mb if mb is not None else [0], device=device)
+            m = packed.response_mask > 0  # [b, R]; all False in a padding micro-batch
             logp, entropy = self._logprobs(packed)
             loss, pm = self.policy_loss(
                 logp, old_logprobs[idx], batch.behavior_logprobs[idx], adv[idx], m, aggregate=aggregate, entropy=entropy.detach()
@@ -251,5 +302,5 @@ class PolicyUpdater:
                 (algo.value_coef * vloss).backward()
                 pm = {**pm, **{k: v for k, v in vm.items() if k != "num_tokens"}}
             metrics.append(pm)
-            self._loss_sum += float(loss.detach())
-        return metrics
+            loss_sum += loss.detach()  # micro-batch losses share the mini-batch normaliser: they add up
+        return loss_sum, metrics

@@ -1,0 +1,241 @@
+"""The trainer's state and work on one rank of its ``dp`` axis, outside any actor.
+
+``PolicyTrainer`` owns the policy (and for PPO the critic, and optionally a frozen reference),
+their optimisers and LR schedule, runs one RL step (``PolicyUpdater``), gathers full weights for
+export, and saves/loads checkpoints (``trainer_checkpoint``). The ``Trainer`` actor is a thin
+adapter over it; tests and ``bench/gpu_trainer.py`` drive it in ``torch.multiprocessing`` workers.
+
+Placement (``DataParallel``):
+
+- dp = 1 on CPU: plain modules, no process group — the embedded default's path, kept as cheap as
+  a single-process trainer can be.
+- dp > 1, or any CUDA run: FSDP2 ``fully_shard`` per decoder layer on the dp ``DeviceMesh``; on
+  CUDA with ``mixed_precision``: bf16 parameters in compute, fp32 gradient reduction, fp32
+  master weights and AdamW state.
+
+Every rank must make the same calls in the same order (each may run collectives).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Literal, Sequence
+
+import msgspec
+import torch
+
+from meshrl.actors.algo_config import AlgoConfig
+from meshrl.actors.data_parallel import DataParallel, full_state_dict, shard_model
+from meshrl.actors.train_step import PolicyUpdater, build_step_batch
+from meshrl.modeling import ValueModel, load_causal_lm
+from meshrl.queues import Sample
+
+__all__ = ["TrainerConfig", "PolicyTrainer", "NonFiniteStepsError", "batch_stats", "lr_lambda"]
+
+
+class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Optimisation of the policy and critic, and the trainer's data-parallel layout."""
+
+    samples_per_step: int = 256
+    """Samples (completions, not prompts) per train step; a multiple of algo.samples_per_prompt."""
+    lr: float = 1e-4
+    critic_lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.99)
+    warmup_steps: int = 0
+    """Linear LR warm-up, in train steps."""
+    schedule: Literal["constant", "cosine"] = "constant"
+    """LR after warm-up: constant, or cosine decay to min_lr_ratio × lr at the last step."""
+    min_lr_ratio: float = 0.1
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm (over every dp rank's shards) to this."""
+    tokens_per_microbatch: int = 16384
+    """Padded tokens (rows × longest row) per forward/backward on one rank; bounds activation memory."""
+    ppo_epochs: int = 1
+    """Passes over each batch."""
+    minibatches_per_step: int = 1
+    """Optimiser updates per pass (the batch is split into this many mini-batches)."""
+    sync_interval: int = 1
+    """Train steps between weight publishes; each publish is one policy version."""
+    threads: int = 1
+    """torch intra-op threads in each trainer process."""
+    seed: int = 0
+    dp: int = 1
+    """Data-parallel ranks (one process each); > 1 shards policy and critic with FSDP2."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """cuda: one GPU per dp rank, NCCL, and FSDP2 even at dp = 1 (for its mixed precision)."""
+    mixed_precision: bool = True
+    """On cuda: bf16 parameters and activations, fp32 gradient reduction and master weights."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward (less memory, ~1/3 more compute)."""
+    reference_in_trainer: bool = False
+    """With algo.kl_coef > 0: a frozen copy of the initial policy in the trainer computes the
+    reference log-probs (sharded like the policy) instead of a ReferenceWorker."""
+    reference_cpu_offload: bool = False
+    """On cuda: keep the in-trainer reference model's parameters on the CPU between uses."""
+    max_skipped_steps: int = 3
+    """Consecutive train steps whose update was skipped for a NaN/inf loss or gradient before
+    the run stops (0: never stop)."""
+    collective_timeout_s: float = 600.0
+    """Bound on every collective of the dp group (and its rendezvous)."""
+
+    def __post_init__(self) -> None:
+        for name in ("samples_per_step", "tokens_per_microbatch", "ppo_epochs", "minibatches_per_step",
+                     "sync_interval", "threads", "dp"):  # fmt: skip
+            if getattr(self, name) < 1:
+                raise ValueError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
+        if self.samples_per_step % self.minibatches_per_step:
+            raise ValueError(
+                f"trainer.samples_per_step={self.samples_per_step} is not divisible by "
+                f"trainer.minibatches_per_step={self.minibatches_per_step}"
+            )
+        if self.max_skipped_steps < 0:
+            raise ValueError(f"trainer.max_skipped_steps must be >= 0, got {self.max_skipped_steps}")
+
+
+class NonFiniteStepsError(RuntimeError):
+    """Too many consecutive train steps had a NaN/inf loss or gradient; the run stops."""
+
+
+def lr_lambda(cfg: TrainerConfig, total_steps: int):
+    """The LR multiplier per step: linear warm-up, then constant or cosine."""
+
+    def fn(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.schedule == "constant":
+            return 1.0
+        span = max(1, total_steps - cfg.warmup_steps)
+        progress = min(1.0, (step - cfg.warmup_steps) / span)
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return fn
+
+
+def batch_stats(samples: Sequence[Sample], version: int) -> dict[str, float]:
+    """What the trained batch looked like: rewards, task metrics, staleness, lengths."""
+    n = len(samples)
+    staleness = [version - s.behavior_version for s in samples]
+    out = {
+        "reward_mean": sum(s.reward for s in samples) / n,
+        "reward_failed_frac": sum(s.reward_failed for s in samples) / n,
+        "staleness_mean": sum(staleness) / n,
+        "staleness_max": float(max(staleness)),
+        "response_tokens_mean": sum(len(s.response_ids) for s in samples) / n,
+        "truncated_frac": sum(s.finish_reason == "length" for s in samples) / n,
+        "samples": float(n),
+    }
+    for key in {k for s in samples for k in s.reward_info}:
+        out[f"reward_info/{key}"] = sum(s.reward_info.get(key, 0.0) for s in samples) / n
+    return out
+
+
+class PolicyTrainer:
+    """Policy, critic, optimisers and schedule of one dp rank (module docstring)."""
+
+    def __init__(
+        self,
+        model_path: str,
+        cfg: TrainerConfig,
+        algo: AlgoConfig,
+        *,
+        dp: DataParallel,
+        temperature: float,
+        max_new_tokens: int,
+        total_steps: int,
+    ) -> None:
+        torch.manual_seed(cfg.seed)
+        self.cfg, self.algo, self.dp, self.model_path = cfg, algo, dp, model_path
+        self.policy = self._place(load_causal_lm(model_path).train())
+        self.pad_id = self.policy.config.pad_token_id if self.policy.config.pad_token_id is not None else 0
+        self.critic = self._place(ValueModel.from_pretrained(model_path).train()) if algo.uses_critic else None
+        self.reference = None
+        if cfg.reference_in_trainer and algo.kl_coef > 0:
+            frozen = load_causal_lm(model_path).eval().requires_grad_(False)
+            self.reference = self._place(frozen, frozen=True, offload=cfg.reference_cpu_offload)
+        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, total_steps))
+        self.critic_optimizer = None
+        if self.critic is not None:
+            self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic_lr, betas=cfg.betas)
+        self.updater = PolicyUpdater(
+            self.policy, self.critic, algo, temperature=temperature, max_new_tokens=max_new_tokens,
+            tokens_per_microbatch=cfg.tokens_per_microbatch, ppo_epochs=cfg.ppo_epochs,
+            minibatches=cfg.minibatches_per_step, dp=dp, reference=self.reference,
+        )  # fmt: skip
+        # Seeded alike on every rank: each rank computes every rank's mini-batch split.
+        self.generator = torch.Generator().manual_seed(cfg.seed)
+        self.steps = 0
+        self.skipped_in_a_row = 0
+
+    def _place(self, model: torch.nn.Module, *, frozen: bool = False, offload: bool = False) -> torch.nn.Module:
+        """Activation checkpointing (trained models), then FSDP2 or a plain move to the device."""
+        if self.cfg.activation_checkpointing and not frozen:
+            target = model.backbone if isinstance(model, ValueModel) else model
+            target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.dp.sharded:
+            cuda = self.dp.device.type == "cuda"
+            return shard_model(model, self.dp, mixed_precision=self.cfg.mixed_precision and cuda, cpu_offload=offload and cuda)
+        return model.to(self.dp.device)
+
+    def train_step(self, samples: Sequence[Sample], version: int) -> dict[str, float]:
+        """One optimisation step at policy ``version``; the same batch on every rank.
+
+        Returns the step's metrics: the losses' (meshrl.algos), the batch's rewards and
+        staleness, LR, gradient norm, skipped updates and timings. Raises
+        ``NonFiniteStepsError`` after ``max_skipped_steps`` skipped steps in a row.
+        """
+        start = time.perf_counter()
+        batch = build_step_batch(samples, pad_id=self.pad_id)
+        stats = batch_stats(samples, version)
+        metrics = self.updater.step(
+            batch, policy_optimizer=self.optimizer, critic_optimizer=self.critic_optimizer,
+            max_grad_norm=self.cfg.max_grad_norm, generator=self.generator,
+        )  # fmt: skip
+        metrics["lr"] = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        self.steps += 1
+        skipped = metrics["skipped_updates"] + metrics["critic_skipped_updates"] > 0
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
+        metrics["skipped_steps_in_a_row"] = float(self.skipped_in_a_row)
+        limit = self.cfg.max_skipped_steps
+        if limit and self.skipped_in_a_row >= limit:
+            raise NonFiniteStepsError(
+                f"stopping: {self.skipped_in_a_row} train steps in a row (trainer.max_skipped_steps={limit}, "
+                f"last at step {self.steps}) skipped their update because the loss or the gradient norm was "
+                f"NaN/inf (last loss {metrics['loss']}, grad_norm {metrics['grad_norm']}); lower trainer.lr, "
+                "check the rewards for NaN/inf, or raise trainer.max_skipped_steps"
+            )
+        metrics["train_time_s"] = time.perf_counter() - start
+        metrics["trained_tokens"] = float(batch.packed.num_response_tokens)
+        return {**stats, **metrics}
+
+    def policy_state(self) -> dict[str, torch.Tensor]:
+        """The policy's full tensors under HF names: on rank 0 (``{}`` elsewhere); a collective."""
+        if not self.dp.sharded:
+            return {name: t.detach() for name, t in self.policy.state_dict().items()}
+        return full_state_dict(self.policy, self.dp)
+
+    def save_hf(self, path: str | Path) -> str:
+        """An HF-loadable safetensors checkpoint (config, generation config, tokenizer) at ``path``,
+        written by rank 0 from the gathered full state dict; a collective."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        out = Path(path)
+        if not self.dp.sharded:
+            self.policy.save_pretrained(out, safe_serialization=True)
+        else:
+            full = full_state_dict(self.policy, self.dp)
+            if self.dp.rank == 0:
+                # A parameter-less twin with the gathered tensors assigned: no second copy, no
+                # random init, and save_pretrained handles tied embeddings and file sharding.
+                with torch.device("meta"):
+                    twin = AutoModelForCausalLM.from_config(self.policy.config)
+                twin.load_state_dict(full, assign=True, strict=False)
+                twin.tie_weights()
+                twin.save_pretrained(out, safe_serialization=True)
+        if self.dp.rank == 0:
+            AutoTokenizer.from_pretrained(self.model_path).save_pretrained(out)
+        return str(out)

@@ -1,0 +1,101 @@
+"""Save and load a ``PolicyTrainer``'s full training state, sharded, for exact resume.
+
+Layout of a trainer checkpoint directory::
+
+    <path>/            torch.distributed.checkpoint (DCP) files: policy and critic parameters and
+                       their AdamW states, each rank writing its own shards (``__0_0.distcp``, ...)
+    <path>/rank<r>.pt  per rank: CPU/CUDA/Python RNG states, the mini-batch shuffling generator,
+                       LR scheduler state, step and skip counters (small; plain ``torch.save``)
+
+DCP stores tensors under their fully-qualified names with global shapes, so a checkpoint written
+at one dp size loads at another (DCP reshards on load); the per-rank RNG file of a rank that did
+not exist falls back to rank 0's (then dropout-like randomness is not bit-identical, which the
+embedded models do not use). Every rank must call ``save``/``load`` (they are collectives when
+sharded). Simplification: a single shared file system (all ranks write under one path).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from meshrl.actors.policy_trainer import PolicyTrainer
+
+__all__ = ["save_trainer_state", "load_trainer_state"]
+
+
+def _models(t: PolicyTrainer) -> list[tuple[str, torch.nn.Module, torch.optim.Optimizer]]:
+    out = [("policy", t.policy, t.optimizer)]
+    if t.critic is not None and t.critic_optimizer is not None:
+        out.append(("critic", t.critic, t.critic_optimizer))
+    return out
+
+
+def _sharded_state(t: PolicyTrainer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    state: dict[str, Any] = {}
+    for name, model, optim in _models(t):
+        model_sd, optim_sd = get_state_dict(model, optim)
+        state[name], state[f"{name}_optim"] = model_sd, optim_sd
+    return state
+
+
+def _small_state(t: PolicyTrainer) -> dict[str, Any]:
+    return {
+        "torch_rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state() if t.dp.device.type == "cuda" else None,
+        "python_rng": random.getstate(),
+        "generator": t.generator.get_state(),
+        "scheduler": t.scheduler.state_dict(),
+        "steps": t.steps,
+        "skipped_in_a_row": t.skipped_in_a_row,
+        "dp": t.dp.size,
+    }
+
+
+def save_trainer_state(t: PolicyTrainer, path: str | Path) -> None:
+    """Write ``t``'s training state under ``path`` (module docstring); a collective."""
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        dcp.save(_sharded_state(t), checkpoint_id=str(path))
+    except Exception as exc:
+        exc.add_note(f"dp rank {t.dp.rank}/{t.dp.size} saving the trainer state to {path} (every rank must call it)")
+        raise
+    torch.save(_small_state(t), path / f"rank{t.dp.rank}.pt")
+
+
+def load_trainer_state(t: PolicyTrainer, path: str | Path) -> int:
+    """Restore ``t`` from ``path`` (written by ``save_trainer_state``); returns its step count."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    path = Path(path)
+    if not (path / "rank0.pt").is_file():
+        raise FileNotFoundError(f"{path} is not a trainer checkpoint (no rank0.pt): pass the directory "
+                                "save_trainer_state wrote (a run checkpoint's trainer/ folder)")
+    state = _sharded_state(t)  # templates with this run's sharding; DCP reshards into them
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except Exception as exc:
+        exc.add_note(f"dp rank {t.dp.rank}/{t.dp.size} loading the trainer state from {path}")
+        raise
+    for name, model, optim in _models(t):
+        set_state_dict(model, optim, model_state_dict=state[name], optim_state_dict=state[f"{name}_optim"])
+    own = path / f"rank{t.dp.rank}.pt"
+    small = torch.load(own if own.is_file() else path / "rank0.pt", weights_only=False)
+    torch.set_rng_state(small["torch_rng"])
+    if small["cuda_rng"] is not None and t.dp.device.type == "cuda":
+        torch.cuda.set_rng_state(small["cuda_rng"])
+    random.setstate(small["python_rng"])
+    t.generator.set_state(small["generator"])
+    t.scheduler.load_state_dict(small["scheduler"])
+    t.steps, t.skipped_in_a_row = small["steps"], small["skipped_in_a_row"]
+    return t.steps

@@ -1,0 +1,216 @@
+"""The trainer's FSDP2 math on real gloo process groups: dp=2 ≡ dp=1, micro-batch invariance,
+exact resume from a sharded checkpoint (same and different dp size), HF export, NaN skipping.
+
+Two ``torch.multiprocessing`` workers run a ``PolicyTrainer`` each (FSDP2 over a 2-rank CPU
+DeviceMesh); the test process runs the dp = 1 reference (plain modules) and compares.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import random
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from meshrl.actors import AlgoConfig, TrainerConfig
+from meshrl.actors.data_parallel import DataParallel
+from meshrl.actors.policy_trainer import NonFiniteStepsError, PolicyTrainer
+from meshrl.actors.trainer_checkpoint import load_trainer_state, save_trainer_state
+from meshrl.queues import Sample
+
+torch.set_num_threads(1)
+STEPS = 5
+CKPT_AFTER = 3
+# GAE (critic) + decoupled PPO + 2 mini-batches: every cross-rank path (gathered values and
+# proximal log-probs, whitening on the full batch, shuffled mini-batches, padding micro-batches).
+ALGO = AlgoConfig(advantage="gae", policy_loss="decoupled_ppo", entropy_coef=0.01)
+CFG = TrainerConfig(samples_per_step=14, minibatches_per_step=2, tokens_per_microbatch=48, lr=3e-3, critic_lr=3e-3)
+
+
+def tiny_model_dir(path: Path, *, layers: int = 2, hidden: int = 32) -> str:
+    """A random Qwen2 model (embedded default's architecture, smaller) with the char tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    from meshrl.embedded import EmbeddedModelConfig, build_char_tokenizer, build_model_config
+
+    tok = build_char_tokenizer()
+    cfg = build_model_config(EmbeddedModelConfig(hidden_size=hidden, num_hidden_layers=layers, intermediate_size=2 * hidden,
+                                                 num_attention_heads=4, num_key_value_heads=2), tok)  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def make_samples(step: int, n: int, *, group: int = 1, vocab: int = 90, reward: float | None = None) -> list[Sample]:
+    """Deterministic samples of mixed lengths (so micro-batches and ranks get uneven rows)."""
+    rng = random.Random(1000 + step)
+    out = []
+    for i in range(n):
+        prompt = [3] + [rng.randrange(4, vocab) for _ in range(rng.randrange(3, 9))]
+        response = [rng.randrange(4, vocab) for _ in range(rng.randrange(1, 9))]
+        out.append(Sample(
+            prompt_id=i // group, group_id=step * 1000 + i // group, group_size=group, prompt_ids=prompt,
+            response_ids=response, behavior_logprobs=[-rng.uniform(2.0, 5.0) for _ in response], behavior_version=step,
+            reward=rng.random() if reward is None else reward,
+        ))  # fmt: skip
+    return out
+
+
+def _trainer(model_dir: str, dp: DataParallel, cfg: TrainerConfig = CFG, algo: AlgoConfig = ALGO) -> PolicyTrainer:
+    return PolicyTrainer(model_dir, cfg, algo, dp=dp, temperature=1.0, max_new_tokens=8, total_steps=STEPS)
+
+
+def _params(t: PolicyTrainer) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in t.policy_state().items()}
+
+
+def _run(t: PolicyTrainer, steps: range) -> tuple[list[dict], list[dict]]:
+    metrics, params = [], []
+    for s in steps:
+        metrics.append(t.train_step(make_samples(s, CFG.samples_per_step), s))
+        params.append(_params(t))
+    return metrics, params
+
+
+def _rank_main(rank: int, port: int, model_dir: str, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=120))  # fmt: skip
+    try:
+        dp = DataParallel(init_device_mesh("cpu", (2,), mesh_dim_names=("dp",)))
+        t = _trainer(model_dir, dp)
+        first, params = _run(t, range(CKPT_AFTER))
+        save_trainer_state(t, Path(out) / "ckpt")
+        rest, more = _run(t, range(CKPT_AFTER, STEPS))
+        t.save_hf(Path(out) / "hf")
+        resumed = _trainer(model_dir, dp)
+        load_trainer_state(resumed, Path(out) / "ckpt")
+        again, again_params = _run(resumed, range(CKPT_AFTER, STEPS))
+        if rank == 0:
+            torch.save({"metrics": first + rest, "params": params + more, "resumed_metrics": again,
+                        "resumed_params": again_params}, Path(out) / "dp2.pt")  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float) -> float:
+    assert a.keys() == b.keys()
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst <= atol, f"max parameter difference {worst} > {atol}"
+    return worst
+
+
+@pytest.fixture(scope="module")
+def dp2_run(tmp_path_factory):
+    """5 steps at dp=2 (checkpoint after 3, resumed copy of steps 4-5, HF export) in 2 processes."""
+    root = tmp_path_factory.mktemp("fsdp")
+    model_dir = tiny_model_dir(root / "model")
+    mp.start_processes(_rank_main, args=(_port(), model_dir, str(root)), nprocs=2, start_method="spawn", join=True)
+    return model_dir, root, torch.load(root / "dp2.pt")
+
+
+@pytest.fixture(scope="module")
+def dp1_run(dp2_run):
+    model_dir = dp2_run[0]
+    t = _trainer(model_dir, DataParallel(None))
+    metrics, params = _run(t, range(STEPS))
+    return t, metrics, params
+
+
+def test_dp2_matches_dp1_loss_and_parameter_trajectory(dp2_run, dp1_run):
+    _, _, dp2 = dp2_run
+    _, metrics, params = dp1_run
+    for step in range(STEPS):
+        for key in ("loss", "grad_norm", "critic_grad_norm", "value_error", "ratio_max", "entropy", "num_tokens",
+                    "advantage_mean", "value_mean"):
+            a, b = dp2["metrics"][step][key], metrics[step][key]
+            assert math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6), f"step {step} {key}: dp2 {a} vs dp1 {b}"
+        _close(dp2["params"][step], params[step], atol=1e-5)
+    # the run really trained: parameters moved far more than the tolerance
+    start = _params(_trainer(dp2_run[0], DataParallel(None)))
+    assert max((params[-1][k] - start[k]).abs().max().item() for k in start) > 1e-3
+
+
+def test_dp2_resume_from_sharded_checkpoint_is_exact(dp2_run):
+    dp2 = dp2_run[2]
+    for i, step in enumerate(range(CKPT_AFTER, STEPS)):
+        assert dp2["resumed_metrics"][i]["loss"] == dp2["metrics"][step]["loss"]
+        _close(dp2["resumed_params"][i], dp2["params"][step], atol=0.0)
+
+
+def test_dp1_resumes_a_dp2_checkpoint(dp2_run, dp1_run):
+    model_dir, root, dp2 = dp2_run
+    t = _trainer(model_dir, DataParallel(None))
+    assert load_trainer_state(t, root / "ckpt") == CKPT_AFTER
+    _close(_params(t), dp2["params"][CKPT_AFTER - 1], atol=0.0)  # DCP reshards the FSDP2 shards exactly
+    metrics, params = _run(t, range(CKPT_AFTER, STEPS))
+    for i, step in enumerate(range(CKPT_AFTER, STEPS)):
+        assert math.isclose(metrics[i]["loss"], dp1_run[1][step]["loss"], rel_tol=1e-5, abs_tol=1e-6)
+        _close(params[i], dp1_run[2][step], atol=1e-5)
+
+
+def test_dp2_hf_export_loads_and_gives_the_same_logits(dp2_run, dp1_run):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _, root, _ = dp2_run
+    exported = AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32).eval()
+    assert AutoTokenizer.from_pretrained(root / "hf").pad_token_id == exported.config.pad_token_id
+    trained = dp1_run[0].policy.eval()
+    ids = torch.tensor([[3, 10, 11, 12, 13, 14, 15]])
+    with torch.no_grad():
+        a, b = exported(input_ids=ids).logits, trained(input_ids=ids).logits
+    trained.train()
+    assert (a - b).abs().max().item() <= 1e-4, "exported dp=2 checkpoint disagrees with the dp=1 trainer"
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("algo", [ALGO, AlgoConfig(advantage="grpo", samples_per_prompt=2, aggregation="seq_mean_token_mean")])
+def test_microbatch_split_gives_the_same_gradients(tmp_path, algo):
+    model_dir = tiny_model_dir(tmp_path / "model", layers=1)
+    grads = []
+    for budget in (10_000, 12):  # one micro-batch vs about one row each
+        cfg = TrainerConfig(samples_per_step=12, tokens_per_microbatch=budget, lr=0.0, critic_lr=0.0)
+        t = _trainer(model_dir, DataParallel(None), cfg, algo)
+        m = t.train_step(make_samples(0, 12, group=2), 0)
+        grads.append((_grads(t.policy), _grads(t.critic) if t.critic is not None else {}, m["loss"]))
+    assert math.isclose(grads[0][2], grads[1][2], rel_tol=1e-6)
+    for a, b in ((grads[0][0], grads[1][0]), (grads[0][1], grads[1][1])):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-7), k
+
+
+def test_nan_loss_skips_the_update_and_repeated_ones_stop(tmp_path):
+    model_dir = tiny_model_dir(tmp_path / "model", layers=1)
+    cfg = TrainerConfig(samples_per_step=8, max_skipped_steps=2)
+    t = _trainer(model_dir, DataParallel(None), cfg, AlgoConfig(advantage="grpo", samples_per_prompt=2))
+    before = _params(t)
+    good = t.train_step(make_samples(0, 8, group=2), 0)
+    assert good["skipped_updates"] == 0 and good["skipped_steps_in_a_row"] == 0
+    moved = _params(t)
+    bad = t.train_step(make_samples(1, 8, group=2, reward=float("inf")), 1)
+    assert bad["skipped_updates"] == 1 and bad["skipped_steps_in_a_row"] == 1
+    assert not math.isfinite(bad["loss"])
+    _close(_params(t), moved, atol=0.0)  # the NaN step changed nothing
+    assert max((moved[k] - before[k]).abs().max().item() for k in before) > 0
+    with pytest.raises(NonFiniteStepsError, match="2 train steps in a row.*max_skipped_steps=2"):
+        t.train_step(make_samples(2, 8, group=2, reward=float("nan")), 2)
