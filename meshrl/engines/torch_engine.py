@@ -27,7 +27,7 @@ import asyncio
 import collections
 import itertools
 import random
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import msgspec
 import torch
@@ -385,6 +385,35 @@ class TorchEngine:
             raise RuntimeError("end_weight_update without begin_weight_update")
         stage, self._stage = self._stage, None
         stage.apply()
+        self.set_version(version)
+
+    def staged_params(self) -> dict[str, torch.Tensor]:
+        """Staging copies of this rank's parameters (engine names, local shapes), inside a weight
+        update, for writers that speak the engine layout (``meshrl.reshard``); ``end_weight_update``
+        applies them whole. The writer must fill every element."""
+        if self._stage is None:
+            raise RuntimeError("staged_params outside a weight update: call begin_weight_update first")
+        return self._stage.buffers()
+
+    async def abort_weight_update(self) -> None:
+        """Drop whatever was staged; the engine keeps serving its current version."""
+        self._stage = None
+
+    def write_params(self, write: Callable[[dict[str, torch.Tensor]], None], version: int) -> None:
+        """Run ``write(params)`` on the live parameters, then serve them as ``version``.
+
+        Synchronous, so it lands between two steps like ``end_weight_update`` but with no staging
+        copy: for colocated pushes whose sources all sit in this process (nothing can fail midway
+        but the copy itself). ``params``: engine names -> this rank's local tensors.
+        """
+        if self._stage is not None:
+            raise RuntimeError("write_params during a staged weight update: end or abort it first")
+        with torch.no_grad():
+            write(self.model.params)
+        self.set_version(version)
+
+    def set_version(self, version: int) -> None:
+        """Label the current weights as policy ``version`` (SGLang's ``/update_weight_version``)."""
         self._version = int(version)
         self._batch.mark_version(self._version)
 

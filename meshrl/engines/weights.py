@@ -3,8 +3,9 @@
 A checkpoint is a local directory holding ``config.json`` and ``*.safetensors`` files (sharded or
 not), as written by ``save_pretrained``; nothing is fetched from a hub. ``StagedWeights`` is the
 "begin / load (several times) / end" half of a weight update: pieces are copied to the engine's
-device and dtype as they arrive (so the sender may reuse its buffers), and only ``apply`` writes
-them into the live parameters, in place.
+device and dtype as they arrive (so the sender may reuse its buffers), or written by ``meshrl.reshard``
+straight into whole engine-layout staging copies (``buffers``), and only ``apply`` writes them into
+the live parameters, in place.
 
 Simplifications, on purpose: a staged update holds a full copy of every tensor it received (peak
 memory is weights + update); tensors are read whole from safetensors, then sliced for TP.
@@ -74,6 +75,17 @@ class StagedWeights:
         self.model = model
         self.pieces: list[tuple[str, tuple[slice, ...], torch.Tensor]] = []
         self.hf_names: set[str] = set()
+        self.whole: dict[str, torch.Tensor] = {}
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """Whole staging copies of every local parameter, by engine name, applied whole by ``apply``.
+
+        For writers that already speak the engine layout (``meshrl.reshard`` receives each rank's
+        slices straight into them); they must fill every element.
+        """
+        if not self.whole:
+            self.whole = {name: torch.empty_like(p) for name, p in self.model.params.items()}
+        return self.whole
 
     @torch.no_grad()
     def add(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -89,8 +101,12 @@ class StagedWeights:
     @torch.no_grad()
     def apply(self) -> int:
         """Write every staged piece into the live parameters (in place); returns tensors applied."""
+        if self.whole:
+            names = list(self.whole)
+            torch._foreach_copy_([self.model.params[n] for n in names], [self.whole[n] for n in names])
         for name, dst, piece in self.pieces:
             self.model.params[name][dst].copy_(piece)
-        n = len(self.pieces)
+        n = len(self.pieces) + len(self.whole)
         self.pieces.clear()
+        self.whole = {}
         return n

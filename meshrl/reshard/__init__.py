@@ -1,11 +1,47 @@
 """Weight flow from the trainer to the engines, one whole policy version at a time.
 
-Now: the full Hugging Face-named state dict travels through Ray's object store, put once by the
-driver and fetched by every engine, which stages it and flips to the new version between two
-decode steps. Simplification on purpose until the DTensor planner lands: no sharded layouts, no
-buckets, no NCCL.
+Modules, bottom up:
+
+* ``layout``: who holds which box of which tensor — the trainer's side read from its DTensors
+  (FSDP2 ``Shard(0)`` over dp, uneven chunks included), the engines' from their declared TP plan
+  (``meshrl.engines.layout``, the one HF <-> engine name mapping);
+* ``plan``: source boxes intersected with destination boxes into transfers, bucketed by
+  ``bucket_bytes``, cached per layout pair; every destination element moves exactly once;
+* ``transport``: one process's share of a plan — same-process copies, broadcast, point-to-point,
+  buckets pipelined (NCCL on GPU, gloo on CPU);
+* ``push``: ``Resharder``, the per-process participant: versioned, atomic apply on the engine;
+* ``sglang``: the trainer's side of SGLang's ``update_weights_from_distributed`` protocol;
+* ``object_store``: the minimal push through Ray's object store (full tensors, no sharding).
 """
 
+from meshrl.reshard.layout import (
+    DestLayout,
+    SourceLayout,
+    dest_layout,
+    local_tensors,
+    source_layout,
+)
 from meshrl.reshard.object_store import PushStats, push_weights
+from meshrl.reshard.plan import Bucket, Plan, Transfer, plan_transfers
+from meshrl.reshard.push import ReshardConfig, ReshardError, Resharder, ReshardTarget
+from meshrl.reshard.transport import GroupRanks, run_plan
 
-__all__ = ["PushStats", "push_weights"]
+__all__ = [
+    "Bucket",
+    "DestLayout",
+    "GroupRanks",
+    "Plan",
+    "PushStats",
+    "ReshardConfig",
+    "ReshardError",
+    "ReshardTarget",
+    "Resharder",
+    "SourceLayout",
+    "Transfer",
+    "dest_layout",
+    "local_tensors",
+    "plan_transfers",
+    "push_weights",
+    "run_plan",
+    "source_layout",
+]

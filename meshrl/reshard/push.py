@@ -1,0 +1,218 @@
+"""Pushing one policy version: the participant object each process of a push holds.
+
+A ``Resharder`` lives in every process that takes part in a push: the trainer's ranks (sources)
+and the engines' ranks (destinations), or both at once when they are colocated. All of them
+build it from the same ``SourceLayout``, ``DestLayout`` and ``GroupRanks`` (so they compute the
+same cached plan without talking), join one process group built SGLang's way
+(``meshrl.mesh.join_process_group``), and then, per version:
+
+```text
+trainer rank i:   resharder.send(local_tensors(model.named_parameters()))          (blocks)
+engine rank j:    await resharder.receive(engine, version)
+                    engine.begin_weight_update()       stage; generation continues on v
+                    run_plan(...) in a worker thread   slices land in engine.staged_params()
+                    engine.end_weight_update(version)  one synchronous copy between two steps
+                  on any failure or timeout: engine.abort_weight_update() -> still on v, and
+                  ReshardError says which bucket/peer and why
+```
+
+Versioned and atomic: a version becomes visible only in ``end_weight_update``, which runs on the
+engine's event loop between two decode steps, so no step mixes versions; a failed push leaves
+the staging copy behind and the engine on v. ``write_in_place`` is the colocated shortcut when a
+destination rank's sources all live in its own process: one ``_foreach_copy_`` into the live
+parameters, run synchronously between steps (no staging; nothing remote can fail midway).
+
+Simplifications, on purpose: the engine side stages a full copy of its parameters (memory:
+weights x 2 during a push); a timed-out transfer thread cannot be killed, it ends with the
+group's own timeout, and the group should then be rebuilt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Callable, Literal, Mapping, Protocol
+
+import msgspec
+import torch
+
+from meshrl.reshard.layout import DestLayout, SourceLayout, to_slices
+from meshrl.reshard.object_store import PushStats
+from meshrl.reshard.plan import Plan, plan_transfers
+from meshrl.reshard.transport import GroupRanks, run_plan
+
+
+class ReshardConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """How weights move from the trainer to the engines."""
+
+    bucket_bytes: int = 512 * 2**20
+    """Most bytes in one bucket (the unit of pipelining and of temporary memory)."""
+    timeout_s: float = 300.0
+    """Bound on one push in each process, and on the group's rendezvous and collectives."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Process-group backend; auto: NCCL when the device is CUDA, else gloo."""
+    group_name: str = "meshrl_reshard"
+    """Name of the transfer group (its store prefix); unique per concurrent group."""
+    depth: int = 2
+    """Buckets in flight per process (2: pack the next while the last sends)."""
+
+    def __post_init__(self) -> None:
+        if self.bucket_bytes < 1 or self.timeout_s <= 0 or self.depth < 1:
+            raise ValueError("reshard: bucket_bytes and depth must be >= 1 and timeout_s > 0")
+
+
+class ReshardError(RuntimeError):
+    """A push failed; the engine that raised it still serves its previous version."""
+
+
+class ReshardTarget(Protocol):
+    """The engine side of a push (``TorchEngine`` implements it)."""
+
+    @property
+    def version(self) -> int: ...
+
+    async def begin_weight_update(self) -> None: ...
+
+    def staged_params(self) -> dict[str, torch.Tensor]: ...
+
+    async def end_weight_update(self, version: int) -> None: ...
+
+    async def abort_weight_update(self) -> None: ...
+
+    def write_params(self, write: Callable[[dict[str, torch.Tensor]], None], version: int) -> None: ...
+
+
+class Resharder:
+    """One process's part in pushing versions from a source layout to a destination layout."""
+
+    def __init__(self, source: SourceLayout, dest: DestLayout, ranks: GroupRanks, group_rank: int, group: Any = None,
+                 config: ReshardConfig = ReshardConfig(), device: torch.device | str = "cpu"):
+        if source.num_ranks != len(ranks.src) or dest.num_ranks != len(ranks.dst):
+            raise ValueError(f"GroupRanks has {len(ranks.src)} source / {len(ranks.dst)} destination ranks, the "
+                             f"layouts {source.num_ranks} / {dest.num_ranks}")
+        if group is None and ranks.world_size > 1:
+            raise ValueError("a group of more than one process needs a process group: use Resharder.join")
+        self.source, self.dest, self.ranks, self.group_rank = source, dest, ranks, group_rank
+        self.group, self.config, self.device = group, config, torch.device(device)
+        self.plan: Plan = plan_transfers(source, dest, config.bucket_bytes, ranks.same_process())
+        self.src_rank = next((s for s, g in enumerate(ranks.src) if g == group_rank), None)
+        self.dst_rank = next((d for d, g in enumerate(ranks.dst) if g == group_rank), None)
+
+    @classmethod
+    def join(cls, source: SourceLayout, dest: DestLayout, ranks: GroupRanks, group_rank: int, master_addr: str,
+             master_port: int, config: ReshardConfig = ReshardConfig(), device: torch.device | str = "cpu"
+             ) -> "Resharder":
+        """Join the transfer group (group rank 0 hosts its store at ``master_addr:master_port``)."""
+        import torch.distributed as dist
+
+        from meshrl.mesh.distributed import join_process_group
+
+        device = torch.device(device)
+        backend = config.backend if config.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+        pg = join_process_group(config.group_name, group_rank, ranks.world_size, master_addr, master_port,
+                                backend=backend, timeout=config.timeout_s)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        probe = torch.ones(1, device=device)
+        # Every rank at once: NCCL builds its communicator here, not inside the first bucket's p2p.
+        dist.all_reduce(probe, group=pg)
+        if probe.item() != ranks.world_size:
+            raise RuntimeError(f"reshard group {config.group_name!r}: warm-up all-reduce gave {probe.item()}")
+        return cls(source, dest, ranks, group_rank, pg, config, device)
+
+    def close(self) -> None:
+        """Leave the transfer group."""
+        import torch.distributed as dist
+
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
+
+    def _check_sources(self, sources: Mapping[str, torch.Tensor]) -> None:
+        bad = []
+        for t in self.source.tensors:
+            box = t.owned[self.src_rank]
+            want = tuple(b - a for a, b in box) if box else (0,)
+            got = sources.get(t.name)
+            if got is None or (box and tuple(got.shape) != want):
+                bad.append((t.name, None if got is None else tuple(got.shape), want))
+        if bad:
+            raise ReshardError(f"source rank {self.src_rank}: local tensors differ from the layout (name, got, "
+                               f"expected): {bad[:3]}")
+
+    def _run(self, sources: Mapping[str, torch.Tensor] | None, buffers: Mapping[str, torch.Tensor] | None
+             ) -> tuple[int, int]:
+        return run_plan(self.plan, self.ranks, self.group_rank, self.group, sources=sources, buffers=buffers,
+                        device=self.device, timeout_s=self.config.timeout_s, depth=self.config.depth)
+
+    def send(self, sources: Mapping[str, torch.Tensor], version: int = -1) -> PushStats:
+        """The trainer side: this rank's local tensors (``layout.local_tensors``) to the engines. Blocks."""
+        if self.src_rank is None:
+            raise ReshardError(f"group rank {self.group_rank} holds no source rank")
+        self._check_sources(sources)
+        start = time.perf_counter()
+        try:
+            sent, _ = self._run(sources, None)
+        except Exception as exc:
+            raise ReshardError(f"push of v{version} failed on source rank {self.src_rank}: {exc}") from exc
+        return PushStats(version=version, seconds=time.perf_counter() - start, bytes=sent)
+
+    async def receive(self, target: ReshardTarget, version: int, *, sources: Mapping[str, torch.Tensor] | None = None
+                      ) -> PushStats:
+        """The engine side: stage the whole version, then make it visible at once (module docstring).
+
+        ``sources``: this process's own source tensors when it is also a trainer rank.
+        """
+        if self.dst_rank is None:
+            raise ReshardError(f"group rank {self.group_rank} holds no destination rank")
+        if sources is not None:
+            self._check_sources(sources)
+        old, start = target.version, time.perf_counter()
+        await target.begin_weight_update()
+        try:
+            buffers = target.staged_params()
+            self._check_buffers(buffers)
+            # The transfer blocks on the group: run it off the event loop, which keeps generating on v.
+            _, received = await asyncio.wait_for(asyncio.to_thread(self._run, sources, buffers),
+                                                 self.config.timeout_s + 5.0)
+        except asyncio.CancelledError:
+            await target.abort_weight_update()
+            raise
+        except Exception as exc:
+            await target.abort_weight_update()
+            why = f"timed out after {self.config.timeout_s + 5.0}s" if isinstance(exc, asyncio.TimeoutError) else exc
+            raise ReshardError(f"push of v{version} failed on destination rank {self.dst_rank}: {why}; "
+                               f"the engine stays on v{old}") from exc
+        await target.end_weight_update(version)
+        return PushStats(version=version, seconds=time.perf_counter() - start, bytes=received)
+
+    def _check_buffers(self, buffers: Mapping[str, torch.Tensor]) -> None:
+        want = self.dest.ranks[self.dst_rank].params
+        bad = [(n, s, None if n not in buffers else tuple(buffers[n].shape)) for n, s in want
+               if n not in buffers or tuple(buffers[n].shape) != s]
+        if bad:
+            raise ReshardError(f"destination rank {self.dst_rank}: engine parameters differ from the layout (name, "
+                               f"expected, got): {bad[:3]}")
+
+    def write_in_place(self, target: ReshardTarget, sources: Mapping[str, torch.Tensor], version: int) -> PushStats:
+        """Colocated shortcut: every transfer into this destination rank comes from ``sources`` in this
+        process; copy them into the live parameters in one synchronous call (between two steps)."""
+        if self.dst_rank is None or self.src_rank is None:
+            raise ReshardError(f"write_in_place needs a source and a destination rank in group rank {self.group_rank}")
+        mine = [t for b in self.plan.buckets for t in b.transfers if t.dst == self.dst_rank]
+        remote = [t for t in mine if t.src != self.src_rank]
+        if remote:
+            raise ReshardError(f"write_in_place: {len(remote)} transfers into destination rank {self.dst_rank} come "
+                               f"from other processes (e.g. {remote[0].hf_name} from source rank {remote[0].src}); "
+                               "use receive")
+        self._check_sources(sources)
+        start = time.perf_counter()
+
+        def write(params: dict[str, torch.Tensor]) -> None:
+            dst = [params[t.param][to_slices(t.dst_box)] for t in mine]
+            src = [sources[t.hf_name][to_slices(t.src_box)] for t in mine]
+            torch._foreach_copy_(dst, src)
+
+        target.write_params(write, version)
+        nbytes = sum(t.numel for t in mine) * torch.empty((), dtype=getattr(torch, self.plan.dtype)).element_size()
+        return PushStats(version=version, seconds=time.perf_counter() - start, bytes=nbytes)

@@ -1,0 +1,196 @@
+"""Reshard over real gloo groups between real processes: an FSDP2 trainer (dp = 1, 2, 3 uneven)
+pushes two versions into TorchEngines (tp = 1, 2); every engine tensor must equal its slice of
+the trainer's full tensor bit for bit, and a push that times out leaves the engine on its version.
+
+One spawn of five processes runs every case in turn (starting torch-importing processes is the
+expensive part on two shared cores); process p is trainer rank p (p < dp) or engine rank p - dp.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import os
+import socket
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+# (dp, tp, engine dtype, tied embeddings)
+CASES = [(1, 1, "float32", True), (1, 2, "float32", False), (2, 1, "float32", True), (2, 2, "bfloat16", False),
+         (3, 1, "float32", False), (3, 2, "float32", True)]
+NPROCS = 5
+TIMEOUT_S = 60.0
+
+
+def _config(tied: bool):
+    from transformers import Qwen2Config
+
+    # hidden 64 and vocab 64 split 22/22/20 over dp=3; k/v rows 32 split 11/11/10
+    return Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                       tie_word_embeddings=tied, eos_token_id=None)
+
+
+def _trainer_model(cfg, version: int):
+    """What the trainer holds at ``version`` (every process can rebuild it: same seed)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(100 + version)
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _init_default(rank: int, world: int, port: int) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+
+
+def _layouts(cfg, dp: int, tp: int, dtype: str, named_params=None):
+    from meshrl.engines.layout import EngineLayout, ModelSpec
+    from meshrl.reshard import dest_layout, source_layout
+    from meshrl.reshard.layout import source_tensor, SourceLayout
+
+    dest = dest_layout(EngineLayout(ModelSpec.from_hf_config(cfg)), tp, 1, dtype)
+    if named_params is not None:
+        return source_layout(named_params), dest
+    # Engines learn the trainer's layout from the controller; here they rebuild it from the config.
+    full = _trainer_model(cfg, 0)
+    return SourceLayout(num_ranks=dp, tensors=tuple(source_tensor(n, p.shape, "float32", (dp,), (0,))
+                                                    for n, p in full.named_parameters())), dest
+
+
+def _trainer(rank: int, dp: int, tp: int, dtype: str, tied: bool, ports: list[int]) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from meshrl.reshard import GroupRanks, ReshardConfig, Resharder, local_tensors
+
+    cfg = _config(tied)
+    _init_default(rank, dp, ports[0])
+    mesh = init_device_mesh("cpu", (dp,), mesh_dim_names=("dp",))
+    model = _trainer_model(cfg, 1)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    source, dest = _layouts(cfg, dp, tp, dtype, model.named_parameters())
+    ref, _ = _layouts(cfg, dp, tp, dtype)
+    assert source == ref, "the layout read from FSDP2's DTensors differs from Shard(0) over dp"
+    if dp == 3:
+        q = source.index()["model.layers.0.self_attn.q_proj.weight"]
+        assert [b[0] for b in q.owned] == [(0, 22), (22, 44), (44, 64)]  # uneven chunks
+    res = Resharder.join(source, dest, GroupRanks.disjoint(dp, tp), rank, "127.0.0.1", ports[2],
+                         ReshardConfig(bucket_bytes=24 * 1024, timeout_s=TIMEOUT_S, group_name=f"rs-{dp}-{tp}"))
+    stats = res.send(local_tensors(model.named_parameters()), version=1)
+    full = sum(p.numel() for p in model.parameters()) * (2 if dtype == "bfloat16" else 4)
+    assert 0 < stats.bytes, stats
+    assert stats.bytes <= full * (tp if tp > 1 else 1), (stats.bytes, full)  # no rank sends the model twice per engine
+    v2 = _trainer_model(cfg, 2)
+    with torch.no_grad():  # "train": load version 2 into the sharded parameters
+        for (name, p), q in zip(model.named_parameters(), v2.parameters()):
+            p.to_local().copy_(q[tuple(slice(a, b) for a, b in source.index()[name].owned[rank])])
+    res.send(local_tensors(model.named_parameters()), version=2)
+    res.close()
+    dist.destroy_process_group()
+
+
+def _engine(rank: int, dp: int, tp: int, dtype: str, tied: bool, ports: list[int]) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from meshrl.engines import TorchEngine, TorchEngineConfig
+    from meshrl.engines.tp import TensorParallel
+    from meshrl.reshard import GroupRanks, ReshardConfig, Resharder
+    from meshrl.reshard.layout import to_slices
+
+    cfg = _config(tied)
+    tpi = TensorParallel()
+    if tp > 1:
+        _init_default(rank, tp, ports[1])
+        tpi = TensorParallel.from_device_mesh(init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",)), "tp")
+    engine = TorchEngine.from_hf_model(_trainer_model(cfg, 0).state_dict(), cfg,
+                                       TorchEngineConfig(dtype=dtype, max_batch_size=2, max_seq_len=32), tp=tpi)
+    source, dest = _layouts(cfg, dp, tp, dtype)
+    res = Resharder.join(source, dest, GroupRanks.disjoint(dp, tp), dp + rank, "127.0.0.1", ports[2],
+                         ReshardConfig(bucket_bytes=24 * 1024, timeout_s=TIMEOUT_S, group_name=f"rs-{dp}-{tp}"))
+
+    async def pushes() -> None:
+        for version in (1, 2):
+            await res.receive(engine, version)
+            assert engine.version == version and not engine.is_updating
+            full = {n: p.detach().to(getattr(torch, dtype)) for n, p in _trainer_model(cfg, version).state_dict().items()}
+            for pl in engine.model.layout.params.values():
+                local = engine.model.params[pl.name]
+                for hf_name, src, dst in pl.local_slices(tpi.rank, tpi.size):
+                    assert torch.equal(local[dst], full[hf_name][src]), f"v{version} {pl.name} <- {hf_name}"
+
+    asyncio.run(pushes())
+    res.close()
+    if tp > 1:
+        dist.destroy_process_group()
+
+
+def _failed_push(proc: int, port: int) -> None:
+    """Trainer process 0 joins but never sends: engine process 1 must time out and stay on v0."""
+    from meshrl.engines import TorchEngine, TorchEngineConfig
+    from meshrl.reshard import GroupRanks, ReshardConfig, ReshardError, Resharder
+
+    cfg = _config(True)
+    source, dest = _layouts(cfg, 1, 1, "float32")
+    conf = ReshardConfig(timeout_s=2.0, group_name="rs-fail")
+    res = Resharder.join(source, dest, GroupRanks.disjoint(1, 1), proc, "127.0.0.1", port, conf)
+    if proc == 0:
+        time.sleep(4.0)  # the engine gives up meanwhile
+        return
+    engine = TorchEngine.from_hf_model(_trainer_model(cfg, 0).state_dict(), cfg,
+                                       TorchEngineConfig(max_batch_size=2, max_seq_len=32))
+    before = {n: p.clone() for n, p in engine.model.params.items()}
+    with pytest.raises(ReshardError, match=r"stays on v0") as info:
+        asyncio.run(res.receive(engine, 1))
+    assert "did not complete" in str(info.value.__cause__ or info.value), info.value
+    assert engine.version == 0 and not engine.is_updating
+    assert all(torch.equal(before[n], p) for n, p in engine.model.params.items())
+    # Later generation uses the old weights: the engine still works.
+    from meshrl.engines import GenerateRequest, SamplingParams
+
+    out = asyncio.run(engine.generate([GenerateRequest(input_ids=[1, 2], sampling=SamplingParams(max_new_tokens=2))]))
+    assert out[0].completions[0].versions == [0, 0]
+
+
+def _main(proc: int, all_ports: list[list[int]]) -> None:
+    torch.set_num_threads(1)
+    for (dp, tp, dtype, tied), ports in zip(CASES, all_ports):
+        if proc < dp:
+            _trainer(proc, dp, tp, dtype, tied, ports)
+        elif proc < dp + tp:
+            _engine(proc - dp, dp, tp, dtype, tied, ports)
+    if proc < 2:
+        _failed_push(proc, all_ports[-1][0])
+
+
+@pytest.mark.slow
+def test_fsdp2_to_tp_engines_bit_exact():
+    ports = [_free_ports(3) for _ in range(len(CASES) + 1)]
+    ctx = mp.start_processes(_main, args=(ports,), nprocs=NPROCS, start_method="spawn", join=False)
+    deadline = time.monotonic() + 150
+    try:
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            assert time.monotonic() < deadline, "reshard processes did not finish within 150 s"
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.terminate()
