@@ -5,8 +5,9 @@ It speaks the request/response schemas of SGLang's ``/generate`` and control end
 ``meta_info`` carries ``finish_reason`` dicts, ``weight_version`` / ``weight_versions`` spans, and
 ``output_token_logprobs`` as ``[logprob, token_id, null]``; ``/health`` answers 503 while paused.
 ``make_app`` builds the aiohttp application (tests start it in-process on a free port); more
-endpoints (the weight-update ones) plug in through ``extra_routes`` or ``app.router`` with the
-engine at ``app[ENGINE]``.
+endpoints plug in through ``extra_routes`` or ``app.router`` with the engine at ``app[ENGINE]``.
+The distributed weight-update endpoints (``/init_weights_update_group``, ``/begin_weight_update``,
+``/update_weights_from_distributed``, ...) live in ``serve_weights.py`` and are always served.
 
 Simplifications, on purpose: no streaming; no input-token or top-k log-probs; sampling params that
 TorchEngine does not implement (``min_p``, penalties, ``stop`` strings, grammars) are accepted only
@@ -94,8 +95,9 @@ def _spans(versions: list[int]) -> list[dict[str, Any]]:
 class _Server:
     """Handlers bound to one engine (and its tokenizer, if any)."""
 
-    def __init__(self, engine: TorchEngine, tokenizer: Any, server_args: dict[str, Any]):
+    def __init__(self, engine: TorchEngine, tokenizer: Any, server_args: dict[str, Any], compat_version: str):
         self.engine, self.tokenizer, self.server_args = engine, tokenizer, server_args
+        self.compat_version = compat_version
         self._rids = itertools.count()
 
     def _requests(self, body: dict[str, Any]) -> tuple[list[GenerateRequest], bool]:
@@ -203,7 +205,7 @@ class _Server:
     async def server_info(self, request: web.Request) -> web.Response:
         e = self.engine
         return web.json_response({
-            **self.server_args, "version": SGLANG_COMPAT_VERSION, "engine": "meshrl.TorchEngine",
+            **self.server_args, "version": self.compat_version, "engine": "meshrl.TorchEngine",
             "model_path": e.model_path, "tp_size": 1, "dp_size": 1, "dtype": str(e.dtype).removeprefix("torch."),
             "device": str(e.device), "max_running_requests": e.max_batch_size, "context_length": e.cache.max_seq_len,
             "max_total_num_tokens": e.max_batch_size * e.cache.max_seq_len, "random_seed": e.config.seed,
@@ -246,9 +248,17 @@ class _Server:
 
 
 def make_app(engine: TorchEngine, *, tokenizer: Any = None, server_args: dict[str, Any] | None = None,
-             extra_routes: Iterable[tuple[str, str, Handler]] = ()) -> web.Application:
-    """The aiohttp application serving ``engine``; ``extra_routes`` are ``(method, path, handler)``."""
-    s = _Server(engine, tokenizer, dict(server_args or {}))
+             extra_routes: Iterable[tuple[str, str, Handler]] = (), compat_version: str = SGLANG_COMPAT_VERSION
+             ) -> web.Application:
+    """The aiohttp application serving ``engine``; ``extra_routes`` are ``(method, path, handler)``.
+
+    ``compat_version``: the SGLang release whose surface to show (``version`` in server info, and
+    the weight-update branches of ``serve_weights``); older ones let adapters test their branches.
+    """
+    from meshrl.engines.serve_weights import WeightSync
+
+    s = _Server(engine, tokenizer, dict(server_args or {}), compat_version)
+    weights = WeightSync(engine, compat_version)
     app = web.Application(client_max_size=64 * 1024**2)
     app[ENGINE] = engine
     routes = [
@@ -258,7 +268,8 @@ def make_app(engine: TorchEngine, *, tokenizer: Any = None, server_args: dict[st
         ("POST", "/pause_generation", s.pause), ("POST", "/continue_generation", s.resume),
         ("POST", "/abort_request", s.abort_request), ("GET", "/flush_cache", s.flush_cache),
         ("POST", "/flush_cache", s.flush_cache), ("POST", "/get_weights_by_name", s.get_weights_by_name),
-        ("GET", "/get_weights_by_name", s.get_weights_by_name), *extra_routes,
+        ("GET", "/get_weights_by_name", s.get_weights_by_name), *weights.routes(),
+        *extra_routes,
     ]
     for method, path, handler in routes:
         app.router.add_route(method, path, handler)
@@ -267,6 +278,7 @@ def make_app(engine: TorchEngine, *, tokenizer: Any = None, server_args: dict[st
         await engine.shutdown()
 
     app.on_shutdown.append(stop_engine)
+    app.on_shutdown.append(weights.close)
     return app
 
 
@@ -291,6 +303,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-seq-len", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--compat-version", default=SGLANG_COMPAT_VERSION,
+                   help="SGLang release whose HTTP surface to show (weight-update branches differ by version)")
     a = p.parse_args(argv)
     import torch
 
@@ -298,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = TorchEngineConfig(dtype=a.dtype, device=a.device, max_batch_size=a.max_batch_size,
                             max_seq_len=a.max_seq_len, seed=a.seed, cuda_graphs=not a.no_cuda_graphs)
     engine = TorchEngine.from_pretrained(a.model, cfg)
-    app = make_app(engine, tokenizer=load_tokenizer(a.model),
+    app = make_app(engine, tokenizer=load_tokenizer(a.model), compat_version=a.compat_version,
                    server_args={"host": a.host, "port": a.port, "model_path": a.model})
     web.run_app(app, host=a.host, port=a.port, print=lambda msg: print(msg, flush=True))
 

@@ -1,0 +1,185 @@
+"""SGLang's distributed weight-update endpoints for the TorchEngine server (``serve.py``).
+
+The engine joins the trainer's group exactly as SGLang does (``join_process_group``: tcp
+rendezvous, ``PrefixStore(group_name)``, any backend; gloo on CPU), receives each bucket's
+broadcasts in ``names`` order, and stages them; ``/end_weight_update`` makes the whole version
+visible at once between two decode steps. Collectives run in a worker thread, so the server keeps
+answering (``/health`` says 503 while an update is staged) and the trainer's requests and
+broadcasts can arrive in either order.
+
+Version branches follow the SGLang release the server reports (``compat_version``): from 0.5.21
+an update needs ``/begin_weight_update`` first (and the whole version flips at
+``/end_weight_update``); before it each call applies at once (begin/end answer 404, as they did
+not exist); 0.4.x takes one ``name``/``dtype``/``shape`` per call; ``load_format:
+"flattened_bucket"`` (one uint8 broadcast, offsets aligned to each dtype's size) needs 0.5.10+.
+
+Unlike SGLang, the staging makes a failed update harmless: it is dropped, the engine stays on its
+version, and the reply says why (``success: false``). Simplification: the server is one rank
+(``tp_size`` 1), so it joins at ``rank_offset``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import torch
+from aiohttp import web
+
+from meshrl.engines.torch_engine import TorchEngine
+
+
+def _reply(ok: bool, message: str, status: int = 200) -> web.Response:
+    return web.json_response({"success": ok, "message": message}, status=status)
+
+
+def _version(text: str) -> tuple[int, int, int]:
+    parts = (text.split(".") + ["0", "0"])[:3]
+    return tuple(int("".join(ch for ch in p if ch.isdigit()) or 0) for p in parts)  # type: ignore[return-value]
+
+
+def _unflatten(flat: torch.Tensor, dtypes: list[torch.dtype], shapes: list[list[int]]) -> list[torch.Tensor]:
+    out, off = [], 0
+    for dtype, shape in zip(dtypes, shapes):
+        size = torch.empty((), dtype=dtype).element_size()
+        off = -(-off // size) * size
+        n = size * int(torch.Size(shape).numel())
+        out.append(flat[off: off + n].view(dtype).view(shape))
+        off += n
+    return out
+
+
+class WeightSync:
+    """The weight-update handlers of one server (one engine, any number of named groups)."""
+
+    def __init__(self, engine: TorchEngine, compat_version: str, timeout_s: float = 600.0):
+        self.engine, self.version, self.timeout_s = engine, _version(compat_version), timeout_s
+        self.groups: dict[str, Any] = {}
+        self.pending_version: int | None = None
+
+    def routes(self) -> list[tuple[str, str, Any]]:
+        out = [("POST", "/init_weights_update_group", self.init_group),
+               ("POST", "/update_weights_from_distributed", self.update), ("POST", "/update_weight_version", self.set_version)]
+        if self.version >= (0, 5, 10):
+            out.append(("POST", "/destroy_weights_update_group", self.destroy_group))
+        if self.version >= (0, 5, 21):
+            out += [("POST", "/begin_weight_update", self.begin), ("POST", "/end_weight_update", self.end)]
+        return out
+
+    async def init_group(self, request: web.Request) -> web.Response:
+        from meshrl.mesh.distributed import join_process_group
+
+        b = await request.json()
+        name = b.get("group_name", "weight_update_group")
+        if name in self.groups:
+            return _reply(False, f"group {name!r} already exists: destroy it first")
+        try:
+            self.groups[name] = await asyncio.to_thread(
+                join_process_group, name, int(b["rank_offset"]), int(b["world_size"]), b["master_address"],
+                int(b["master_port"]), b.get("backend", "nccl"), self.timeout_s)
+        except Exception as exc:  # a bad address or a timeout: say so, keep serving
+            return _reply(False, f"joining {name!r} failed: {type(exc).__name__}: {exc}")
+        return _reply(True, "Succeeded to initialize custom process group.")
+
+    async def destroy_group(self, request: web.Request) -> web.Response:
+        import torch.distributed as dist
+
+        name = (await request.json()).get("group_name", "weight_update_group")
+        pg = self.groups.pop(name, None)
+        if pg is None:
+            return _reply(False, f"no group {name!r}")
+        dist.destroy_process_group(pg)
+        return _reply(True, "Succeeded to destroy custom process group.")
+
+    async def close(self, app: web.Application | None = None) -> None:
+        """Leave every group (server shutdown)."""
+        import torch.distributed as dist
+
+        for pg in self.groups.values():
+            dist.destroy_process_group(pg)
+        self.groups.clear()
+
+    async def begin(self, request: web.Request) -> web.Response:
+        await self.engine.begin_weight_update()
+        self.pending_version = None
+        return _reply(True, "Weight update started.")
+
+    async def end(self, request: web.Request) -> web.Response:
+        if not self.engine.is_updating:
+            return _reply(False, "no weight update in progress: call /begin_weight_update first")
+        version = self.pending_version if self.pending_version is not None else self.engine.version
+        await self.engine.end_weight_update(version)
+        self.pending_version = None
+        return _reply(True, f"Weight update applied as version {version}.")
+
+    async def set_version(self, request: web.Request) -> web.Response:
+        b = await request.json()
+        try:
+            version = int(b["new_version"])
+        except (KeyError, TypeError, ValueError):
+            return _reply(False, f"new_version must be an integer string for TorchEngine, got {b.get('new_version')!r}")
+        if b.get("abort_all_requests"):
+            self.engine.abort_all()
+        self.engine.set_version(version)
+        return _reply(True, f"Weight version updated to {version}.")
+
+    async def update(self, request: web.Request) -> web.Response:
+        import torch.distributed as dist
+
+        b = await request.json()
+        if self.version < (0, 5, 0):
+            names, dtypes, shapes = [b["name"]], [b["dtype"]], [b["shape"]]
+        else:
+            names, dtypes, shapes = b["names"], b["dtypes"], b["shapes"]
+        pg = self.groups.get(b.get("group_name", "weight_update_group"))
+        if pg is None:
+            return _reply(False, f"no group {b.get('group_name')!r}: call /init_weights_update_group first")
+        try:
+            torch_dtypes = [getattr(torch, d) for d in dtypes]
+        except AttributeError as exc:
+            return _reply(False, f"unknown dtype: {exc}")
+        try:
+            weight_version = None if b.get("weight_version") is None else int(b["weight_version"])
+        except (TypeError, ValueError):
+            return _reply(False, f"weight_version must be an integer string for TorchEngine, got {b['weight_version']!r}")
+        flat = b.get("load_format") == "flattened_bucket"
+        if flat and self.version < (0, 5, 10):
+            return _reply(False, "load_format 'flattened_bucket' needs 0.5.10+")
+        if flat:
+            total, sizes = 0, [torch.empty((), dtype=d).element_size() for d in torch_dtypes]
+            for size, shape in zip(sizes, shapes):
+                total = -(-total // size) * size + size * int(torch.Size(shape).numel())
+            payload = [torch.empty(total, dtype=torch.uint8)]
+        else:
+            payload = [torch.empty(s, dtype=d) for s, d in zip(shapes, torch_dtypes)]
+
+        def receive() -> None:
+            for t in payload:  # the trainer broadcasts in names order
+                dist.broadcast(t, src=0, group=pg)
+
+        try:  # receive every broadcast even when the update will be refused: the group stays in step
+            await asyncio.wait_for(asyncio.to_thread(receive), self.timeout_s)
+        except Exception as exc:
+            await self.engine.abort_weight_update()
+            return _reply(False, f"receiving {names[:3]}... failed: {type(exc).__name__}: {exc}")
+        tensors = _unflatten(payload[0], torch_dtypes, shapes) if flat else payload
+        staged = self.version >= (0, 5, 21)
+        if staged and not self.engine.is_updating:
+            return _reply(False, "call /begin_weight_update before updating weights (SGLang 0.5.21+)")
+        if b.get("abort_all_requests"):
+            self.engine.abort_all()
+        try:
+            if staged:
+                await self.engine.load_weights(zip(names, tensors))
+            else:
+                await self.engine.update_weights(zip(names, tensors),
+                                                 self.engine.version if weight_version is None else weight_version)
+        except Exception as exc:  # unknown name, wrong shape: drop the whole staged version
+            await self.engine.abort_weight_update()
+            return _reply(False, f"update dropped, engine stays on version {self.engine.version}: "
+                                 f"{type(exc).__name__}: {exc}")
+        if weight_version is not None and staged:
+            self.pending_version = weight_version
+        if b.get("flush_cache", True) and not self.engine.flush_cache():
+            return _reply(False, "flush_cache failed: requests are running (pause generation first)")
+        return _reply(True, "Succeeded to update parameter online from distributed.")

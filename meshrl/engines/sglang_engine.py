@@ -1,0 +1,253 @@
+"""SGLangEngine: the ``Engine`` interface over an SGLang server URL or an in-process ``sglang.Engine``.
+
+A thin translation (``shared/SGLANG_PROTOCOL.md``): ``generate`` posts one ``/generate`` per
+request (``max_new_tokens`` always sent, ``return_logprob`` on, ``rid`` = the request id) and
+reads ``output_ids``, ``output_token_logprobs[i][0]``, ``finish_reason["type"]`` and the
+per-token ``weight_versions`` spans (0.5.23; older releases: ``weight_version`` for every token);
+``pause``/``resume``/``abort`` map to ``/pause_generation`` (``keep`` -> ``in_place``),
+``/continue_generation`` and ``/abort_request``; ``update_weights`` makes this process rank 0 of
+SGLang's weight-update group and runs ``meshrl.reshard.sglang.SGLangWeightSender`` (pause, begin,
+buckets, flush, end, continue). To push to several servers at once, give one sender all of them.
+
+Every HTTP call has a timeout; calls that are safe to repeat (reads, pause/continue/abort/flush)
+are retried on connection errors, the others never (a repeated ``/generate`` would generate twice).
+The server's version (``/get_server_info``) is read once and gates ``sampling_seed`` (0.5.23) and
+``in_place`` pauses (0.5.10+).
+
+Simplification, on purpose: log-probs are whatever SGLang returns for the sampled tokens (the
+``Engine`` protocol asks for temperature-scaled log-probs; SGLang computes them after its own
+logit processing, which matches for plain temperature sampling).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import uuid
+from typing import Any, Iterable, Sequence
+
+import msgspec
+
+from meshrl.engines.types import Completion, GenerateRequest, GenerateResult, PauseMode, SamplingParams
+from meshrl.reshard.sglang import SGLangSyncConfig, SGLangWeightSender, parse_version
+
+__all__ = ["SGLangEngine", "SGLangEngineConfig"]
+
+_RETRY_SAFE = {"/get_server_info", "/server_info", "/get_model_info", "/model_info", "/health", "/health_generate",
+               "/pause_generation", "/continue_generation", "/abort_request", "/flush_cache", "/get_weights_by_name"}
+
+
+class SGLangEngineConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """How to talk to one SGLang server."""
+
+    request_timeout_s: float = 60.0
+    """Bound on one control call (pause, flush, info, ...)."""
+    generate_timeout_s: float = 3600.0
+    """Bound on one /generate call."""
+    retries: int = 3
+    """Extra attempts for retry-safe calls after a connection error."""
+    retry_backoff_s: float = 0.5
+    """Sleep before the first retry; doubles each time."""
+    max_connections: int = 256
+    """Concurrent HTTP connections to the server."""
+    initial_version: int = 0
+    """Policy version the server starts with (SGLang reports 'default' until told otherwise)."""
+    sync: SGLangSyncConfig = SGLangSyncConfig()
+    """How ``update_weights`` pushes (bucket size, backend, pause mode, timeouts)."""
+
+
+class SGLangEngine:
+    """An SGLang server (``url``) or in-process ``sglang.Engine`` (``engine=``) behind the ``Engine`` protocol."""
+
+    def __init__(self, url: str | None = None, *, engine: Any = None, config: SGLangEngineConfig = SGLangEngineConfig()):
+        if (url is None) == (engine is None):
+            raise ValueError("SGLangEngine needs exactly one of url='http://host:port' or engine=sglang.Engine(...)")
+        self.url, self.config = (url.rstrip("/") if url else None), config
+        self._offline = None
+        if engine is not None:
+            from meshrl.engines.sglang_offline import OfflineBackend
+
+            self._offline = OfflineBackend(engine)
+        self._session: Any = None
+        self._session_loop: asyncio.AbstractEventLoop | None = None
+        self._server_version: tuple[int, int, int] | None = None
+        self._version = config.initial_version
+        self._sender: SGLangWeightSender | None = None
+        self._ids = itertools.count()
+        self._prefix = uuid.uuid4().hex[:8]
+
+    @classmethod
+    def launch(cls, config: SGLangEngineConfig = SGLangEngineConfig(), **server_args: Any) -> "SGLangEngine":
+        """Start an in-process ``sglang.Engine(**server_args)`` (``pip install meshrl[sglang]``)."""
+        try:
+            import sglang
+        except ImportError as exc:
+            raise ImportError("SGLangEngine.launch needs sglang: pip install 'meshrl[sglang]'") from exc
+        return cls(engine=sglang.Engine(**server_args), config=config)
+
+    @property
+    def name(self) -> str:
+        return self.url or "in-process"
+
+    @property
+    def version(self) -> int:
+        """The policy version this process last pushed (or read with ``refresh_version``)."""
+        return self._version
+
+    # ---- transport --------------------------------------------------------------------------
+
+    async def _http(self) -> Any:
+        import aiohttp
+
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session_loop is not loop or self._session.closed:
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self.config.max_connections))
+            self._session_loop = loop
+        return self._session
+
+    async def request(self, method: str, path: str, body: dict[str, Any] | None = None, *,
+                      timeout_s: float | None = None) -> tuple[int, Any]:
+        """One call: ``(HTTP status, JSON or text reply)``; retried on connection errors when safe."""
+        timeout = timeout_s or self.config.request_timeout_s
+        if self._offline is not None:
+            return await asyncio.wait_for(self._offline.request(method, path, body), timeout)
+        import aiohttp
+
+        session, delay = await self._http(), self.config.retry_backoff_s
+        attempts = 1 + (self.config.retries if path in _RETRY_SAFE else 0)
+        for attempt in range(attempts):
+            try:
+                async with session.request(method, self.url + path, json=body,
+                                           timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                    if resp.content_type == "application/json":
+                        return resp.status, await resp.json()
+                    return resp.status, await resp.text()
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"{method} {self.url}{path}: no reply within {timeout}s") from None
+            except aiohttp.ClientConnectionError as exc:
+                if attempt + 1 == attempts:
+                    raise ConnectionError(f"{method} {self.url}{path}: {exc} (after {attempts} attempts)") from exc
+                await asyncio.sleep(delay)
+                delay *= 2
+        raise AssertionError("unreachable")
+
+    async def _ok(self, path: str, body: dict[str, Any] | None = None, method: str = "POST") -> Any:
+        status, reply = await self.request(method, path, body)
+        if status != 200 or (isinstance(reply, dict) and reply.get("success") is False):
+            raise RuntimeError(f"{method} {self.name}{path} failed: HTTP {status} {reply!r}"[:1000])
+        return reply
+
+    async def server_version(self) -> tuple[int, int, int]:
+        """The SGLang release the server reports (read once)."""
+        if self._server_version is None:
+            info = await self._ok("/get_server_info", method="GET")
+            self._server_version = parse_version(info.get("version", "0"))
+        return self._server_version
+
+    # ---- Engine protocol --------------------------------------------------------------------
+
+    def _sampling(self, sp: SamplingParams, version: tuple[int, int, int]) -> dict[str, Any]:
+        out: dict[str, Any] = {"max_new_tokens": sp.max_new_tokens, "temperature": sp.temperature, "top_p": sp.top_p,
+                               "top_k": sp.top_k, "ignore_eos": sp.ignore_eos, "n": sp.n}
+        if sp.stop_token_ids:
+            out["stop_token_ids"] = list(sp.stop_token_ids)
+        if sp.seed is not None:
+            if version < (0, 5, 23):
+                raise ValueError(f"per-request seeds need SGLang 0.5.23+ (sampling_seed); {self.name} runs {version}")
+            out["sampling_seed"] = sp.seed
+        return out
+
+    def _completion(self, out: dict[str, Any]) -> Completion:
+        meta = out.get("meta_info") or {}
+        ids = list(out.get("output_ids") or [])
+        reason = meta.get("finish_reason") or {"type": "abort"}
+        kind = reason.get("type") if isinstance(reason, dict) else str(reason)
+        lps = [float(x[0]) for x in meta.get("output_token_logprobs") or []]
+        if len(lps) != len(ids):
+            raise RuntimeError(f"{self.name}: {len(lps)} log-probs for {len(ids)} output tokens")
+        spans = meta.get("weight_versions")
+        if self._server_version is not None and self._server_version < (0, 5, 0):
+            versions = [self._version] * len(ids)  # 0.4.x has no weight versions: ours is the last push
+        elif spans:
+            versions = [0] * len(ids)
+            for s in spans:
+                versions[int(s["start"]): int(s["end"])] = [self._as_version(s["version"])] * (int(s["end"]) - int(s["start"]))
+        else:
+            versions = [self._as_version(meta.get("weight_version"))] * len(ids)
+        return Completion(output_ids=ids, logprobs=lps, versions=versions,
+                          finish_reason=kind if kind in ("stop", "length") else "abort")
+
+    def _as_version(self, v: Any) -> int:
+        try:
+            return int(v)
+        except (TypeError, ValueError):
+            return self._version  # SGLang says "default" before any versioned update
+
+    async def _generate_one(self, req: GenerateRequest, version: tuple[int, int, int]) -> GenerateResult:
+        rid = req.request_id or f"meshrl-{self._prefix}-{next(self._ids)}"
+        body = {"input_ids": list(req.input_ids), "sampling_params": self._sampling(req.sampling, version),
+                "return_logprob": True, "stream": False, "rid": rid}
+        status, reply = await self.request("POST", "/generate", body, timeout_s=self.config.generate_timeout_s)
+        if status == 400:
+            raise ValueError(f"{self.name} rejected request {rid!r}: {reply}")
+        if status != 200:
+            raise RuntimeError(f"{self.name}/generate failed for request {rid!r}: HTTP {status} {reply!r}"[:1000])
+        outs = reply if isinstance(reply, list) else [reply]
+        if len(outs) != req.sampling.n:
+            raise RuntimeError(f"{self.name}: {len(outs)} outputs for n={req.sampling.n}")
+        return GenerateResult(request_id=rid, prompt_tokens=len(req.input_ids),
+                              completions=[self._completion(o) for o in outs])
+
+    async def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
+        """One /generate per request, all in flight at once (the server batches them); results in order."""
+        version = await self.server_version()
+        return list(await asyncio.gather(*(self._generate_one(r, version) for r in requests)))
+
+    async def pause(self, mode: PauseMode = "abort") -> None:
+        if mode not in ("abort", "keep"):
+            raise ValueError(f"pause mode must be 'abort' or 'keep', got {mode!r}")
+        if mode == "keep" and await self.server_version() < (0, 5, 10):
+            raise ValueError(f"in-place pause needs SGLang 0.5.10+; {self.name} runs {self._server_version}")
+        await self._ok("/pause_generation", {"mode": "abort" if mode == "abort" else "in_place"})
+
+    async def resume(self) -> None:
+        await self._ok("/continue_generation", {})
+
+    async def abort(self, request_id: str) -> None:
+        await self._ok("/abort_request", {"rid": request_id, "abort_all": False})
+
+    async def update_weights(self, named_tensors: Iterable[Any] | dict[str, Any], version: int) -> None:
+        """Push full HF-named tensors from this process (rank 0) and serve them as ``version``."""
+        if self._sender is None:
+            self._sender = SGLangWeightSender([self], self.config.sync)
+        items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
+        await self._sender.push(items, version)
+        self._version = int(version)
+
+    # ---- extras -----------------------------------------------------------------------------
+
+    async def refresh_version(self) -> int:
+        """Read the server's ``weight_version`` (``/get_model_info``) into ``version`` (0.5+)."""
+        if await self.server_version() < (0, 5, 0):
+            return self._version  # 0.4.x keeps no weight version: ours is the last push
+        info = await self._ok("/get_model_info", method="GET")
+        self._version = self._as_version(info.get("weight_version"))
+        return self._version
+
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Any:
+        """The first ``truncate_size`` rows of a weight, as nested lists (SGLang's check of an update)."""
+        return await self._ok("/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
+
+    async def flush_cache(self) -> bool:
+        status, _ = await self.request("POST", "/flush_cache")
+        return status == 200
+
+    async def close(self) -> None:
+        """Leave the weight-update group and close the HTTP session."""
+        try:
+            if self._sender is not None:
+                await self._sender.close()
+        finally:
+            self._sender = None
+            if self._session is not None and not self._session.closed:
+                await self._session.close()

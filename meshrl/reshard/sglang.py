@@ -1,0 +1,289 @@
+"""The trainer's side of SGLang's ``update_weights_from_distributed``, in the order the protocol
+(``shared/SGLANG_PROTOCOL.md``) requires.
+
+The trainer is rank 0 of a group built SGLang's way (``join_process_group``: tcp rendezvous,
+``PrefixStore(group_name)``); engine i with ``tp_size = N_i`` joins at ``rank_offset = 1 + sum of
+the N before it``. Full, Hugging Face-named tensors travel by broadcast from rank 0:
+
+```text
+connect:  GET /get_server_info on every engine (version, tp_size, dp_size == 1)
+          POST /init_weights_update_group to every engine, NOT waiting for the replies,
+          join the group as rank 0 (in a thread), then collect the replies
+push v:   POST /pause_generation {mode}            every engine
+          POST /begin_weight_update {selector}     0.5.21+
+          per bucket (one in flight): POST /update_weights_from_distributed {names, dtypes,
+            shapes, flush_cache: false, weight_version on the last} to every engine, then
+            broadcast each tensor in exactly the names order, then wait for every reply
+          POST /flush_cache until it is not 400    (bounded retries)
+          POST /end_weight_update {}               0.5.21+
+          POST /continue_generation {}
+close:    POST /destroy_weights_update_group       0.5.10+; then destroy our group
+```
+
+0.4.x takes one ``name``/``dtype``/``shape`` per call; ``load_format: "flattened_bucket"``
+(0.5.10+, opt-in) broadcasts one uint8 tensor per bucket, each tensor's bytes at an offset aligned
+to its dtype's size. ``rotary_emb.inv_freq`` is never sent; ``lm_head.weight`` is skipped when it
+is the embedding's own storage (tied). The broadcast runs in a worker thread so the event loop
+keeps sending the requests and reading the replies while rank 0 sits in the collective.
+
+A failed push raises ``SGLangPushError`` and leaves the engines **paused**: SGLang loads in place,
+so its weights may be a mix of versions, and a paused engine never generates from a mix; push
+again to recover (a full push overwrites everything).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from typing import Any, Iterable, Literal, Protocol, Sequence
+
+import msgspec
+import torch
+
+from meshrl.reshard.object_store import PushStats
+
+_SKIP_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class SGLangEndpoint(Protocol):
+    """One SGLang server's HTTP surface (``meshrl.engines.SGLangEngine`` provides it)."""
+
+    @property
+    def name(self) -> str: ...
+
+    async def request(self, method: str, path: str, body: dict[str, Any] | None = None, *,
+                      timeout_s: float | None = None) -> tuple[int, Any]: ...
+
+
+class SGLangSyncConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """How the trainer pushes weights to SGLang engines."""
+
+    bucket_bytes: int = 512 * 2**20
+    """Most bytes per update call (a tensor larger than this goes alone)."""
+    group_name: str = "weight_update_group"
+    """SGLang's group name (the store prefix both sides use)."""
+    backend: Literal["nccl", "gloo"] = "nccl"
+    """Group backend; gloo on CPU (tests against the TorchEngine server)."""
+    master_address: str = ""
+    """Address the engines reach this process at; empty: 127.0.0.1 for local engines, else this node's IP."""
+    pause_mode: Literal["abort", "retract", "in_place"] = "abort"
+    """How generation pauses for an update (abort is what slime and AReaL use)."""
+    flattened_bucket: bool = False
+    """Send each bucket as one uint8 tensor (load_format 'flattened_bucket', SGLang 0.5.10+)."""
+    timeout_s: float = 600.0
+    """Bound on the group rendezvous, each bucket (request + broadcast + replies) and each control call."""
+    flush_retries: int = 40
+    """Attempts at /flush_cache while it answers 400 (requests still running)."""
+    flush_retry_s: float = 0.25
+    """Seconds between flush attempts."""
+
+
+class SGLangPushError(RuntimeError):
+    """A push to SGLang engines failed; they stay paused (see the module docstring)."""
+
+
+def parse_version(text: str) -> tuple[int, int, int]:
+    """``"0.5.23"``, ``"0.4.6.post5"``, ``"0.5.10rc1"`` -> (major, minor, patch)."""
+    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", str(text))
+    if not m:
+        raise ValueError(f"cannot read an SGLang version from {text!r}")
+    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    out: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, t in named:
+        n = t.numel() * t.element_size()
+        if out[-1] and size + n > bucket_bytes:
+            out.append([])
+            size = 0
+        out[-1].append((name, t))
+        size += n
+    return [b for b in out if b]
+
+
+def flatten_bucket(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One uint8 tensor: each tensor's bytes in order, each offset aligned to its element size."""
+    offsets, total = [], 0
+    for t in tensors:
+        total = -(-total // t.element_size()) * t.element_size()
+        offsets.append(total)
+        total += t.numel() * t.element_size()
+    flat = torch.zeros(total, dtype=torch.uint8, device=tensors[0].device if tensors else "cpu")
+    for t, off in zip(tensors, offsets):
+        flat[off: off + t.numel() * t.element_size()].copy_(t.contiguous().view(-1).view(torch.uint8))
+    return flat
+
+
+class SGLangWeightSender:
+    """Rank 0 of the weight-update group: pushes full HF-named tensors to SGLang engines."""
+
+    def __init__(self, engines: Sequence[SGLangEndpoint], config: SGLangSyncConfig = SGLangSyncConfig()):
+        if not engines:
+            raise ValueError("SGLangWeightSender needs at least one engine")
+        self.engines, self.config = list(engines), config
+        self.versions: list[tuple[int, int, int]] = []
+        self.group: Any = None
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if self.config.backend == "nccl" else torch.device("cpu")
+
+    async def _all(self, method: str, path: str, bodies: Sequence[dict[str, Any] | None], what: str,
+                   engines: Sequence[int] | None = None) -> list[Any]:
+        """The same call on several engines at once; raises naming every engine that failed."""
+        idx = list(range(len(self.engines))) if engines is None else list(engines)
+        replies = await asyncio.gather(*(self.engines[i].request(method, path, bodies[k], timeout_s=self.config.timeout_s)
+                                         for k, i in enumerate(idx)), return_exceptions=True)
+        bad = []
+        for i, r in zip(idx, replies):
+            if isinstance(r, BaseException):
+                bad.append(f"{self.engines[i].name}: {type(r).__name__}: {r}")
+            elif r[0] != 200 or (isinstance(r[1], dict) and r[1].get("success") is False):
+                bad.append(f"{self.engines[i].name}: HTTP {r[0]} {r[1]!r}"[:2000])
+        if bad:
+            raise SGLangPushError(f"{what} ({path}) failed on {len(bad)} of {len(idx)} engines: " + "; ".join(bad))
+        return [r[1] for r in replies]
+
+    def _master_address(self) -> str:
+        if self.config.master_address:
+            return self.config.master_address
+        hosts = {re.sub(r"^\w+://", "", e.name).split("/")[0].rsplit(":", 1)[0] for e in self.engines}
+        if hosts <= {"127.0.0.1", "localhost", "in-process"}:
+            return "127.0.0.1"
+        from meshrl.mesh.distributed import host_ip
+
+        return host_ip()
+
+    async def connect(self) -> None:
+        """Read every engine's version, then build the group (once)."""
+        if self.group is not None:
+            return
+        from meshrl.mesh.distributed import free_port, join_process_group
+
+        infos = await self._all("GET", "/get_server_info", [None] * len(self.engines), "version detection")
+        self.versions = [parse_version(i.get("version", "0")) for i in infos]
+        if self.config.flattened_bucket and min(self.versions) < (0, 5, 10):
+            raise SGLangPushError(f"flattened_bucket needs SGLang 0.5.10+, engines report {self.versions}")
+        sizes = [int(i.get("tp_size", 1)) for i in infos]
+        multi_dp = [e.name for e, i in zip(self.engines, infos) if int(i.get("dp_size", 1)) != 1]
+        if multi_dp:
+            raise SGLangPushError(f"engines {multi_dp} run dp_size > 1: start one engine per data-parallel replica")
+        world, offsets = 1 + sum(sizes), [1 + sum(sizes[:i]) for i in range(len(sizes))]
+        addr, port, cfg = self._master_address(), free_port(), self.config
+        bodies = [{"master_address": addr, "master_port": port, "rank_offset": off, "world_size": world,
+                   "group_name": cfg.group_name, "backend": cfg.backend} for off in offsets]
+        # Send the requests without waiting: the engines join while we join; waiting first deadlocks.
+        replies = asyncio.ensure_future(self._all("POST", "/init_weights_update_group", bodies, "group init"))
+        try:
+            self.group = await asyncio.wait_for(asyncio.to_thread(
+                join_process_group, cfg.group_name, 0, world, addr, port, cfg.backend, cfg.timeout_s), cfg.timeout_s + 5)
+        except BaseException:
+            replies.cancel()
+            raise
+        await replies
+
+    async def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> PushStats:
+        """Pause, send every tensor, flush, resume: the engines serve ``version`` afterwards."""
+        await self.connect()
+        start, cfg, everyone = time.perf_counter(), self.config, range(len(self.engines))
+        named = self._select(list(named_tensors))
+        single = any(v < (0, 5, 0) for v in self.versions)  # 0.4.x: one tensor per call
+        buckets = [[x] for x in named] if single else _buckets(named, cfg.bucket_bytes)
+        begin = [i for i, v in enumerate(self.versions) if v >= (0, 5, 21)]
+        nbytes = 0
+        try:
+            await self._all("POST", "/pause_generation", [{"mode": cfg.pause_mode} for _ in everyone], "pause")
+            if begin:
+                await self._all("POST", "/begin_weight_update", [{"selector": "all"} for _ in begin], "begin", begin)
+            for b, bucket in enumerate(buckets):
+                last = b == len(buckets) - 1
+                nbytes += await self._send_bucket(bucket, str(version) if last else None, b, len(buckets))
+            await self._flush()
+            if begin:
+                await self._all("POST", "/end_weight_update", [{} for _ in begin], "end", begin)
+        except Exception as exc:
+            raise SGLangPushError(f"push of v{version} failed: {exc}; the engines stay paused (SGLang loads in "
+                                  "place, so their weights may mix versions): push again") from exc
+        await self._all("POST", "/continue_generation", [{} for _ in everyone], "continue")
+        return PushStats(version=version, seconds=time.perf_counter() - start, bytes=nbytes)
+
+    def _select(self, named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        by_name = dict(named)
+        embed, head = by_name.get("model.embed_tokens.weight"), by_name.get("lm_head.weight")
+        tied = embed is not None and head is not None and embed.data_ptr() == head.data_ptr()
+        return [(n, t) for n, t in named if not n.endswith(_SKIP_SUFFIXES) and not (tied and n == "lm_head.weight")]
+
+    async def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], weight_version: str | None, b: int,
+                           n: int) -> int:
+        import torch.distributed as dist
+
+        cfg, dev = self.config, self.device
+        tensors = [t.detach().to(dev).contiguous() for _, t in bucket]
+        names = [name for name, _ in bucket]
+        meta = {"names": names, "dtypes": [_dtype_name(t.dtype) for t in tensors],
+                "shapes": [list(t.shape) for t in tensors]}
+        bodies = []
+        for v in self.versions:
+            if v < (0, 5, 0):  # 0.4.x: one name/dtype/shape per call (push makes single-tensor buckets)
+                body: dict[str, Any] = {"name": names[0], "dtype": meta["dtypes"][0], "shape": meta["shapes"][0]}
+            else:
+                body = dict(meta)
+                body.update(abort_all_requests=False, weight_version=weight_version)
+                if v >= (0, 5, 10):
+                    body["load_format"] = "flattened_bucket" if cfg.flattened_bucket else None
+            body.update(group_name=cfg.group_name, flush_cache=False)
+            bodies.append(body)
+        payload = [flatten_bucket(tensors)] if cfg.flattened_bucket else tensors
+
+        def broadcast() -> None:
+            for t in payload:  # exactly the names order
+                dist.broadcast(t, src=0, group=self.group)
+
+        # Requests first (they go out while the broadcast thread waits for the engines to join).
+        replies = asyncio.ensure_future(self._all("POST", "/update_weights_from_distributed", bodies,
+                                                  f"bucket {b + 1}/{n} ({names[0]}...)"))
+        await asyncio.sleep(0)
+        try:
+            await asyncio.wait_for(asyncio.to_thread(broadcast), cfg.timeout_s)
+        except BaseException as exc:
+            replies.cancel()
+            if isinstance(exc, asyncio.TimeoutError):
+                raise SGLangPushError(f"bucket {b + 1}/{n}: broadcast did not finish within {cfg.timeout_s}s; "
+                                      "the engines stay paused") from None
+            raise
+        await replies
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    async def _flush(self) -> None:
+        cfg, pending = self.config, list(range(len(self.engines)))
+        for _ in range(cfg.flush_retries):
+            replies = await asyncio.gather(*(self.engines[i].request("POST", "/flush_cache", None,
+                                                                     timeout_s=cfg.timeout_s) for i in pending))
+            pending = [i for i, (status, _) in zip(pending, replies) if status != 200]
+            if not pending:
+                return
+            await asyncio.sleep(cfg.flush_retry_s)
+        raise SGLangPushError(f"/flush_cache still refused after {cfg.flush_retries} attempts on "
+                              f"{[self.engines[i].name for i in pending]} (requests still running?)")
+
+    async def close(self) -> None:
+        """Destroy the group on the engines (0.5.10+) and here."""
+        import torch.distributed as dist
+
+        if self.group is None:
+            return
+        newer = [i for i, v in enumerate(self.versions) if v >= (0, 5, 10)]
+        try:
+            if newer:
+                await self._all("POST", "/destroy_weights_update_group",
+                                [{"group_name": self.config.group_name}] * len(newer), "destroy group", newer)
+        finally:
+            dist.destroy_process_group(self.group)
+            self.group = None

@@ -1,0 +1,212 @@
+"""SGLangEngine against the TorchEngine server, over real HTTP on 127.0.0.1 and a real gloo group.
+
+The server runs in subprocesses (``python -m meshrl.engines.serve``) showing two SGLang surfaces:
+0.5.23 (begin/end_weight_update, lists of names, flattened buckets) and 0.4.6 (one tensor per
+call, applied at once). The test process is the trainer: rank 0 of SGLang's weight-update group,
+pushing through exactly the code path a real SGLang server would see. After each push,
+``/get_weights_by_name`` must return the new rows and generation must equal that of a fresh
+engine loaded with the new weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import aiohttp
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from meshrl.engines import GenerateRequest, SamplingParams, TorchEngine, TorchEngineConfig
+from meshrl.engines.sglang_engine import SGLangEngine, SGLangEngineConfig
+from meshrl.reshard.sglang import SGLangPushError, SGLangSyncConfig, SGLangWeightSender, flatten_bucket
+
+pytestmark = pytest.mark.slow  # two server processes start (torch + transformers imports): 10-20 s
+torch.set_num_threads(1)
+
+ENGINE_CFG = TorchEngineConfig(max_batch_size=8, max_seq_len=64)
+REQS = [GenerateRequest(input_ids=[5, 9, 17, 4], sampling=SamplingParams(max_new_tokens=8, temperature=0)),
+        GenerateRequest(input_ids=[11, 3], sampling=SamplingParams(max_new_tokens=6, temperature=0.9, n=2, seed=5))]
+
+
+def config() -> Qwen2Config:
+    return Qwen2Config(vocab_size=72, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96,
+                       tie_word_embeddings=True, eos_token_id=None)
+
+
+def weights(seed: int) -> dict[str, torch.Tensor]:
+    """The trainer's model at one version (sharp weights, so greedy outputs differ by version)."""
+    torch.manual_seed(seed)
+    m = AutoModelForCausalLM.from_config(config())
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.mul_(6.0)
+    return dict(m.named_parameters())  # tied: no lm_head entry, as a trainer's parameters
+
+
+def sync(**kw) -> SGLangEngineConfig:
+    kw = {"backend": "gloo", "bucket_bytes": 24 * 1024, "timeout_s": 60.0, **kw}
+    return SGLangEngineConfig(request_timeout_s=60.0, sync=SGLangSyncConfig(**kw))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """``{compat version: url}``, servers started together from the version-0 checkpoint."""
+    ckpt = tmp_path_factory.mktemp("ckpt")
+    m = AutoModelForCausalLM.from_config(config())
+    m.load_state_dict(weights(0), strict=False)
+    m.save_pretrained(ckpt)
+    procs, urls = [], {}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for compat in ("0.5.23", "0.4.6.post5"):
+        port = _free_port()
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "meshrl.engines.serve", "--model", str(ckpt), "--port", str(port), "--device", "cpu",
+             "--dtype", "float32", "--max-batch-size", "8", "--max-seq-len", "64", "--compat-version", compat],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        urls[compat] = f"http://127.0.0.1:{port}"
+
+    async def wait_all() -> None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as s:
+            for proc, url in zip(procs, urls.values()):
+                t0 = time.monotonic()
+                while True:
+                    assert proc.poll() is None, proc.stdout.read()
+                    try:
+                        async with s.get(url + "/health") as r:
+                            if r.status == 200:
+                                break
+                    except aiohttp.ClientConnectionError:
+                        pass
+                    assert time.monotonic() - t0 < 90, f"{url} did not answer /health within 90 s"
+                    await asyncio.sleep(0.2)
+
+    try:
+        asyncio.run(wait_all())
+        yield urls
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=30)
+
+
+def reference(state: dict[str, torch.Tensor], reqs=REQS):
+    return asyncio.run(TorchEngine.from_hf_model(state, config(), ENGINE_CFG).generate(reqs))
+
+
+async def check_pushed(eng: SGLangEngine, state: dict[str, torch.Tensor], version: int, reqs=REQS) -> list:
+    for name in ("model.layers.0.self_attn.k_proj.weight", "model.layers.1.self_attn.v_proj.weight",
+                 "model.embed_tokens.weight", "model.norm.weight", "model.layers.1.mlp.down_proj.weight"):
+        rows = torch.tensor(await eng.get_weights_by_name(name, truncate_size=3))
+        assert torch.equal(rows, state[name].detach()[:3]), f"v{version}: {name} does not hold the pushed rows"
+    assert await eng.refresh_version() == version == eng.version
+    return await eng.generate(reqs)
+
+
+def assert_same_generation(got, ref, version: int) -> None:
+    for g, r in zip(got, ref):
+        for cg, cr in zip(g.completions, r.completions):
+            assert cg.output_ids == cr.output_ids
+            assert torch.allclose(torch.tensor(cg.logprobs), torch.tensor(cr.logprobs), atol=1e-5)
+            assert cg.versions == [version] * len(cg.output_ids) and cg.finish_reason == cr.finish_reason
+
+
+def test_two_versions_through_the_sglang_protocol(servers):
+    v1, v2, v3 = weights(1), weights(2), weights(3)
+    ref1, ref2, ref3 = reference(v1), reference(v2), reference(v3)
+    assert ref1[0].completions[0].output_ids != ref2[0].completions[0].output_ids  # the versions are distinguishable
+
+    async def main():
+        eng = SGLangEngine(servers["0.5.23"], config=sync())
+        try:
+            await eng.update_weights(v1, 1)
+            got1 = await check_pushed(eng, v1, 1)
+            await eng.update_weights(v2.items(), 2)
+            got2 = await check_pushed(eng, v2, 2)
+            # One uint8 broadcast per bucket, over a second group of the same server.
+            flat = SGLangEngine(servers["0.5.23"], config=sync(flattened_bucket=True, group_name="flat_group"))
+            await flat.update_weights(v3, 3)
+            got3 = await check_pushed(flat, v3, 3)
+            await flat.close()
+            return got1, got2, got3
+        finally:
+            await eng.close()
+
+    got1, got2, got3 = asyncio.run(main())
+    assert_same_generation(got1, ref1, 1)
+    assert_same_generation(got2, ref2, 2)
+    assert_same_generation(got3, ref3, 3)
+
+
+def test_failed_push_keeps_the_version_and_pauses(servers):
+    v4, v5 = weights(4), weights(5)
+
+    async def main():
+        eng = SGLangEngine(servers["0.5.23"], config=sync(group_name="fail_group"))
+        try:
+            await eng.update_weights(v4, 4)
+            bad = dict(v5)
+            bad["model.layers.1.mlp.up_proj.weight"] = bad["model.layers.1.mlp.up_proj.weight"][:-1]
+            with pytest.raises(SGLangPushError, match=r"engine stays on version 4.*up_proj.*stay paused"):
+                await eng.update_weights(bad, 5)
+            assert eng.version == 4 and await eng.refresh_version() == 4
+            rows = torch.tensor(await eng.get_weights_by_name("model.layers.0.self_attn.q_proj.weight", 2))
+            assert torch.equal(rows, v4["model.layers.0.self_attn.q_proj.weight"].detach()[:2])  # nothing of v5
+            status, text = await eng.request("GET", "/health")
+            assert status == 503 and text == "paused"  # never generates from a mix
+            # The adapter must open an update first on 0.5.21+: claim 0.5.2 and the server refuses.
+            await eng._sender.close()
+            eng._sender = old = SGLangWeightSender([eng], eng.config.sync)
+            await old.connect()
+            old.versions = [(0, 5, 2)]
+            with pytest.raises(SGLangPushError, match="call /begin_weight_update"):
+                await old.push(v5.items(), 5)
+            old.versions = [(0, 5, 23)]
+            await old.push(v5.items(), 5)  # a full push recovers, and generation resumes
+            eng._version = 5
+            assert (await eng.request("GET", "/health"))[0] == 200
+            return await check_pushed(eng, v5, 5)
+        finally:
+            await eng.close()
+
+    got = asyncio.run(main())
+    assert_same_generation(got, reference(v5), 5)
+
+
+def test_legacy_single_tensor_protocol(servers):
+    v6 = weights(6)
+
+    async def main():
+        eng = SGLangEngine(servers["0.4.6.post5"], config=sync(group_name="legacy_group"))
+        try:
+            assert await eng.server_version() == (0, 4, 6)
+            with pytest.raises(ValueError, match="sampling_seed"):  # 0.4.x has no per-request seeds
+                await eng.generate(REQS[1:])
+            await eng.update_weights(v6, 6)
+            return await check_pushed(eng, v6, 6, REQS[:1])
+        finally:
+            await eng.close()
+
+    got = asyncio.run(main())
+    assert_same_generation(got, reference(v6, REQS[:1]), 6)
+
+
+def test_flatten_bucket_aligns_offsets():
+    a, b = torch.tensor([1, 2, 3], dtype=torch.uint8), torch.tensor([1.5, -2.0], dtype=torch.float32)
+    flat = flatten_bucket([a, b])
+    assert flat.numel() == 4 + 8  # b starts at offset 4, its element size
+    assert torch.equal(flat[4:].view(torch.float32), b) and torch.equal(flat[:3], a)
