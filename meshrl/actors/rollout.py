@@ -2,7 +2,9 @@
 
 An async actor: several ``generate`` calls are in flight at once and the engine batches them
 continuously; ``update_weights`` lands between two decode steps, so a sample's per-token versions
-show exactly where the weights changed.
+show exactly where the weights changed. The ``reshard_*`` endpoints are the engine side of
+``meshrl.reshard.meshes`` (the trainer's shards arrive straight into this engine's TP layout and
+flip atomically); the engine keeps generating on the old version while they arrive.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import msgspec
 
 from meshrl.engines import GenerateRequest, GenerateResult
 from meshrl.engines.torch_engine import TorchEngine, TorchEngineConfig
-from meshrl.mesh import Actor, endpoint
+from meshrl.mesh import Actor, current_rank, endpoint
+from meshrl.reshard import DestLayout, GroupRanks, PushStats, ReshardConfig, SourceLayout
+from meshrl.reshard.meshes import DestSide
 
 __all__ = ["RolloutConfig", "RolloutWorker"]
 
@@ -50,6 +54,7 @@ class RolloutWorker(Actor):
 
         torch.set_num_threads(threads)
         self.engine = TorchEngine.from_pretrained(model_path, engine)
+        self.reshard = DestSide(self.engine)
 
     @endpoint
     async def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
@@ -72,3 +77,19 @@ class RolloutWorker(Actor):
     @endpoint
     async def resume(self) -> None:
         await self.engine.resume()
+
+    @endpoint
+    async def reshard_dest_layout(self, num_ranks: int) -> DestLayout:
+        """The layout of ``num_ranks`` engine ranks like this one (its declared TP plan and dtype)."""
+        return self.reshard.layout(num_ranks)
+
+    @endpoint
+    async def reshard_join(self, source: SourceLayout, dest: DestLayout, ranks: GroupRanks, addr: str, port: int,
+                           config: ReshardConfig) -> None:
+        """Join the trainer-to-engines transfer group as destination rank = this actor's flat rank."""
+        await self.reshard.join(source, dest, ranks, current_rank().rank, addr, port, config)
+
+    @endpoint
+    async def reshard_receive(self, version: int) -> PushStats:
+        """Receive a whole version from the trainer ranks and serve it from the next step on."""
+        return await self.reshard.receive(version)

@@ -10,6 +10,8 @@ Modules, bottom up:
 * ``transport``: one process's share of a plan — same-process copies, broadcast, point-to-point,
   buckets pipelined (NCCL on GPU, gloo on CPU);
 * ``push``: ``Resharder``, the per-process participant: versioned, atomic apply on the engine;
+* ``meshes``: the same between actor meshes — ``SourceSide`` / ``DestSide`` held by the trainer
+  and rollout actors, ``connect`` and ``push`` called by the controller;
 * ``sglang``: the trainer's side of SGLang's ``update_weights_from_distributed`` protocol;
 * ``object_store``: the minimal push through Ray's object store (full tensors, no sharding).
 """

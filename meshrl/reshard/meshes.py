@@ -1,0 +1,129 @@
+"""Reshard between actor meshes: what the trainer and rollout actors hold, and what the controller calls.
+
+Roles keep one helper each and expose it through a few endpoints (names are the protocol, so
+this module never imports ``meshrl.actors``):
+
+```text
+trainer actor (SourceSide)                    rollout actor (DestSide)
+  reshard_layout() -> SourceLayout              reshard_dest_layout(num_ranks) -> DestLayout
+  reshard_join(dest, ranks, addr, port, cfg)    reshard_join(source, dest, ranks, addr, port, cfg)
+  reshard_send(version) -> PushStats            reshard_receive(version) -> PushStats
+```
+
+The controller, once: ``ranks = await connect(trainer, rollouts, cfg)`` (layouts from rank 0 of
+each mesh, group rank 0 = trainer rank 0, which hosts the group's store; every actor joins at
+once); then per version: ``stats = await push(trainer, rollouts, version)`` — every trainer rank
+sends its own shards while every engine receives and flips (``Resharder``), all bounded by
+``timeout_s``. Trainer rank r is source rank r; engine actor r (flat rank in its mesh, tp-major
+within a replica) is destination rank r.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Callable, Iterable
+
+import torch
+
+from meshrl.reshard.layout import DestLayout, SourceLayout, dest_layout, local_tensors, source_layout
+from meshrl.reshard.object_store import PushStats
+from meshrl.reshard.push import ReshardConfig, ReshardError, Resharder
+from meshrl.reshard.transport import GroupRanks
+
+
+class SourceSide:
+    """A trainer rank's part: layout from its (FSDP2) parameters, group membership, send."""
+
+    def __init__(self, named_parameters: Callable[[], Iterable[tuple[str, torch.Tensor]]],
+                 device: torch.device | str = "cpu"):
+        self.named_parameters, self.device = named_parameters, torch.device(device)
+        self.resharder: Resharder | None = None
+
+    def layout(self) -> SourceLayout:
+        return source_layout(self.named_parameters())
+
+    def join(self, dest: DestLayout, ranks: GroupRanks, src_rank: int, addr: str, port: int,
+             config: ReshardConfig) -> None:
+        """Blocks until every member has joined (or ``config.timeout_s``)."""
+        self.close()
+        self.resharder = Resharder.join(self.layout(), dest, ranks, ranks.src[src_rank], addr, port, config, self.device)
+
+    def send(self, version: int) -> PushStats:
+        if self.resharder is None:
+            raise ReshardError("reshard_send before reshard_join: call meshrl.reshard.meshes.connect first")
+        return self.resharder.send(local_tensors(self.named_parameters()), version)
+
+    def close(self) -> None:
+        if self.resharder is not None:
+            self.resharder.close()
+            self.resharder = None
+
+
+class DestSide:
+    """An engine rank's part: its declared layout, group membership, versioned receive."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine  # a ReshardTarget with .model.layout/.tp_size (TorchEngine)
+        self.resharder: Resharder | None = None
+
+    def layout(self, num_ranks: int) -> DestLayout:
+        """All ``num_ranks`` engine ranks (replicas x this engine's tp size), from this engine's TP plan."""
+        m = self.engine.model
+        if num_ranks % m.tp_size:
+            raise ValueError(f"{num_ranks} engine ranks are not whole replicas of tp_size={m.tp_size}")
+        return dest_layout(m.layout, m.tp_size, num_ranks // m.tp_size, self.engine.dtype)
+
+    async def join(self, source: SourceLayout, dest: DestLayout, ranks: GroupRanks, dst_rank: int, addr: str,
+                   port: int, config: ReshardConfig) -> None:
+        self.close()
+        device = self.engine.device
+        # The rendezvous blocks: keep the actor's event loop (and generation) running meanwhile.
+        self.resharder = await asyncio.to_thread(Resharder.join, source, dest, ranks, ranks.dst[dst_rank], addr, port,
+                                                 config, device)
+
+    async def receive(self, version: int) -> PushStats:
+        if self.resharder is None:
+            raise ReshardError("reshard_receive before reshard_join: call meshrl.reshard.meshes.connect first")
+        return await self.resharder.receive(self.engine, version)
+
+    def close(self) -> None:
+        if self.resharder is not None:
+            self.resharder.close()
+            self.resharder = None
+
+
+def _first(mesh: Any) -> Any:
+    return mesh.slice(**{d: 0 for d in mesh.sizes})
+
+
+async def connect(trainer: Any, engines: Any, config: ReshardConfig = ReshardConfig()) -> GroupRanks:
+    """Build the transfer group over every trainer and engine actor; returns its rank map."""
+    from meshrl.mesh import actor_address
+
+    t = config.timeout_s
+    source = await _first(trainer).reshard_layout.call_one().within(t)
+    dest = await _first(engines).reshard_dest_layout.call_one(len(engines)).within(t)
+    ranks = GroupRanks.disjoint(source.num_ranks, dest.num_ranks)
+    if source.num_ranks != len(trainer):
+        raise ReshardError(f"the trainer's DTensors live on {source.num_ranks} ranks, its mesh has {len(trainer)}")
+    addr, port = await actor_address(_first(trainer)).within(t)
+    await asyncio.gather(trainer.reshard_join.call(dest, ranks, addr, port, config).within(t + 10),
+                         engines.reshard_join.call(source, dest, ranks, addr, port, config).within(t + 10))
+    return ranks
+
+
+async def push(trainer: Any, engines: Any, version: int, *, timeout_s: float = 300.0) -> PushStats:
+    """Move ``version`` from every trainer rank into every engine; each engine flips atomically."""
+    start = time.perf_counter()
+    sent, got = await asyncio.gather(trainer.reshard_send.call(version).within(timeout_s),
+                                     engines.reshard_receive.call(version).within(timeout_s), return_exceptions=True)
+    errors = [e for e in (sent, got) if isinstance(e, BaseException)]
+    if errors:
+        raise ReshardError(f"push of v{version} failed: " + "; ".join(f"{type(e).__name__}: {e}" for e in errors)
+                           ) from errors[0]
+    stale = [s.version for s in got.values() if s.version != version]
+    if stale:
+        raise ReshardError(f"push of v{version}: engines report versions {stale}")
+    return PushStats(version=version, seconds=time.perf_counter() - start,
+                     bytes=sum(s.bytes for s in got.values()))
