@@ -16,6 +16,11 @@ Modules, bottom up:
 * ``object_store``: the minimal push through Ray's object store (full tensors, no sharding).
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from meshrl.reshard.layout import (
     DestLayout,
     SourceLayout,
@@ -23,10 +28,13 @@ from meshrl.reshard.layout import (
     local_tensors,
     source_layout,
 )
-from meshrl.reshard.object_store import PushStats, push_weights
 from meshrl.reshard.plan import Bucket, Plan, Transfer, plan_transfers
-from meshrl.reshard.push import ReshardConfig, ReshardError, Resharder, ReshardTarget
+from meshrl.reshard.push import PushStats, ReshardConfig, ReshardError, Resharder, ReshardTarget
 from meshrl.reshard.transport import GroupRanks, run_plan
+
+# Ray-backed names load on first use, so engines and servers that only push over a group stay light.
+_LAZY = {"push_weights": "meshrl.reshard.object_store", "connect": "meshrl.reshard.meshes",
+         "push": "meshrl.reshard.meshes"}
 
 __all__ = [
     "Bucket",
@@ -40,10 +48,18 @@ __all__ = [
     "Resharder",
     "SourceLayout",
     "Transfer",
+    "connect",
     "dest_layout",
     "local_tensors",
     "plan_transfers",
+    "push",
     "push_weights",
     "run_plan",
     "source_layout",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'meshrl.reshard' has no attribute {name!r}")

@@ -27,8 +27,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from meshrl.reshard.layout import DestLayout, SourceLayout, dest_layout, local_tensors, source_layout
-from meshrl.reshard.object_store import PushStats
-from meshrl.reshard.push import ReshardConfig, ReshardError, Resharder
+from meshrl.reshard.push import PushStats, ReshardConfig, ReshardError, Resharder
 from meshrl.reshard.transport import GroupRanks
 
 

@@ -9,18 +9,12 @@ from __future__ import annotations
 
 import time
 
-import msgspec
 import ray
 
 from meshrl.mesh import ActorMesh
+from meshrl.reshard.push import PushStats
 
 __all__ = ["PushStats", "push_weights"]
-
-
-class PushStats(msgspec.Struct):
-    version: int
-    seconds: float
-    bytes: int
 
 
 async def push_weights(trainer: ActorMesh, engines: ActorMesh, version: int, *, timeout_s: float = 300.0) -> PushStats:

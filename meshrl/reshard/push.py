@@ -37,7 +37,6 @@ import msgspec
 import torch
 
 from meshrl.reshard.layout import DestLayout, SourceLayout, to_slices
-from meshrl.reshard.object_store import PushStats
 from meshrl.reshard.plan import Plan, plan_transfers
 from meshrl.reshard.transport import GroupRanks, run_plan
 
@@ -59,6 +58,17 @@ class ReshardConfig(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         if self.bucket_bytes < 1 or self.timeout_s <= 0 or self.depth < 1:
             raise ValueError("reshard: bucket_bytes and depth must be >= 1 and timeout_s > 0")
+
+
+class PushStats(msgspec.Struct):
+    """What one push did, as seen by one process (or summed by the controller)."""
+
+    version: int
+    """The policy version pushed."""
+    seconds: float
+    """Wall time of the push."""
+    bytes: int
+    """Bytes this process sent or received (summed over engines by the controller)."""
 
 
 class ReshardError(RuntimeError):

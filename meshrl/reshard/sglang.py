@@ -41,7 +41,7 @@ from typing import Any, Iterable, Literal, Protocol, Sequence
 import msgspec
 import torch
 
-from meshrl.reshard.object_store import PushStats
+from meshrl.reshard.push import PushStats
 
 _SKIP_SUFFIXES = ("rotary_emb.inv_freq",)
 
