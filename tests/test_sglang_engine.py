@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 from meshrl.engines import GenerateRequest, SamplingParams, TorchEngine, TorchEngineConfig
 from meshrl.engines.sglang_engine import SGLangEngine, SGLangEngineConfig
-from meshrl.reshard.sglang import SGLangPushError, SGLangSyncConfig, SGLangWeightSender, flatten_bucket
+from meshrl.reshard.sglang import SGLangPushError, SGLangSyncConfig, SGLangWeightSender
 
 pytestmark = pytest.mark.slow  # two server processes start (torch + transformers imports): 10-20 s
 torch.set_num_threads(1)
@@ -203,10 +203,3 @@ def test_legacy_single_tensor_protocol(servers):
 
     got = asyncio.run(main())
     assert_same_generation(got, reference(v6, REQS[:1]), 6)
-
-
-def test_flatten_bucket_aligns_offsets():
-    a, b = torch.tensor([1, 2, 3], dtype=torch.uint8), torch.tensor([1.5, -2.0], dtype=torch.float32)
-    flat = flatten_bucket([a, b])
-    assert flat.numel() == 4 + 8  # b starts at offset 4, its element size
-    assert torch.equal(flat[4:].view(torch.float32), b) and torch.equal(flat[:3], a)

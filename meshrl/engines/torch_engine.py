@@ -388,9 +388,8 @@ class TorchEngine:
         self.set_version(version)
 
     def staged_params(self) -> dict[str, torch.Tensor]:
-        """Staging copies of this rank's parameters (engine names, local shapes), inside a weight
-        update, for writers that speak the engine layout (``meshrl.reshard``); ``end_weight_update``
-        applies them whole. The writer must fill every element."""
+        """Inside an update: staging copies of the local parameters (engine names) for writers that speak
+        the engine layout (``meshrl.reshard``), applied whole by ``end_weight_update``; fill every element."""
         if self._stage is None:
             raise RuntimeError("staged_params outside a weight update: call begin_weight_update first")
         return self._stage.buffers()
@@ -400,12 +399,8 @@ class TorchEngine:
         self._stage = None
 
     def write_params(self, write: Callable[[dict[str, torch.Tensor]], None], version: int) -> None:
-        """Run ``write(params)`` on the live parameters, then serve them as ``version``.
-
-        Synchronous, so it lands between two steps like ``end_weight_update`` but with no staging
-        copy: for colocated pushes whose sources all sit in this process (nothing can fail midway
-        but the copy itself). ``params``: engine names -> this rank's local tensors.
-        """
+        """``write(live params)``, then serve them as ``version``: synchronous, so between two steps, with
+        no staging copy (colocated pushes whose sources all sit in this process)."""
         if self._stage is not None:
             raise RuntimeError("write_params during a staged weight update: end or abort it first")
         with torch.no_grad():

@@ -176,6 +176,8 @@ class Resharder:
         if self.dst_rank is None:
             raise ReshardError(f"group rank {self.group_rank} holds no destination rank")
         if sources is not None:
+            if self.src_rank is None:
+                raise ReshardError(f"group rank {self.group_rank} holds no source rank: receive(sources=None)")
             self._check_sources(sources)
         old, start = target.version, time.perf_counter()
         await target.begin_weight_update()
