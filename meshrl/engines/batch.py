@@ -22,7 +22,7 @@ import torch
 
 from meshrl.engines.kv_cache import KVCache
 from meshrl.engines.model import PackedPrompts, Transformer
-from meshrl.engines.sampling import mix_seed, sample, uniform, uniform_np
+from meshrl.engines.sampling import mix_seed, sample, sample_and_record_fused, uniform, uniform_np
 from meshrl.engines.types import Completion, FinishReason, GenerateRequest
 
 # istate columns
@@ -149,8 +149,13 @@ class RunningBatch:
         Feeds each row's next token, samples the following one, records it; returns the new tokens.
         """
         ist = self.istate
-        logits = self.model.decode_step(ist[:b, _TOK], ist[:b, _POS], self.cache, s)  # [b, V]
-        return self._sample_and_record(logits, 0, b, flags=sampling_flags)
+        fused = self.model.fused_kernels and not sampling_flags[2]  # top-k/top-p rows: torch's sort
+        logits = self.model.decode_step(ist[:b, _TOK], ist[:b, _POS], self.cache, s, float_logits=not fused)
+        if not fused:
+            return self._sample_and_record(logits, 0, b, flags=sampling_flags)
+        sample_and_record_fused(logits, ist[:b], self.fstate[:b], self.flags[:b], self.out_tok, self.out_lp,
+                                cols=(_TOK, _POS, _OCOL, _SEED))
+        return ist[:b, _TOK]  # a view: read it before the next step overwrites it
 
     def sampling_flags(self) -> tuple[bool, bool, bool]:
         """(any greedy, all greedy, any top-k/top-p) over the running rows, from host counters."""

@@ -11,9 +11,16 @@ place. Decode attention reads each row's prefix ``[0, S)`` of the cache under an
 Prefill packs prompts without padding for everything but attention, and runs the last layer's
 attention/MLP for the last prompt token only (the other positions only need their keys/values).
 
-Simplifications, on purpose: no prefix caching; decode attention is plain matmul + softmax and
-prefill attention is SDPA over a right-padded view (no paged or varlen kernels), so it runs the
-same on CPU and GPU.
+Two implementations of the decode step share everything but the small ops between matmuls. The
+torch one (CPU, float32, and the reference): decode attention is plain matmul + softmax under a
+mask. The fused one (CUDA with Triton, bf16/fp16): RMSNorm and SiLU*up are one Triton launch each,
+RoPE + KV write and attention are the kernels of ``kv_cache.py``, and the LM head's logits stay
+bf16 for the fused sampler; a layer is then 9-10 launches (4 of them cuBLAS matmuls) instead of
+~25, which is what bounds a small model's step. The fused norms and SiLU round where HF's modules
+round (the normalised x before the weight, SiLU's output before the product).
+
+Simplifications, on purpose: no prefix caching; prefill attention is SDPA over a right-padded view
+(no paged or varlen kernels), so it runs the same on CPU and GPU.
 """
 
 from __future__ import annotations
@@ -24,7 +31,13 @@ from typing import Callable, Iterable
 import torch
 import torch.nn.functional as F
 
-from meshrl.engines.kv_cache import KVCache
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch paths are used
+    triton = None
+
+from meshrl.engines.kv_cache import KVCache, decode_attention, rope_and_write, triton_kernels_available
 from meshrl.engines.layout import EngineLayout, ModelSpec
 
 
@@ -101,6 +114,10 @@ class Transformer:
         self.norm = self.params["norm.weight"]
         self.lm_head = self.params.get("lm_head.weight", self.embed)
         self._rope_len = 0
+        d = spec.head_dim
+        self.fused_kernels = (triton_kernels_available(self.device) and dtype in (torch.bfloat16, torch.float16)
+                              and d >= 16 and d & (d - 1) == 0)
+        """Decode with the Triton kernels (see the module docstring); tests may turn it on or off."""
 
     # ---- weights ----------------------------------------------------------------------------
 
@@ -154,16 +171,27 @@ class Transformer:
             self._rope_len = max_len
         return self._rope
 
-    def _qkv(self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Fused q/k/v projection with RoPE (and Qwen3's q/k norms) applied in place on q and k."""
-        h = F.rms_norm(x, (x.shape[-1],), layer.attn_norm, self.spec.rms_norm_eps)
-        qkv = F.linear(h, layer.qkv_w, layer.qkv_b)  # [..., (H + 2*Hkv) * D]
-        nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qk = qkv[..., : (nq + nkv) * d].unflatten(-1, (nq + nkv, d))  # [..., H + Hkv, D] view
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm over the last dim of a 2-D ``x``."""
+        if self.fused_kernels:
+            return rms_norm_fused(x, weight, self.spec.rms_norm_eps)
+        return F.rms_norm(x, (x.shape[-1],), weight, self.spec.rms_norm_eps)
+
+    def _project(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        """Normed fused q/k/v projection (and Qwen3's per-head q/k norms). ``[N, (H + 2Hkv) * D]``."""
+        qkv = F.linear(self._norm(x, layer.attn_norm), layer.qkv_w, layer.qkv_b)
         if layer.q_norm is not None:
-            eps = self.spec.rms_norm_eps
+            nq, nkv, d, eps = self.num_heads, self.num_kv_heads, self.head_dim, self.spec.rms_norm_eps
+            qk = qkv[..., : (nq + nkv) * d].unflatten(-1, (nq + nkv, d))  # [..., H + Hkv, D] view
             qk[..., :nq, :] = F.rms_norm(qk[..., :nq, :], (d,), layer.q_norm, eps)
             qk[..., nq:, :] = F.rms_norm(qk[..., nq:, :], (d,), layer.k_norm, eps)
+        return qkv
+
+    def _qkv(self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``_project`` with RoPE applied in place on q and k (torch path)."""
+        qkv = self._project(layer, x)  # [..., (H + 2*Hkv) * D]
+        nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qk = qkv[..., : (nq + nkv) * d].unflatten(-1, (nq + nkv, d))  # [..., H + Hkv, D] view
         # qk*cos + rotate_half(qk)*sin, written back into qkv so k and v stay adjacent for the cache
         torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin, out=qk)
         return qkv
@@ -181,16 +209,21 @@ class Transformer:
     def _out_and_mlp(self, layer: _Layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Residual o-projection, then the residual gated MLP. x: ``[N, hidden]``, attn: ``[N, H*D]``."""
         x = self._residual_matmul(x, attn, layer.o_w_t, layer.o_b)
-        h = F.rms_norm(x, (x.shape[-1],), layer.mlp_norm, self.spec.rms_norm_eps)
-        gate_up = F.linear(h, layer.gate_up_w, layer.gate_up_b)  # [N, 2 * I]
-        gate, up = gate_up.chunk(2, dim=-1)
-        act = F.silu(gate, inplace=True).mul_(up)  # in place: no new [N, I] buffers on the hot path
+        gate_up = F.linear(self._norm(x, layer.mlp_norm), layer.gate_up_w, layer.gate_up_b)  # [N, 2 * I]
+        if self.fused_kernels:
+            act = silu_mul_fused_(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate, inplace=True).mul_(up)  # in place: no new [N, I] buffers on the hot path
         return self._residual_matmul(x, act, layer.down_w_t, layer.down_b)
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head, in float32 for sampling and log-probs. ``[B, hidden] -> [B, V]``."""
-        h = F.rms_norm(x, (x.shape[-1],), self.norm, self.spec.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+    def logits(self, x: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """Final norm and LM head, in float32 for sampling and log-probs. ``[B, hidden] -> [B, V]``.
+
+        ``float32=False`` keeps the model dtype (the fused sampler upcasts in registers: same values).
+        """
+        logits = F.linear(self._norm(x, self.norm), self.lm_head)
+        return logits.float() if float32 else logits
 
     # ---- the verbs --------------------------------------------------------------------------
 
@@ -239,13 +272,15 @@ class Transformer:
         return torch.matmul(probs, v)
 
     @torch.no_grad()
-    def decode_step(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache, seq_len: int
-                    ) -> torch.Tensor:
+    def decode_step(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache, seq_len: int,
+                    float_logits: bool = True) -> torch.Tensor:
         """One token for each of the first B cache rows. tokens, pos: ``[B]``; returns ``[B, V]``.
 
         Row b attends to cache positions ``[0, pos[b]]``; ``seq_len`` (host-known, >= max(pos)+1)
         bounds the slice of the cache read, so no host sync is needed to size it.
         """
+        if self.fused_kernels:
+            return self.logits(self._decode_fused(tokens, pos, cache, seq_len), float_logits)
         b, s = tokens.shape[0], seq_len
         nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         cs = self.rope_table(cache.max_seq_len)[pos]  # [B, 2, D]
@@ -261,4 +296,57 @@ class Transformer:
             q = qkv[:, : nq * d].view(b, nkv, nq // nkv, d)  # [B, Hkv, G, D]: GQA without repeat
             attn = self._attend(q, k, v, mask).view(b, nq * d)  # [B, H * D]
             x = self._out_and_mlp(layer, x, attn)
-        return self.logits(x)
+        return self.logits(x, float_logits)
+
+    def _decode_fused(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache, seq_len: int
+                      ) -> torch.Tensor:
+        """The layers of ``decode_step`` with the Triton kernels; returns the last hidden state ``[B, hidden]``."""
+        rope = self.rope_table(cache.max_seq_len)  # [S, 2, D]
+        x = F.embedding(tokens, self.embed)  # [B, hidden]
+        for i, layer in enumerate(self.layers):
+            qkv = self._project(layer, x)  # [B, (H + 2Hkv) * D]
+            rope_and_write(cache, i, qkv, pos, rope, self.num_heads)
+            attn = decode_attention(cache, i, qkv, pos, self.num_heads, self.scale, seq_len)  # [B, H * D]
+            x = self._out_and_mlp(layer, x, attn)
+        return x
+
+
+# ---- Triton kernels of the fused path ---------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, x_stride, w_ptr, out_ptr, out_stride, n, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        c = tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * x_stride + c, mask=c < n, other=0.0).to(tl.float32)
+        xn = x * tl.rsqrt(tl.sum(x * x, 0) / n + eps)
+        w = tl.load(w_ptr + c, mask=c < n, other=0.0).to(tl.float32)
+        y = xn.to(out_ptr.dtype.element_ty).to(tl.float32) * w  # HF rounds before the weight
+        tl.store(out_ptr + row * out_stride + c, y.to(out_ptr.dtype.element_ty), mask=c < n)
+
+    @triton.jit
+    def _silu_mul_kernel(gu_ptr, stride, inter, BLOCK: tl.constexpr):
+        row, c = tl.program_id(0), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        g = tl.load(gu_ptr + row * stride + c, mask=c < inter, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row * stride + inter + c, mask=c < inter, other=0.0).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(gu_ptr.dtype.element_ty).to(tl.float32)  # HF rounds SiLU's output
+        tl.store(gu_ptr + row * stride + c, (act * u).to(gu_ptr.dtype.element_ty), mask=c < inter)
+
+
+def rms_norm_fused(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm (float32 statistics) of a 2-D ``x`` with unit last stride, one launch."""
+    n = x.shape[-1]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    block = triton.next_power_of_2(n)
+    _rms_norm_kernel[(x.shape[0],)](x, x.stride(0), weight, out, out.stride(0), n, eps, BLOCK=block,
+                                    num_warps=min(16, max(1, block // 256)))
+    return out
+
+
+def silu_mul_fused_(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` written over the gate half of ``gate_up`` ``[N, 2I]``; returns that ``[N, I]`` view."""
+    inter = gate_up.shape[-1] // 2
+    _silu_mul_kernel[(gate_up.shape[0], triton.cdiv(inter, 1024))](gate_up, gate_up.stride(0), inter, BLOCK=1024,
+                                                                   num_warps=4)
+    return gate_up[:, :inter]

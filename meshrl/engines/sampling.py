@@ -11,14 +11,30 @@ when rows are compacted. ``uniform`` computes u on the device (no host sync, cap
 graph); ``uniform_np`` computes the same numbers on the host, which is cheaper on CPU than a dozen
 tiny kernels. Unseeded requests get a seed drawn from the engine's seeded generator.
 
+On CUDA (with Triton), ``sample_and_record_fused`` does the same draw for batches without
+top-k/top-p rows in two launches straight from the LM head's bf16 logits: per (row, vocabulary
+block) the max, the sum of ``exp`` and the argmax; then per row the log-normaliser, the block that
+holds ``u * total`` mass and the token inside it, its log-prob, and the bookkeeping writes (output
+buffers, next input token, position). The torch version reads and writes ``[B, V]`` float32 arrays
+about ten times (scale, log-softmax, exp, cumsum, searchsorted, argmax, gather...), which at B=128,
+V=152k is most of a small model's step. Both compute the same function (up to float rounding at
+CDF boundaries).
+
 Simplifications, on purpose: top-k/top-p sort the full vocabulary (only when some row asks for
-them); ``min_p``, repetition penalties and logit biases are not implemented.
+them, eagerly, outside CUDA graphs); ``min_p``, repetition penalties and logit biases are not
+implemented.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: ``sample`` is used
+    triton = None
 
 _MASK32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B1
@@ -95,3 +111,87 @@ def sample(logits: torch.Tensor, *, inv_temperature: torch.Tensor, u: torch.Tens
         if any_greedy:
             tokens = torch.where(greedy, logprobs.argmax(dim=-1), tokens)
     return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+
+
+# ---- fused CUDA sampler ---------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _block_stats_kernel(logits_ptr, logits_stride, fstate_ptr, fstate_stride, part_ptr, vocab,
+                            NB_PAD: tl.constexpr, BLOCK: tl.constexpr):
+        # per (row, vocab block): max and sum of exp of logits * inv_temperature, and the argmax
+        b, j = tl.program_id(0), tl.program_id(1)
+        c = j * BLOCK + tl.arange(0, BLOCK)
+        inv_t = tl.load(fstate_ptr + b * fstate_stride)
+        z = tl.load(logits_ptr + b * logits_stride + c, mask=c < vocab, other=float("-inf")).to(tl.float32) * inv_t
+        m = tl.max(z, 0)
+        base = part_ptr + (b * NB_PAD + j) * 3
+        tl.store(base, m)
+        tl.store(base + 1, tl.sum(tl.exp(z - m), 0))
+        tl.store(base + 2, (j * BLOCK + tl.argmax(z, 0)).to(tl.float32))  # exact: vocab < 2**24
+
+    @triton.jit
+    def _pick_and_record_kernel(logits_ptr, logits_stride, fstate_ptr, fstate_stride, flags_ptr, flags_stride,
+                                ist_ptr, ist_stride, part_ptr, out_tok_ptr, out_lp_ptr, out_stride, vocab, nb,
+                                NB_PAD: tl.constexpr, BLOCK: tl.constexpr, TOK: tl.constexpr, POS: tl.constexpr,
+                                OCOL: tl.constexpr, SEED: tl.constexpr):
+        b = tl.program_id(0)
+        j = tl.arange(0, NB_PAD)
+        base = part_ptr + (b * NB_PAD + j) * 3
+        m = tl.load(base, mask=j < nb, other=float("-inf"))
+        m_max = tl.max(m, 0)
+        w = tl.load(base + 1, mask=j < nb, other=0.0) * tl.exp(m - m_max)  # each block's mass
+        total = tl.sum(w, 0)
+        row = ist_ptr + b * ist_stride
+        col = tl.load(row + OCOL)
+        # u = uniform(seed, output column), the integer hash of ``uniform`` above, bit for bit
+        x = tl.load(row + SEED) ^ ((col * 0x9E3779B1) & 0xFFFFFFFF)
+        x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
+        x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
+        x = (x >> 16) ^ x
+        target = ((x >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0) * total
+        # inverse CDF: first the block whose cumulative mass passes target, then the token inside it
+        cum = tl.cumsum(w, 0)
+        jb = tl.minimum(tl.sum((cum <= target).to(tl.int32), 0), nb - 1)
+        before = tl.sum(tl.where(j < jb, w, 0.0), 0)
+        inv_t = tl.load(fstate_ptr + b * fstate_stride)
+        i = tl.arange(0, BLOCK)
+        c = jb * BLOCK + i
+        z = tl.load(logits_ptr + b * logits_stride + c, mask=c < vocab, other=float("-inf")).to(tl.float32) * inv_t
+        p = tl.exp(z - m_max)
+        k = tl.sum((tl.cumsum(p, 0) + before <= target).to(tl.int32), 0)
+        k = tl.minimum(k, tl.max(tl.where(p > 0, i, 0), 0))  # rounding at the block's end: its last token with mass
+        tok_sampled = jb * BLOCK + k
+        # greedy rows: the first maximal logit (first block holding the max, then its first argmax)
+        tok_greedy = tl.sum(tl.where(j == tl.argmax(m, 0), tl.load(base + 2, mask=j < nb, other=0.0), 0.0), 0)
+        tok = tl.where(tl.load(flags_ptr + b * flags_stride), tok_greedy.to(tl.int32), tok_sampled).to(tl.int64)
+        lp = tl.load(logits_ptr + b * logits_stride + tok).to(tl.float32) * inv_t - (m_max + tl.log(total))
+        tl.store(out_tok_ptr + b * out_stride + col, tok)
+        tl.store(out_lp_ptr + b * out_stride + col, lp)
+        tl.store(row + TOK, tok)
+        tl.store(row + POS, tl.load(row + POS) + 1)
+        tl.store(row + OCOL, col + 1)
+
+
+def sample_and_record_fused(logits: torch.Tensor, istate: torch.Tensor, fstate: torch.Tensor, flags: torch.Tensor,
+                            out_tok: torch.Tensor, out_lp: torch.Tensor, *, cols: tuple[int, int, int, int]) -> None:
+    """``sample`` + recording for rows [0, B) without top-k/top-p, in two Triton launches (CUDA).
+
+    logits: ``[B, V]`` (bf16 straight from the LM head is fine: it is upcast in registers).
+    istate ``[rows, C]`` int64 with columns ``cols = (token, position, output column, seed)``;
+    fstate ``[rows, 2]`` (column 0: inv_temperature); flags ``[rows, 2]`` bool (column 0: greedy);
+    out_tok/out_lp ``[rows, cap]``. Writes token and log-prob at each row's output column, sets the
+    next input token and advances position and output column, exactly as ``RunningBatch`` does.
+    """
+    b, v = logits.shape
+    block = min(8192, triton.next_power_of_2(v))
+    nb = triton.cdiv(v, block)
+    nb_pad = max(16, triton.next_power_of_2(nb))
+    part = torch.empty(b, nb_pad, 3, dtype=torch.float32, device=logits.device)
+    _block_stats_kernel[(b, nb)](logits, logits.stride(0), fstate, fstate.stride(0), part, v, NB_PAD=nb_pad,
+                                 BLOCK=block, num_warps=8)
+    tok, pos, ocol, seed = cols
+    _pick_and_record_kernel[(b,)](logits, logits.stride(0), fstate, fstate.stride(0), flags, flags.stride(0),
+                                  istate, istate.stride(0), part, out_tok, out_lp, out_tok.stride(0), v, nb,
+                                  NB_PAD=nb_pad, BLOCK=block, TOK=tok, POS=pos, OCOL=ocol, SEED=seed, num_warps=8)
