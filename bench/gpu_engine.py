@@ -20,14 +20,24 @@ The decode step time is (full run - prefill-only run) / (new_tokens - 1). Its fl
 step must read — every weight once (the embedding table only as the LM head) plus the KV cache at
 the mean context length — divided by ``--hbm-tb-s`` (4.0 TB/s, about what an H200 sustains).
 
-A correctness check runs first: TorchEngine's sampled log-probs against HF's forward pass on the
-same tokens (max |diff| must be <= 2e-2 in bf16, 1e-4 in float32).
+A correctness check runs first: TorchEngine's log-probs of its own samples (4 prompts, 88 tokens)
+against HF forward passes over the same tokens. In float32 the engine must match HF's forward within
+1e-4. In bf16, HF's own bf16 forward is no exact reference: on these random models it sits 2-3e-2
+(0.5B) and ~0.1-0.3 (7B, 28 layers) away from the float32 forward of the *same* bf16 weights, from
+bf16 rounding alone. So the script prints three distances (engine vs HF bf16, HF bf16 vs HF fp32,
+engine vs HF fp32) and passes when the engine is as close to the fp32 forward as 2e-2 or as HF's
+own bf16 forward is, whichever is larger.
+
+``--profile`` prints torch.profiler kernel tables of the engine's decode (CUDA graph replays, and
+the same step run eagerly); ``--torch-ops`` also runs the engine without its Triton kernels
+(``MESHRL_NO_TRITON=1``: the torch-op path, i.e. the engine before them) for an A/B in one run.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import gc
 import os
 import sys
@@ -102,20 +112,66 @@ def engine_runner(engine: TorchEngine, ids: torch.Tensor, new: int):
     return run
 
 
-def check_logprobs(model, engine: TorchEngine, vocab: int, device: torch.device) -> float:
-    """Max |engine log-prob - HF forward log-prob| over 4 sampled sequences of 24 tokens (<= 88 in all)."""
+def _forward_logprobs(model, prompt: list[int], out: list[int], device: torch.device) -> torch.Tensor:
+    """HF forward log-probs (temperature 0.8, float32 softmax) of the tokens ``out`` after ``prompt``."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + out], device=device)).logits[0, len(prompt) - 1: -1].float()
+    return torch.log_softmax(logits / 0.8, -1).gather(1, torch.tensor(out, device=device)[:, None])[:, 0].cpu()
+
+
+def check_logprobs(model, engine: TorchEngine, vocab: int, device: torch.device, ref32=None) -> dict:
+    """|diff| (max, mean) of log-probs over 4 sampled sequences of 24 tokens: engine vs HF forward in
+    the model dtype, and, when ``ref32`` (the model upcast to float32) is given, both vs it."""
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (5, 17, 33, 64)]
     reqs = [GenerateRequest(input_ids=p, sampling=SamplingParams(max_new_tokens=24, temperature=0.8, seed=i,
                                                                  ignore_eos=True)) for i, p in enumerate(prompts)]
-    worst = 0.0
+    diffs: dict[str, list[torch.Tensor]] = {"engine vs hf": [], "hf vs hf-fp32": [], "engine vs hf-fp32": []}
     for p, r in zip(prompts, asyncio.run(engine.generate(reqs))):
         c = r.completions[0]
-        with torch.no_grad():
-            logits = model(torch.tensor([p + c.output_ids], device=device)).logits[0, len(p) - 1: -1].float()
-        ref = torch.log_softmax(logits / 0.8, -1).gather(1, torch.tensor(c.output_ids, device=device)[:, None])
-        worst = max(worst, float((ref.squeeze(1).cpu() - torch.tensor(c.logprobs)).abs().max()))
-    return worst
+        eng, hf = torch.tensor(c.logprobs), _forward_logprobs(model, p, c.output_ids, device)
+        diffs["engine vs hf"].append(eng - hf)
+        if ref32 is not None:
+            fp32 = _forward_logprobs(ref32, p, c.output_ids, device)
+            diffs["hf vs hf-fp32"].append(hf - fp32)
+            diffs["engine vs hf-fp32"].append(eng - fp32)
+    return {k: (float(torch.cat(v).abs().max()), float(torch.cat(v).abs().mean())) for k, v in diffs.items() if v}
+
+
+def report_logprobs(tag: str, d: dict, dtype: torch.dtype) -> None:
+    for k, (mx, mean) in d.items():
+        print(f"[{tag}] log-probs {k:18}: max |diff| {mx:.2e}  mean {mean:.2e}", flush=True)
+    if dtype == torch.float32:
+        err, tol = d["engine vs hf"][0], 1e-4
+        print(f"[{tag}] log-prob check vs HF forward: max |diff| = {err:.2e} "
+              f"({'PASS' if err <= tol else 'FAIL'}, tolerance {tol:g})", flush=True)
+        return
+    err, floor = d["engine vs hf-fp32"][0], d["hf vs hf-fp32"][0]
+    tol = max(2e-2, floor)
+    print(f"[{tag}] log-prob check: engine vs fp32 forward {err:.2e} ({'PASS' if err <= tol else 'FAIL'}, tolerance "
+          f"max(2e-2, HF bf16's own {floor:.2e})); engine vs HF bf16 forward {d['engine vs hf'][0]:.2e}", flush=True)
+
+
+def profile_engine(engine: TorchEngine, ids: torch.Tensor, steps: int, rows: int) -> None:
+    """Kernel tables of ``steps`` decode steps: with CUDA graphs, then the same step run eagerly."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run = engine_runner(engine, ids, steps)
+    graphs = engine._graphs
+    for label in ("graphs", "eager"):
+        engine._graphs = graphs if label == "graphs" else None  # eager: the same core, launched op by op
+        run()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            run()
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+        ev = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+        gpu_us = sum(e.self_device_time_total for e in ev)
+        print(f"[profile {label}] {steps} tokens x {ids.shape[0]}: wall {wall * 1e3:.1f} ms, GPU kernels "
+              f"{gpu_us / 1e3:.1f} ms ({len(ev)} kernel names, {sum(e.count for e in ev)} launches)", flush=True)
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=70))
+    engine._graphs = graphs
 
 
 def floor_s(model, batch: int, prompt: int, new: int, dtype: torch.dtype, tb_s: float) -> float:
@@ -130,6 +186,15 @@ def floor_s(model, batch: int, prompt: int, new: int, dtype: torch.dtype, tb_s: 
     return (params * size + batch * (prompt + new / 2) * kv_per_token) / (tb_s * 1e12)
 
 
+def make_engine(model, cfg: TorchEngineConfig, torch_ops: bool) -> TorchEngine:
+    """A TorchEngine; ``torch_ops``: without the Triton kernels (read when the model is built)."""
+    os.environ["MESHRL_NO_TRITON"] = "1" if torch_ops else "0"
+    try:
+        return TorchEngine.from_hf_model(model, config=cfg)
+    finally:
+        os.environ.pop("MESHRL_NO_TRITON")
+
+
 def bench_model(shape: str, args, device: torch.device, dtype: torch.dtype) -> list[tuple]:
     batch = args.batch or DEFAULT_BATCH[shape]
     prompt, new = args.prompt_len, args.new_tokens
@@ -138,30 +203,35 @@ def bench_model(shape: str, args, device: torch.device, dtype: torch.dtype) -> l
     ids = torch.randint(0, vocab, (batch, prompt), generator=torch.Generator().manual_seed(1)).to(device)
     cfg = TorchEngineConfig(dtype=str(dtype).removeprefix("torch."), device=str(device), max_batch_size=batch,
                             max_seq_len=max(prompt + new, 96), cuda_graphs=not args.no_cuda_graphs, compile=args.compile)
-    t0 = time.perf_counter()
-    engine = TorchEngine.from_hf_model(model, config=cfg)
-    print(f"[{shape}] TorchEngine ready in {time.perf_counter() - t0:.1f}s "
-          f"(KV cache {engine.cache.nbytes / 2**30:.2f} GiB, cuda_graphs={engine._graphs is not None})", flush=True)
-    err = check_logprobs(model, engine, vocab, device)
-    tol = 2e-2 if dtype != torch.float32 else 1e-4
-    print(f"[{shape}] log-prob check vs HF forward: max |diff| = {err:.2e} "
-          f"({'PASS' if err <= tol else 'FAIL'}, tolerance {tol:g})", flush=True)
+    engines = {}
+    for name in ["torch-engine"] + (["torch-engine-torchops"] if args.torch_ops else []):
+        t0 = time.perf_counter()
+        engines[name] = eng = make_engine(model, cfg, torch_ops=name.endswith("torchops"))
+        print(f"[{shape}] {name} ready in {time.perf_counter() - t0:.1f}s (KV cache {eng.cache.nbytes / 2**30:.2f} "
+              f"GiB, cuda_graphs={eng._graphs is not None}, triton kernels={eng.model.fused_kernels})", flush=True)
+    ref32 = copy.deepcopy(model).float() if dtype != torch.float32 else None  # the exact function of these weights
+    for name, eng in engines.items():
+        report_logprobs(f"{shape} {name}", check_logprobs(model, eng, vocab, device, ref32), dtype)
+    del ref32
+    if args.profile and device.type == "cuda":
+        profile_engine(engines["torch-engine"], ids, args.profile, rows=25)
     rows = []
-    runners = [("torch-engine", engine_runner(engine, ids, new))]
+    runners = [(name, engine_runner(eng, ids, new)) for name, eng in engines.items()]
     if not args.skip_hf:
         runners += [("hf", hf_runner(model, ids, new, static=False))]
-    if not args.skip_hf_static:
+    if not args.skip_hf_static and shape in args.hf_static_models.split(","):
         runners += [("hf-static", hf_runner(model, ids, new, static=True))]
     floor = floor_s(model, batch, prompt, new, dtype, args.hbm_tb_s)
     for name, run in runners:
         warm = args.warmup + (2 if name == "hf-static" else 0)  # compilation happens in the first calls
+        t0 = time.perf_counter()
         full = timed(run, device, args.rounds, warm)
         pre = timed(lambda: run(1), device, args.rounds, 1)
         step = (full - pre) / max(1, new - 1)
         rows.append((shape, name, batch, batch * new / full, step, floor, full, pre))
         print(f"[{shape}] {name}: {batch * new / full:,.0f} tok/s, decode step {step * 1e3:.3f} ms "
-              f"(floor {floor * 1e3:.3f} ms), prefill {pre * 1e3:.1f} ms", flush=True)
-    del engine, model
+              f"(floor {floor * 1e3:.3f} ms), prefill {pre * 1e3:.1f} ms [{time.perf_counter() - t0:.0f}s]", flush=True)
+    del engines, runners, model
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -182,6 +252,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-hf-static", action="store_true")
+    p.add_argument("--hf-static-models", default="0.5b,7b,tiny", help="models that also run hf-static")
+    p.add_argument("--torch-ops", action="store_true", help="also run the engine without its Triton kernels")
+    p.add_argument("--profile", type=int, default=0, metavar="TOKENS",
+                   help="profile the engine generating TOKENS tokens per prompt (CUDA only)")
     args = p.parse_args(argv)
     if args.tiny:
         shapes, device, dtype = ["tiny"], torch.device("cpu"), torch.float32
@@ -191,7 +265,10 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             p.error("no CUDA device: run with --tiny on CPU")
         shapes, device, dtype = args.models.split(","), torch.device("cuda"), torch.bfloat16
+    t0 = time.perf_counter()
     rows = [r for s in shapes for r in bench_model(s, args, device, dtype)]
+    print(f"\n(whole run {time.perf_counter() - t0:.0f}s; {torch.__version__}"
+          f"{', ' + torch.cuda.get_device_name() if device.type == 'cuda' else ''})")
     print(f"\n{'model':6} {'impl':13} {'batch':>5} {'tok/s':>10} {'vs hf':>6} {'vs static':>9} {'step ms':>8} "
           f"{'floor ms':>8} {'step/floor':>10}")
     for shape, name, batch, tps, step, floor, _, _ in rows:
