@@ -74,7 +74,7 @@ def _kernel_checks(device: str) -> None:
     ist[:, 1], ist[:, 2] = 10, torch.arange(rows, device=device)
     ist[:, 3] = torch.randint(0, 2**32, (rows,), generator=g).to(device)
     greedy = torch.tensor([0, 1, 0, 0, 1, 0], dtype=torch.bool, device=device)
-    fst = torch.stack((torch.where(greedy, 1.0, 1 / 0.7), torch.ones(rows)), 1).to(device)
+    fst = torch.stack((torch.where(greedy, 1.0, 1 / 0.7), torch.ones(rows, device=device)), 1)
     flags = torch.stack((greedy, torch.zeros_like(greedy)), 1)
     from meshrl.engines.sampling import uniform
     tok, lp = sample(logits.float(), inv_temperature=fst[:, 0], u=uniform(ist[:, 3], ist[:, 2]),

@@ -200,7 +200,9 @@ class Transformer:
                          bias: torch.Tensor | None) -> torch.Tensor:
         """``x + a @ w_t (+ bias)`` for 2-D x; one addmm unless TP must all-reduce the product first."""
         if self.all_reduce is None and bias is None:
-            return torch.addmm(x, a, w_t)
+            # in place: an out-of-place addmm first copies x into its output (one more kernel per call);
+            # x is always this step's own residual buffer, which nothing else reads
+            return x.addmm_(a, w_t)
         y = torch.mm(a, w_t)
         if self.all_reduce is not None:
             self.all_reduce(y)  # row-parallel: partial sums over this rank's slice of the inner dim
