@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime
 import math
-import os
 import random
 import socket
 from pathlib import Path
@@ -133,6 +132,7 @@ def dp1_run(dp2_run):
     return t, metrics, params
 
 
+@pytest.mark.slow  # the dp=2 fixture spawns two processes (10-30 s)
 def test_dp2_matches_dp1_loss_and_parameter_trajectory(dp2_run, dp1_run):
     _, _, dp2 = dp2_run
     _, metrics, params = dp1_run
@@ -147,6 +147,7 @@ def test_dp2_matches_dp1_loss_and_parameter_trajectory(dp2_run, dp1_run):
     assert max((params[-1][k] - start[k]).abs().max().item() for k in start) > 1e-3
 
 
+@pytest.mark.slow  # the dp=2 fixture spawns two processes (10-30 s)
 def test_dp2_resume_from_sharded_checkpoint_is_exact(dp2_run):
     dp2 = dp2_run[2]
     for i, step in enumerate(range(CKPT_AFTER, STEPS)):
@@ -154,6 +155,7 @@ def test_dp2_resume_from_sharded_checkpoint_is_exact(dp2_run):
         _close(dp2["resumed_params"][i], dp2["params"][step], atol=0.0)
 
 
+@pytest.mark.slow  # the dp=2 fixture spawns two processes (10-30 s)
 def test_dp1_resumes_a_dp2_checkpoint(dp2_run, dp1_run):
     model_dir, root, dp2 = dp2_run
     t = _trainer(model_dir, DataParallel(None))
@@ -165,6 +167,7 @@ def test_dp1_resumes_a_dp2_checkpoint(dp2_run, dp1_run):
         _close(params[i], dp1_run[2][step], atol=1e-5)
 
 
+@pytest.mark.slow  # the dp=2 fixture spawns two processes (10-30 s)
 def test_dp2_hf_export_loads_and_gives_the_same_logits(dp2_run, dp1_run):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -184,19 +187,24 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("algo", [ALGO, AlgoConfig(advantage="grpo", samples_per_prompt=2, aggregation="seq_mean_token_mean")])
-def test_microbatch_split_gives_the_same_gradients(tmp_path, algo):
+def test_microbatch_split_and_activation_checkpointing_give_the_same_gradients(tmp_path, algo):
     model_dir = tiny_model_dir(tmp_path / "model", layers=1)
-    grads = []
-    for budget in (10_000, 12):  # one micro-batch vs about one row each
-        cfg = TrainerConfig(samples_per_step=12, tokens_per_microbatch=budget, lr=0.0, critic_lr=0.0)
+    runs = []
+    # one micro-batch; about one row each; about one row each with activations recomputed
+    for budget, recompute in ((10_000, False), (12, False), (12, True)):
+        cfg = TrainerConfig(samples_per_step=12, tokens_per_microbatch=budget, lr=0.0, critic_lr=0.0,
+                            activation_checkpointing=recompute)  # fmt: skip
         t = _trainer(model_dir, DataParallel(None), cfg, algo)
         m = t.train_step(make_samples(0, 12, group=2), 0)
-        grads.append((_grads(t.policy), _grads(t.critic) if t.critic is not None else {}, m["loss"]))
-    assert math.isclose(grads[0][2], grads[1][2], rel_tol=1e-6)
-    for a, b in ((grads[0][0], grads[1][0]), (grads[0][1], grads[1][1])):
-        assert a.keys() == b.keys()
-        for k in a:
-            assert torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-7), k
+        runs.append((_grads(t.policy), _grads(t.critic) if t.critic is not None else {}, m["loss"]))
+    base = runs[0]
+    assert any(g.abs().max() > 0 for g in base[0].values())
+    for other in runs[1:]:
+        assert math.isclose(base[2], other[2], rel_tol=1e-6)
+        for a, b in ((base[0], other[0]), (base[1], other[1])):
+            assert a.keys() == b.keys()
+            for k in a:
+                assert torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-7), k
 
 
 def test_nan_loss_skips_the_update_and_repeated_ones_stop(tmp_path):

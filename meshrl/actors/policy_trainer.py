@@ -174,7 +174,10 @@ class PolicyTrainer:
         """Activation checkpointing (trained models), then FSDP2 or a plain move to the device."""
         if self.cfg.activation_checkpointing and not frozen:
             target = model.backbone if isinstance(model, ValueModel) else model
-            target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(target, "activation_checkpointing_enable"):  # transformers >= 5.2x renamed it
+                target.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.dp.sharded:
             cuda = self.dp.device.type == "cuda"
             return shard_model(model, self.dp, mixed_precision=self.cfg.mixed_precision and cuda, cpu_offload=offload and cuda)

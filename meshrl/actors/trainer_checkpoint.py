@@ -16,9 +16,11 @@ sharded). Simplification: a single shared file system (all ranks write under one
 
 from __future__ import annotations
 
+import contextlib
 import random
+import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
@@ -58,6 +60,14 @@ def _small_state(t: PolicyTrainer) -> dict[str, Any]:
     }
 
 
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    # dp = 1 on CPU has no process group on purpose; DCP warns about exactly that on every call
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def save_trainer_state(t: PolicyTrainer, path: str | Path) -> None:
     """Write ``t``'s training state under ``path`` (module docstring); a collective."""
     import torch.distributed.checkpoint as dcp
@@ -65,7 +75,8 @@ def save_trainer_state(t: PolicyTrainer, path: str | Path) -> None:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     try:
-        dcp.save(_sharded_state(t), checkpoint_id=str(path))
+        with _quiet_single_process():
+            dcp.save(_sharded_state(t), checkpoint_id=str(path), process_group=t.dp.group, no_dist=not t.dp.sharded)
     except Exception as exc:
         exc.add_note(f"dp rank {t.dp.rank}/{t.dp.size} saving the trainer state to {path} (every rank must call it)")
         raise
@@ -83,7 +94,8 @@ def load_trainer_state(t: PolicyTrainer, path: str | Path) -> int:
                                 "save_trainer_state wrote (a run checkpoint's trainer/ folder)")
     state = _sharded_state(t)  # templates with this run's sharding; DCP reshards into them
     try:
-        dcp.load(state, checkpoint_id=str(path))
+        with _quiet_single_process():
+            dcp.load(state, checkpoint_id=str(path), process_group=t.dp.group, no_dist=not t.dp.sharded)
     except Exception as exc:
         exc.add_note(f"dp rank {t.dp.rank}/{t.dp.size} loading the trainer state from {path}")
         raise

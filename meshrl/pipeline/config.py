@@ -32,7 +32,7 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True):
     total_steps: int = 200
     """Train steps."""
     output_dir: str = "runs/async_ppo"
-    """metrics.jsonl, plots, config.yaml and the final checkpoint go here."""
+    """metrics.jsonl, plots, config.yaml, checkpoints/ and the final HF checkpoint go here."""
     eval_every: int = 25
     """Train steps between held-out evaluations (0: only before and after)."""
     eval_max_new_tokens: int | None = None
@@ -44,6 +44,14 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Longest wait for one train step, one batch or one weight push before the run stops."""
     num_cpus: int | None = None
     """CPUs of the local Ray cluster started when none is running; None: all of this machine's."""
+    checkpoint_every: int = 0
+    """Train steps between checkpoints under output_dir/checkpoints (0: only at the end); a
+    multiple of trainer.sync_interval, so a checkpoint always follows a weight push."""
+    keep_checkpoints: int = 2
+    """Newest checkpoints kept on disk (older ones are deleted); 0 keeps all."""
+    resume: str | None = None
+    """latest: continue from the newest checkpoint under output_dir/checkpoints (a fresh start
+    if there is none); a path: that checkpoint directory; null: start fresh."""
 
 
 class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -69,6 +77,18 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.run.total_steps < 1:
             raise ConfigError(f"`run.total_steps`: must be >= 1, got {self.run.total_steps}")
+        every, sync = self.run.checkpoint_every, self.trainer.sync_interval
+        if every < 0 or every % sync:
+            raise ConfigError(f"`run.checkpoint_every`: {every} must be >= 0 and a multiple of "
+                              f"trainer.sync_interval={sync} (a checkpoint follows a weight push)")
+        if self.run.keep_checkpoints < 0:
+            raise ConfigError(f"`run.keep_checkpoints`: must be >= 0, got {self.run.keep_checkpoints}")
+        resume = self.run.resume
+        if resume is not None and resume != "latest" and not (Path(resume) / "run_state.msgpack").is_file():
+            raise ConfigError(f"`run.resume`: {resume} is not a run checkpoint (no run_state.msgpack); "
+                              "use latest or an <output_dir>/checkpoints/step_XXXXXXXX directory")
+        if self.trainer.reference_in_trainer and self.algo.kl_coef == 0:
+            raise ConfigError("`trainer.reference_in_trainer`: needs algo.kl_coef > 0 (no KL term, no reference)")
         if self.task.kind == "file" and not (self.task.train_file and self.task.test_file):
             raise ConfigError("`task.train_file`: task.kind=file needs task.train_file and task.test_file")
         for key in ("train_file", "test_file"):

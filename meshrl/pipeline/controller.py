@@ -12,10 +12,16 @@
  train loop:  queue.get_batch      waits for: samples_per_step samples (whole groups)    SampleQueue
                                    within max_staleness of the current version
                                    unblocked by: rollout loop put_encoded
-              trainer.train_step
-              every sync_interval steps: version += 1; reshard.push_weights → engines;
+              trainer.train_step   (every dp rank, the same batch; each trains its share)
+              every sync_interval steps: version += 1; trainer.gather_weights (dp > 1: full
+              tensors onto rank 0) → reshard.push_weights → engines
+              every checkpoint_every steps and at the end: checkpoint (trainer state, queue
+              snapshot, prompt position, requests in flight) — before set_version, so at
+              max_staleness = 0 nothing is in flight (meshrl.pipeline.checkpoint)
               queue.set_version(version)  (only after every engine applied it)
  eval:        held-out prompts, greedy, on the rollout engines (before, every eval_every, after)
+ resume:      trainer.load_checkpoint → push its weights as the saved version → queue.restore
+              → re-issue the requests that were in flight (or cancel unknown reservations)
 ```
 
 With ``max_staleness = 0`` the loops alternate strictly (synchronous, on-policy); with η > 0
@@ -26,8 +32,10 @@ in any loop closes the queue, which wakes every waiter, and the run stops with t
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -39,12 +47,13 @@ from meshrl.config import to_yaml
 from meshrl.embedded import warm_start
 from meshrl.engines import GenerateRequest, SamplingParams
 from meshrl.mesh import ActorMesh, ProcMesh, spawn_procs
+from meshrl.pipeline import checkpoint as ckpt
 from meshrl.pipeline.config import PipelineConfig
 from meshrl.pipeline.metrics import RunLog
-from meshrl.queues import QueueClosed, SampleQueue
+from meshrl.queues import QueueClosed
 from meshrl.queues.actor import QueueActor
 from meshrl.reshard import push_weights
-from meshrl.tasks import Problem, PromptStream, Task, build_task
+from meshrl.tasks import Problem, Task, build_task
 
 __all__ = ["Pipeline"]
 
@@ -80,8 +89,11 @@ class Pipeline:
         self._failure: BaseException | None = None
         self._procs: list[ProcMesh] = []
         self._generated_tokens = 0
-        self._next_group = 0
         self.log: RunLog | None = None
+        self._taking = asyncio.Event()  # cleared while a checkpoint captures the controller state
+        self._taking.set()
+        self._last_checkpoint = 0  # the step of the newest checkpoint
+        self._accuracy_before: float | None = None
 
     @property
     def policy_version(self) -> int:
@@ -94,8 +106,10 @@ class Pipeline:
             return self.cfg.model.path
         return str(await asyncio.to_thread(warm_start, self.cfg.model.embedded, self.task, self.cfg.warmstart, log=self._echo))
 
-    def _spawn(self, name: str, cls: type, *args: Any, procs: int = 1, **kwargs: Any) -> ActorMesh:
-        mesh = spawn_procs({"procs": procs}, cpus_per_proc=0.01, env=_WORKER_ENV, name=name)
+    def _spawn(self, name: str, cls: type, *args: Any, procs: int = 1, dims: dict[str, int] | None = None,
+               gpus_per_proc: int = 0, **kwargs: Any) -> ActorMesh:
+        mesh = spawn_procs(dims or {"procs": procs}, cpus_per_proc=0.01, gpus_per_proc=gpus_per_proc,
+                           env=_WORKER_ENV, name=name)  # fmt: skip
         self._procs.append(mesh)
         return mesh.spawn(name, cls, *args, **kwargs)
 
@@ -110,9 +124,10 @@ class Pipeline:
         self.trainer = self._spawn(
             "trainer", Trainer, model_dir, cfg.trainer, cfg.algo, temperature=cfg.rollout.temperature,
             max_new_tokens=cfg.rollout.max_new_tokens, total_steps=cfg.run.total_steps,
+            dims={"dp": cfg.trainer.dp}, gpus_per_proc=int(cfg.trainer.device == "cuda"),
         )  # fmt: skip
         self.reference = None
-        if cfg.algo.kl_coef > 0:
+        if cfg.algo.kl_coef > 0 and not cfg.trainer.reference_in_trainer:
             self.reference = self._spawn("reference", ReferenceWorker, model_dir, temperature=cfg.rollout.temperature,
                                          tokens_per_microbatch=cfg.trainer.tokens_per_microbatch)  # fmt: skip
         meshes = [self.queue, self.rollouts, self.rewards, self.trainer] + ([self.reference] if self.reference else [])
@@ -144,15 +159,27 @@ class Pipeline:
             requests.append(GenerateRequest(input_ids=ids, sampling=sampling))
         return prompt_ids, requests
 
-    async def _rollout_loop(self, worker: ActorMesh, worker_index: int) -> None:
+    async def _next_job(self) -> tuple[ckpt.InFlight, list[Problem]]:
+        """A restored request to generate again, or a new reservation with the next prompts."""
+        if (reissued := self._ledger.take_reissued()) is not None:
+            return reissued
         r, n = self.cfg.rollout, self.cfg.algo.samples_per_prompt
+        # waits for: admission within max_staleness; unblocked by: train loop set_version
+        reservation = await self.queue.reserve.call_one(r.prompts_per_request * n)
+        try:
+            # waits for: a checkpoint to finish capturing the controller state (milliseconds)
+            await self._taking.wait()
+        except BaseException:
+            await asyncio.shield(self.queue.cancel.call_one(reservation.id))
+            raise
+        return self._ledger.take(reservation.id, r.prompts_per_request)
+
+    async def _rollout_loop(self, worker: ActorMesh, worker_index: int) -> None:
+        n = self.cfg.algo.samples_per_prompt
         while not self._stopping.is_set():
-            # waits for: admission within max_staleness; unblocked by: train loop set_version
-            reservation = await self.queue.reserve.call_one(r.prompts_per_request * n)
+            job, problems = await self._next_job()
             try:
-                problems = self._prompts.take(r.prompts_per_request)
-                group_ids = list(range(self._next_group, self._next_group + len(problems)))
-                self._next_group += len(problems)
+                group_ids = list(range(job.first_group, job.first_group + job.count))
                 prompt_ids, requests = self._requests(problems, greedy=False, n=n, group_ids=group_ids)
                 t0 = self.log.now()
                 results = await worker.generate.call_one(requests)
@@ -164,12 +191,14 @@ class Pipeline:
                     encoded = await self.reference.annotate.choose(encoded)
                 self.log.span("reward", "score", t1, self.log.now(), worker=worker_index)
                 # waits for: room under capacity_tokens; unblocked by: train loop get_batch
-                await self.queue.put_encoded.call_one(encoded, reservation.id)
+                await self.queue.put_encoded.call_one(encoded, job.reservation_id)
                 self._generated_tokens += scored.completion_tokens
             except BaseException:
                 if not self._stopping.is_set():
-                    await asyncio.shield(self.queue.cancel.call_one(reservation.id))
+                    await asyncio.shield(self.queue.cancel.call_one(job.reservation_id))
                 raise
+            finally:
+                self._ledger.done(job.reservation_id)
 
     async def _train_loop(self) -> None:
         cfg, timeout = self.cfg, self.cfg.run.step_timeout_s
@@ -180,15 +209,18 @@ class Pipeline:
             # unblocked by: rollout loop put_encoded
             encoded = await self.queue.get_batch_encoded.call_one(cfg.trainer.samples_per_step, self.version, timeout=timeout)
             t1 = self.log.now()
-            metrics = await self.trainer.train_step.call_one(encoded, self.version).within(timeout)
+            # every dp rank trains its share of the same batch; the metrics are global (rank 0's)
+            metrics = (await self.trainer.train_step.call(encoded, self.version).within(timeout)).values()[0]
             t2 = self.log.now()
             self.log.span("trainer", "train_step", t1, t2)
             self.step += 1
-            sync_s = 0.0
-            if self.step % cfg.trainer.sync_interval == 0:
-                push = await push_weights(self.trainer, self.rollouts, self.version + 1, timeout_s=timeout)
-                self.version = push.version
-                await self.queue.set_version.call_one(self.version)
+            sync_s, pushed = 0.0, self.step % cfg.trainer.sync_interval == 0
+            every = cfg.run.checkpoint_every
+            checkpoint = (every > 0 and self.step % every == 0) or self.step == cfg.run.total_steps
+            if pushed:
+                self.version = await self._push(self.version + 1)
+                if not checkpoint:
+                    await self.queue.set_version.call_one(self.version)
                 sync_s = self.log.now() - t2
                 self.log.span("sync", "push_weights", t2, t2 + sync_s, version=self.version)
             now = time.perf_counter()
@@ -201,8 +233,68 @@ class Pipeline:
                 **{f"queue/{k}": v for k, v in queue_m.items() if isinstance(v, (int, float))},
             })  # fmt: skip
             last_end, last_tokens = now, self._generated_tokens
+            if checkpoint:
+                # before set_version: at max_staleness=0 no rollout is in flight now
+                await self._checkpoint()
+                if pushed:
+                    await self.queue.set_version.call_one(self.version)
             if cfg.run.eval_every and self.step % cfg.run.eval_every == 0 and self.step < cfg.run.total_steps:
                 self._evals.append(asyncio.create_task(self._evaluate()))
+        if self.step > self._last_checkpoint and self._failure is None:
+            await self._checkpoint()  # stopped early (Pipeline.stop)
+
+    async def _push(self, version: int) -> int:
+        """Publish the trainer's weights to every engine as ``version``; returns it."""
+        timeout = self.cfg.run.step_timeout_s
+        if self.cfg.trainer.dp > 1 or self.cfg.trainer.device == "cuda":
+            # a collective over the dp ranks: rank 0 then holds the full tensors push_weights exports
+            await self.trainer.gather_weights.call().within(timeout)
+        push = await push_weights(self.trainer, self.rollouts, version, timeout_s=timeout)
+        return push.version
+
+    async def _checkpoint(self) -> Path:
+        """Trainer state, queue snapshot and controller state of this step (module docstring)."""
+        t0, timeout = self.log.now(), self.cfg.run.step_timeout_s
+        partial = ckpt.partial_dir(self.out_dir, self.step)
+        if partial.exists():
+            shutil.rmtree(partial)
+        await self.trainer.save_checkpoint.call(str(partial / "trainer")).within(timeout)
+        self._taking.clear()  # no new prompts are taken until the state below is captured
+        try:
+            snapshot = await self.queue.snapshot.call_one().within(timeout)
+            state = ckpt.RunState(
+                step=self.step, version=self.version, prompt_position=self._ledger.stream.position,
+                next_group=self._ledger.next_group, generated_tokens=self._generated_tokens,
+                accuracy_before=self._accuracy_before, in_flight=list(self._ledger.in_flight.values()),
+                queue_snapshot=snapshot,
+            )  # fmt: skip
+        finally:
+            self._taking.set()
+        ckpt.write_checkpoint_files(partial, state, self.out_dir / "metrics.jsonl")
+        final = ckpt.commit(partial, keep=self.cfg.run.keep_checkpoints)
+        self._last_checkpoint = self.step
+        self.log.span("trainer", "checkpoint", t0, self.log.now(), step=self.step)
+        return final
+
+    async def _restore(self, path: Path) -> None:
+        """Continue the run saved at ``path`` (roles started, rollout loops not yet)."""
+        timeout = self.cfg.run.step_timeout_s
+        state = ckpt.read_run_state(path)
+        steps = await self.trainer.load_checkpoint.call(str(path / "trainer")).within(timeout)
+        if set(steps.values()) != {state.step}:
+            raise RuntimeError(f"{path}: trainer state is at steps {sorted(set(steps.values()))}, the run at {state.step}")
+        self.step, self.version, self._last_checkpoint = state.step, state.version, state.step
+        self._generated_tokens, self._accuracy_before = state.generated_tokens, state.accuracy_before
+        if state.step > 0:
+            await self._push(state.version)  # the engines serve the restored policy as its version
+        outstanding = await self.queue.restore.call_one(state.queue_snapshot)
+        # the checkpoint was taken between the push and set_version: announce that version now
+        await self.queue.set_version.call_one(state.version)
+        for reservation_id in self._ledger.restore(state, [r.id for r in outstanding]):
+            await self.queue.cancel.call_one(reservation_id)
+        pending = self._ledger.reissue_pending
+        self._echo(f"resumed from {path} at step {state.step}, policy version {state.version}"
+                   + (f", re-issuing {pending} requests that were in flight" if pending else ""))  # fmt: skip
 
     async def _evaluate(self) -> dict[str, Any]:
         """Greedy accuracy on the held-out split, on the engines' current version."""
@@ -237,15 +329,22 @@ class Pipeline:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self._prompts = PromptStream(self.task.split("train"), seed=cfg.run.seed)
-        self._echo(f"starting roles: queue, {cfg.rollout.num_workers} rollout, {cfg.reward.num_workers} reward, trainer"
-                   + (", reference" if cfg.algo.kl_coef > 0 else ""))  # fmt: skip
+        self._ledger = ckpt.PromptLedger(self.task.split("train"), cfg.run.seed)
+        resume_from = ckpt.resolve_resume(cfg.run.resume, self.out_dir)
+        reference = cfg.algo.kl_coef > 0 and not cfg.trainer.reference_in_trainer
+        self._echo(f"starting roles: queue, {cfg.rollout.num_workers} rollout, {cfg.reward.num_workers} reward, "
+                   f"trainer (dp={cfg.trainer.dp})" + (", reference" if reference else ""))  # fmt: skip
         self.log = RunLog(self.out_dir, cfg.run.total_steps, progress=cfg.run.progress)
+        if resume_from is not None:
+            self._replay_records(resume_from / "metrics.jsonl")
         self._evals: list[asyncio.Task] = []
         try:
             await self._start_roles(model_dir)
-            before = await self._evaluate()
-            self._echo(f"held-out accuracy before RL: {before['accuracy']:.1%} ({before['problems']} problems)")
+            if resume_from is not None:
+                await self._restore(resume_from)
+            else:
+                self._accuracy_before = (await self._evaluate())["accuracy"]
+                self._echo(f"held-out accuracy before RL: {self._accuracy_before:.1%}")
             loops = [
                 asyncio.create_task(self._guard(self._rollout_loop(self.rollouts.slice(procs=i), i)))
                 for i in range(cfg.rollout.num_workers) for _ in range(cfg.rollout.requests_in_flight)
@@ -260,7 +359,8 @@ class Pipeline:
                 raise self._failure
             await asyncio.gather(*self._evals)
             after = await self._evaluate()
-            final_dir = await self.trainer.save_hf.call_one(str(self.out_dir / "final"))
+            # every dp rank takes part (the full weights are gathered); rank 0 writes
+            final_dir = (await self.trainer.save_hf.call(str(self.out_dir / "final")).within(cfg.run.step_timeout_s)).values()[0]
         finally:
             self.log.close()
             self._shutdown()
@@ -268,15 +368,22 @@ class Pipeline:
 
         plot = plot_run(self.out_dir)
         summary = {
-            "accuracy_before": before["accuracy"], "accuracy_after": after["accuracy"], "steps": self.step,
+            "accuracy_before": self._accuracy_before, "accuracy_after": after["accuracy"], "steps": self.step,
             "version": self.version, "seconds": time.perf_counter() - started, "checkpoint": final_dir,
             "plot": str(plot), "metrics": str(self.out_dir / "metrics.jsonl"),
         }  # fmt: skip
         with (self.out_dir / "metrics.jsonl").open("a") as f:
-            import json
-
             f.write(json.dumps({"kind": "summary", **summary}) + "\n")
         return summary
+
+    def _replay_records(self, file: Path) -> None:
+        """Start the log with the checkpointed run's records (its steps and evals so far)."""
+        if not file.is_file():
+            return
+        for line in file.read_text().splitlines():
+            rec = json.loads(line)
+            if rec.get("kind") in ("step", "eval"):
+                self.log.record(rec.pop("kind"), **rec)
 
     async def _guard(self, coro) -> None:
         """Run a loop; on an unexpected error remember it and close the queue to wake the rest."""

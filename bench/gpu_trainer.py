@@ -1,0 +1,207 @@
+"""The FSDP2 trainer (``PolicyTrainer``) at dp = N over NCCL: step time, tokens/s, peak memory.
+
+Run on ``nvidia-h200-x2`` (needs torch, transformers, msgspec and ray for meshrl's imports):
+
+    python bench/gpu_trainer.py                       # Qwen2.5-0.5B shape, dp=2, GRPO, 5 steps
+    python bench/gpu_trainer.py --algo ppo            # + a critic (value model of the same shape)
+    python bench/gpu_trainer.py --activation-checkpointing --samples 256
+    python bench/gpu_trainer.py --tiny --cpu          # a 2-layer model, gloo on CPU: checks the script
+
+One process per rank (``torch.multiprocessing``, no Ray), each running the library's own
+``PolicyTrainer``: FSDP2 ``fully_shard`` per decoder layer, bf16 parameters with fp32 gradient
+reduction, AdamW, micro-batches by ``--tokens-per-microbatch``. The model is a Qwen2.5-shaped
+config with random weights, written once by rank 0 (safetensors, so every rank loads it the way
+the trainer loads a real checkpoint); the batch is random tokens with random rewards
+(``--prompt-len`` + ``--response-len`` tokens per sample, ``--samples`` samples per step, in
+GRPO groups of 8). After ``--warmup`` steps, ``--steps`` steps are timed; then one sharded
+checkpoint save (DCP) and one HF export (gathered on rank 0) are timed too.
+
+Printed: a table per rank (median step time, trained tokens/s over all ranks, peak memory), and
+the losses of every step (finite, identical on every rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import random
+import resource
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+SHAPES = {  # Qwen2.5-0.5B's config.json, and a tiny one for the CPU check
+    "0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                 num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6),
+    "tiny": dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+}
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dp", type=int, default=2, help="data-parallel ranks (one GPU each)")
+    p.add_argument("--steps", type=int, default=5, help="timed train steps")
+    p.add_argument("--warmup", type=int, default=1, help="untimed train steps first")
+    p.add_argument("--samples", type=int, default=128, help="samples per train step (all ranks)")
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--response-len", type=int, default=256)
+    p.add_argument("--tokens-per-microbatch", type=int, default=16384, help="padded tokens per forward, per rank")
+    p.add_argument("--algo", choices=["grpo", "ppo"], default="grpo", help="ppo adds a critic")
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--no-mixed-precision", action="store_true", help="fp32 compute on GPU")
+    p.add_argument("--tiny", action="store_true", help="a 2-layer model and a small batch")
+    p.add_argument("--cpu", action="store_true", help="gloo on CPU instead of NCCL")
+    p.add_argument("--json", help="also write the results here")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.samples, args.prompt_len, args.response_len = min(args.samples, 16), min(args.prompt_len, 8), min(args.response_len, 8)
+    return args
+
+
+def make_batch(step: int, args: argparse.Namespace, vocab: int):
+    from meshrl.queues import Sample
+
+    rng = random.Random(step)
+    group = 8 if args.samples % 8 == 0 else 2
+    uniform = -math.log(vocab)  # what a random model gives any token: importance ratios near 1
+    return [
+        Sample(prompt_id=i // group, group_id=step * 100_000 + i // group, group_size=group,
+               prompt_ids=[rng.randrange(vocab) for _ in range(args.prompt_len)],
+               response_ids=[rng.randrange(vocab) for _ in range(args.response_len)],
+               behavior_logprobs=[uniform + rng.uniform(-0.1, 0.1) for _ in range(args.response_len)],
+               behavior_version=step, reward=float(rng.random() < 0.5))
+        for i in range(args.samples)
+    ]  # fmt: skip
+
+
+def write_model(path: Path, shape: str) -> None:
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from meshrl.embedded import build_char_tokenizer
+
+    cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=32768, rms_norm_eps=1e-6, pad_token_id=0,
+                      bos_token_id=None, eos_token_id=None)  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(path)
+    build_char_tokenizer().save_pretrained(path)  # save_hf copies a tokenizer; any one will do
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux: process peak RSS
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def rank_main(rank: int, args: argparse.Namespace, port: int, work: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from meshrl.actors import AlgoConfig, TrainerConfig
+    from meshrl.actors.data_parallel import DataParallel
+    from meshrl.actors.policy_trainer import PolicyTrainer
+    from meshrl.actors.trainer_checkpoint import save_trainer_state
+
+    torch.set_num_threads(1 if args.cpu else 4)
+    device = torch.device("cpu") if args.cpu else torch.device("cuda", rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("gloo" if args.cpu else "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=args.dp, timeout=datetime.timedelta(seconds=600), device_id=None if args.cpu else device)  # fmt: skip
+    try:
+        model_dir = Path(work) / "model"
+        if rank == 0:
+            write_model(model_dir, "tiny" if args.tiny else "0.5b")
+        dist.barrier()
+        dp = DataParallel(init_device_mesh(device.type, (args.dp,), mesh_dim_names=("dp",)), device)
+        cfg = TrainerConfig(samples_per_step=args.samples, tokens_per_microbatch=args.tokens_per_microbatch, lr=1e-6,
+                            dp=args.dp, device=device.type, mixed_precision=not args.no_mixed_precision,
+                            activation_checkpointing=args.activation_checkpointing, max_skipped_steps=0)  # fmt: skip
+        algo = AlgoConfig(advantage="gae") if args.algo == "ppo" else AlgoConfig(advantage="grpo", samples_per_prompt=8)
+        t0 = time.perf_counter()
+        trainer = PolicyTrainer(str(model_dir), cfg, algo, dp=dp, temperature=1.0, max_new_tokens=args.response_len,
+                                total_steps=args.warmup + args.steps)  # fmt: skip
+        setup_s = time.perf_counter() - t0
+        vocab = trainer.policy.config.vocab_size
+        times, losses, tokens = [], [], 0.0
+        for step in range(args.warmup + args.steps):
+            batch = make_batch(step, args, vocab)
+            _sync(device)
+            t0 = time.perf_counter()
+            m = trainer.train_step(batch, step)
+            _sync(device)
+            if step >= args.warmup:
+                times.append(time.perf_counter() - t0)
+                tokens = m["trained_tokens"] + args.samples * args.prompt_len  # forward tokens, all ranks
+            losses.append(m["loss"])
+        t0 = time.perf_counter()
+        save_trainer_state(trainer, Path(work) / "ckpt")
+        dist.barrier()
+        ckpt_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        trainer.save_hf(Path(work) / "hf")
+        dist.barrier()
+        export_s = time.perf_counter() - t0
+        row = {"rank": rank, "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
+               "setup_s": setup_s, "step_s_median": statistics.median(times), "step_s_all": times,
+               "tokens_per_s": tokens / statistics.median(times), "peak_mem_gib": peak_memory_gib(device),
+               "checkpoint_s": ckpt_s, "hf_export_s": export_s, "losses": losses}  # fmt: skip
+        rows: list = [None] * args.dp
+        dist.all_gather_object(rows, row)
+        if rank == 0:
+            report(args, rows, sum(p.numel() for p in trainer.policy.parameters()))  # DTensor: global numel
+    finally:
+        dist.destroy_process_group()
+
+
+def report(args: argparse.Namespace, rows: list[dict], params: int) -> None:
+    print(f"\nPolicyTrainer, dp={args.dp} ({'gloo/CPU' if args.cpu else 'NCCL'}), {'tiny' if args.tiny else 'Qwen2.5-0.5B'} "
+          f"shape, algo={args.algo}, {args.samples} samples x ({args.prompt_len} + {args.response_len}) tokens per step, "
+          f"tokens_per_microbatch={args.tokens_per_microbatch}, mixed precision={not args.no_mixed_precision}, "
+          f"activation checkpointing={args.activation_checkpointing}; policy parameters {params:,}\n")  # fmt: skip
+    mem = "peak GiB allocated" if not args.cpu else "peak RSS GiB"
+    print(f"| rank | device | step s (median) | tokens/s (all ranks, prompt + response) | {mem} | setup s | checkpoint s | HF export s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['rank']} | {r['device']} | {r['step_s_median']:.3f} | {r['tokens_per_s']:,.0f} | "
+              f"{r['peak_mem_gib']:.2f} | {r['setup_s']:.1f} | {r['checkpoint_s']:.2f} | {r['hf_export_s']:.2f} |")
+    print("\nlosses per step:", ", ".join(f"{x:.6f}" for x in rows[0]["losses"]))
+    agree = all(r["losses"] == rows[0]["losses"] for r in rows)
+    finite = all(x == x and abs(x) != float("inf") for x in rows[0]["losses"])
+    print(f"losses identical on every rank: {agree}; all finite: {finite}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "ranks": rows}, indent=1))
+    if not (agree and finite):
+        sys.exit(1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import torch.multiprocessing as mp
+
+    args = parse(argv)
+    if not args.cpu and torch.cuda.device_count() < args.dp:
+        sys.exit(f"--dp {args.dp} needs {args.dp} GPUs, found {torch.cuda.device_count()} (use --cpu for gloo)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory(prefix="gpu_trainer_") as work:
+        mp.start_processes(rank_main, args=(args, port, work), nprocs=args.dp, start_method="spawn", join=True)
+
+
+if __name__ == "__main__":
+    main()
