@@ -2,8 +2,10 @@
 pushes two versions into TorchEngines (tp = 1, 2); every engine tensor must equal its slice of
 the trainer's full tensor bit for bit, and a push that times out leaves the engine on its version.
 
-One spawn of five processes runs every case in turn (starting torch-importing processes is the
-expensive part on two shared cores); process p is trainer rank p (p < dp) or engine rank p - dp.
+One spawn of three processes runs every case in turn (starting torch-importing processes is the
+expensive part on two shared cores). Trainer rank i lives in process i; engine ranks fill the
+processes after the trainers', wrapping around, so in the dp=2/tp=2, dp=3 cases some processes
+hold a trainer rank and an engine rank at once (same-process copies next to p2p messages).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch.multiprocessing as mp
 # (dp, tp, engine dtype, tied embeddings)
 CASES = [(1, 1, "float32", True), (1, 2, "float32", False), (2, 1, "float32", True), (2, 2, "bfloat16", False),
          (3, 1, "float32", False), (3, 2, "float32", True)]
-NPROCS = 5
+NPROCS = 3
 TIMEOUT_S = 60.0
 
 
@@ -73,74 +75,74 @@ def _layouts(cfg, dp: int, tp: int, dtype: str, named_params=None):
                                                     for n, p in full.named_parameters())), dest
 
 
-def _trainer(rank: int, dp: int, tp: int, dtype: str, tied: bool, ports: list[int]) -> None:
+def _placement(dp: int, tp: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Process of each trainer rank and of each engine rank: engines fill the processes after the
+    trainers', wrapping around, so some processes hold a trainer rank and an engine rank at once."""
+    return tuple(range(dp)), tuple((dp + j) % NPROCS for j in range(tp))
+
+
+def _run_case(proc: int, dp: int, tp: int, dtype: str, tied: bool, ports: list[int]) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from meshrl.reshard import GroupRanks, ReshardConfig, Resharder, local_tensors
-
-    cfg = _config(tied)
-    _init_default(rank, dp, ports[0])
-    mesh = init_device_mesh("cpu", (dp,), mesh_dim_names=("dp",))
-    model = _trainer_model(cfg, 1)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    source, dest = _layouts(cfg, dp, tp, dtype, model.named_parameters())
-    ref, _ = _layouts(cfg, dp, tp, dtype)
-    assert source == ref, "the layout read from FSDP2's DTensors differs from Shard(0) over dp"
-    if dp == 3:
-        q = source.index()["model.layers.0.self_attn.q_proj.weight"]
-        assert [b[0] for b in q.owned] == [(0, 22), (22, 44), (44, 64)]  # uneven chunks
-    res = Resharder.join(source, dest, GroupRanks.disjoint(dp, tp), rank, "127.0.0.1", ports[2],
-                         ReshardConfig(bucket_bytes=24 * 1024, timeout_s=TIMEOUT_S, group_name=f"rs-{dp}-{tp}"))
-    stats = res.send(local_tensors(model.named_parameters()), version=1)
-    full = sum(p.numel() for p in model.parameters()) * (2 if dtype == "bfloat16" else 4)
-    assert 0 < stats.bytes, stats
-    assert stats.bytes <= full * (tp if tp > 1 else 1), (stats.bytes, full)  # no rank sends the model twice per engine
-    v2 = _trainer_model(cfg, 2)
-    with torch.no_grad():  # "train": load version 2 into the sharded parameters
-        for (name, p), q in zip(model.named_parameters(), v2.parameters()):
-            p.to_local().copy_(q[tuple(slice(a, b) for a, b in source.index()[name].owned[rank])])
-    res.send(local_tensors(model.named_parameters()), version=2)
-    res.close()
-    dist.destroy_process_group()
-
-
-def _engine(rank: int, dp: int, tp: int, dtype: str, tied: bool, ports: list[int]) -> None:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
     from meshrl.engines import TorchEngine, TorchEngineConfig
     from meshrl.engines.tp import TensorParallel
-    from meshrl.reshard import GroupRanks, ReshardConfig, Resharder
-    from meshrl.reshard.layout import to_slices
+    from meshrl.mesh.distributed import join_process_group
+    from meshrl.reshard import GroupRanks, ReshardConfig, Resharder, local_tensors
 
+    src_procs, dst_procs = _placement(dp, tp)
+    if proc not in src_procs + dst_procs:
+        return
     cfg = _config(tied)
-    tpi = TensorParallel()
-    if tp > 1:
-        _init_default(rank, tp, ports[1])
-        tpi = TensorParallel.from_device_mesh(init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",)), "tp")
-    engine = TorchEngine.from_hf_model(_trainer_model(cfg, 0).state_dict(), cfg,
-                                       TorchEngineConfig(dtype=dtype, max_batch_size=2, max_seq_len=32), tp=tpi)
     source, dest = _layouts(cfg, dp, tp, dtype)
-    res = Resharder.join(source, dest, GroupRanks.disjoint(dp, tp), dp + rank, "127.0.0.1", ports[2],
+    model = engine = None
+    if proc in src_procs:  # trainer rank `proc`: FSDP2 over the default group of the dp trainer processes
+        _init_default(proc, dp, ports[0])
+        mesh = init_device_mesh("cpu", (dp,), mesh_dim_names=("dp",))
+        model = _trainer_model(cfg, 1)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        read, _ = _layouts(cfg, dp, tp, dtype, model.named_parameters())
+        assert read == source, "the layout read from FSDP2's DTensors differs from Shard(0) over dp"
+        if dp == 3:
+            q = read.index()["model.layers.0.self_attn.q_proj.weight"]
+            assert [b[0] for b in q.owned] == [(0, 22), (22, 44), (44, 64)]  # uneven chunks
+    tpi, tp_group = TensorParallel(), None
+    if proc in dst_procs:  # engine rank j; its TP group is a named group (the default one is the trainer's)
+        j = dst_procs.index(proc)
+        if tp > 1:
+            tp_group = join_process_group(f"tp-{dp}-{tp}", j, tp, "127.0.0.1", ports[1], timeout=TIMEOUT_S)
+            tpi = TensorParallel(rank=j, size=tp, group=tp_group)
+        engine = TorchEngine.from_hf_model(_trainer_model(cfg, 0).state_dict(), cfg,
+                                           TorchEngineConfig(dtype=dtype, max_batch_size=2, max_seq_len=32), tp=tpi)
+    ranks = GroupRanks(src=src_procs, dst=dst_procs, world_size=len(set(src_procs + dst_procs)))
+    res = Resharder.join(source, dest, ranks, proc, "127.0.0.1", ports[2],
                          ReshardConfig(bucket_bytes=24 * 1024, timeout_s=TIMEOUT_S, group_name=f"rs-{dp}-{tp}"))
-
-    async def pushes() -> None:
-        for version in (1, 2):
-            await res.receive(engine, version)
-            assert engine.version == version and not engine.is_updating
-            full = {n: p.detach().to(getattr(torch, dtype)) for n, p in _trainer_model(cfg, version).state_dict().items()}
-            for pl in engine.model.layout.params.values():
-                local = engine.model.params[pl.name]
-                for hf_name, src, dst in pl.local_slices(tpi.rank, tpi.size):
-                    assert torch.equal(local[dst], full[hf_name][src]), f"v{version} {pl.name} <- {hf_name}"
-
-    asyncio.run(pushes())
+    for version in (1, 2):
+        if model is not None and version == 2:
+            v2 = _trainer_model(cfg, 2)
+            with torch.no_grad():  # "train": load version 2 into the sharded parameters
+                for (name, p), q in zip(model.named_parameters(), v2.parameters()):
+                    p.to_local().copy_(q[tuple(slice(a, b) for a, b in source.index()[name].owned[proc])])
+        if engine is None:
+            stats = res.send(local_tensors(model.named_parameters()), version)
+            full = sum(p.numel() for p in model.parameters()) * (2 if dtype == "bfloat16" else 4)
+            assert 0 < stats.bytes <= full * tp, (stats.bytes, full)  # this rank's shards, at most once per TP rank
+            continue
+        sources = None if model is None else local_tensors(model.named_parameters())
+        asyncio.run(res.receive(engine, version, sources=sources))  # sends this process's shards as well
+        assert engine.version == version and not engine.is_updating
+        full_v = {n: p.detach().to(getattr(torch, dtype)) for n, p in _trainer_model(cfg, version).state_dict().items()}
+        for pl in engine.model.layout.params.values():
+            local = engine.model.params[pl.name]
+            for hf_name, src, dst in pl.local_slices(tpi.rank, tpi.size):
+                assert torch.equal(local[dst], full_v[hf_name][src]), f"v{version} {pl.name} <- {hf_name}"
     res.close()
-    if tp > 1:
+    if tp_group is not None:
+        dist.destroy_process_group(tp_group)
+    if model is not None:
         dist.destroy_process_group()
 
 
@@ -173,11 +175,14 @@ def _failed_push(proc: int, port: int) -> None:
 
 def _main(proc: int, all_ports: list[list[int]]) -> None:
     torch.set_num_threads(1)
+    # First-use costs (model code import, FSDP, engine) in parallel, not when each process first joins a case.
+    from torch.distributed.fsdp import fully_shard  # noqa: F401
+
+    from meshrl.engines import TorchEngine  # noqa: F401
+
+    _trainer_model(_config(True), 0)
     for (dp, tp, dtype, tied), ports in zip(CASES, all_ports):
-        if proc < dp:
-            _trainer(proc, dp, tp, dtype, tied, ports)
-        elif proc < dp + tp:
-            _engine(proc - dp, dp, tp, dtype, tied, ports)
+        _run_case(proc, dp, tp, dtype, tied, ports)
     if proc < 2:
         _failed_push(proc, all_ports[-1][0])
 
