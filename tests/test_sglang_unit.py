@@ -30,7 +30,7 @@ def test_flatten_bucket_aligns_offsets():
 
 def test_buckets_keep_order_and_bound_size():
     named = [(f"t{i}", torch.zeros(n)) for i, n in enumerate([10, 10, 30, 5, 1])]  # float32: 4 bytes each
-    out = _buckets(named, 80)
+    out = list(_buckets(iter(named), 80))
     assert [[n for n, _ in b] for b in out] == [["t0", "t1"], ["t2"], ["t3", "t4"]]  # t2 (120 B) goes alone
 
 
@@ -39,9 +39,9 @@ def test_tied_lm_head_and_rotary_buffers_are_not_sent():
     sender = SGLangWeightSender([SGLangEngine("http://127.0.0.1:1")])
     named = [("model.embed_tokens.weight", embed), ("lm_head.weight", embed),
              ("model.layers.0.self_attn.rotary_emb.inv_freq", torch.zeros(1)), ("model.norm.weight", torch.zeros(2))]
-    assert [n for n, _ in sender._select(named)] == ["model.embed_tokens.weight", "model.norm.weight"]
+    assert [n for n, _ in sender._select(iter(named))] == ["model.embed_tokens.weight", "model.norm.weight"]
     untied = [("model.embed_tokens.weight", embed), ("lm_head.weight", embed.clone())]
-    assert [n for n, _ in sender._select(untied)] == ["model.embed_tokens.weight", "lm_head.weight"]
+    assert [n for n, _ in sender._select(iter(untied))] == ["model.embed_tokens.weight", "lm_head.weight"]
 
 
 def test_sglang_engine_is_an_engine_and_fails_clearly():

@@ -36,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from typing import Any, Iterable, Literal, Protocol, Sequence
+from typing import Any, Iterable, Iterator, Literal, Protocol, Sequence
 
 import msgspec
 import torch
@@ -95,17 +95,19 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
-    out: list[list[tuple[str, torch.Tensor]]] = [[]]
+def _buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive tensors, at most ``bucket_bytes`` per bucket (a bigger tensor alone); lazily."""
+    bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, t in named:
         n = t.numel() * t.element_size()
-        if out[-1] and size + n > bucket_bytes:
-            out.append([])
-            size = 0
-        out[-1].append((name, t))
+        if bucket and size + n > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
         size += n
-    return [b for b in out if b]
+    if bucket:
+        yield bucket
 
 
 def flatten_bucket(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -193,18 +195,21 @@ class SGLangWeightSender:
         """Pause, send every tensor, flush, resume: the engines serve ``version`` afterwards."""
         await self.connect()
         start, cfg, everyone = time.perf_counter(), self.config, range(len(self.engines))
-        named = self._select(list(named_tensors))
         single = any(v < (0, 5, 0) for v in self.versions)  # 0.4.x: one tensor per call
-        buckets = [[x] for x in named] if single else _buckets(named, cfg.bucket_bytes)
+        buckets = _buckets(self._select(named_tensors), 0 if single else cfg.bucket_bytes)
         begin = [i for i, v in enumerate(self.versions) if v >= (0, 5, 21)]
         nbytes = 0
         try:
             await self._all("POST", "/pause_generation", [{"mode": cfg.pause_mode} for _ in everyone], "pause")
             if begin:
                 await self._all("POST", "/begin_weight_update", [{"selector": "all"} for _ in begin], "begin", begin)
-            for b, bucket in enumerate(buckets):
-                last = b == len(buckets) - 1
-                nbytes += await self._send_bucket(bucket, str(version) if last else None, b, len(buckets))
+            # One bucket of lookahead: the last one carries weight_version. Tensors are read lazily,
+            # so a trainer may gather them bucket by bucket (FSDP2 full_tensor) as they are sent.
+            bucket, b = next(buckets, None), 0
+            while bucket is not None:
+                following = next(buckets, None)
+                nbytes += await self._send_bucket(bucket, None if following else str(version), b)
+                bucket, b = following, b + 1
             await self._flush()
             if begin:
                 await self._all("POST", "/end_weight_update", [{} for _ in begin], "end", begin)
@@ -214,14 +219,18 @@ class SGLangWeightSender:
         await self._all("POST", "/continue_generation", [{} for _ in everyone], "continue")
         return PushStats(version=version, seconds=time.perf_counter() - start, bytes=nbytes)
 
-    def _select(self, named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-        by_name = dict(named)
-        embed, head = by_name.get("model.embed_tokens.weight"), by_name.get("lm_head.weight")
-        tied = embed is not None and head is not None and embed.data_ptr() == head.data_ptr()
-        return [(n, t) for n, t in named if not n.endswith(_SKIP_SUFFIXES) and not (tied and n == "lm_head.weight")]
+    @staticmethod
+    def _select(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Drop RoPE buffers, and ``lm_head.weight`` when it shares the embedding's storage (tied)."""
+        embed_ptr = None
+        for name, t in named:
+            if name == "model.embed_tokens.weight":
+                embed_ptr = t.data_ptr()
+            if name.endswith(_SKIP_SUFFIXES) or (name == "lm_head.weight" and t.data_ptr() == embed_ptr):
+                continue
+            yield name, t
 
-    async def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], weight_version: str | None, b: int,
-                           n: int) -> int:
+    async def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], weight_version: str | None, b: int) -> int:
         import torch.distributed as dist
 
         cfg, dev = self.config, self.device
@@ -248,14 +257,14 @@ class SGLangWeightSender:
 
         # Requests first (they go out while the broadcast thread waits for the engines to join).
         replies = asyncio.ensure_future(self._all("POST", "/update_weights_from_distributed", bodies,
-                                                  f"bucket {b + 1}/{n} ({names[0]}...)"))
+                                                  f"bucket {b + 1} ({names[0]}...)"))
         await asyncio.sleep(0)
         try:
             await asyncio.wait_for(asyncio.to_thread(broadcast), cfg.timeout_s)
         except BaseException as exc:
             replies.cancel()
             if isinstance(exc, asyncio.TimeoutError):
-                raise SGLangPushError(f"bucket {b + 1}/{n}: broadcast did not finish within {cfg.timeout_s}s; "
+                raise SGLangPushError(f"bucket {b + 1}: broadcast did not finish within {cfg.timeout_s}s; "
                                       "the engines stay paused") from None
             raise
         await replies
