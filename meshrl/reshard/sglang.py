@@ -189,7 +189,14 @@ class SGLangWeightSender:
         except BaseException:
             replies.cancel()
             raise
-        await replies
+        try:
+            await replies
+        except BaseException:  # some engine did not join: this group is unusable
+            import torch.distributed as dist
+
+            dist.destroy_process_group(self.group)
+            self.group = None
+            raise
 
     async def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> PushStats:
         """Pause, send every tensor, flush, resume: the engines serve ``version`` afterwards."""
