@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import os
 import socket
 import time
 
