@@ -225,3 +225,35 @@ def test_generate_timeout_aborts_and_says_why(hf):
 def test_pause_mode_is_checked(hf):
     with pytest.raises(ValueError, match="'abort' or 'keep'"):
         asyncio.run(engine(hf).pause("retract"))
+
+
+def test_lagged_stop_checks_equal_synchronous_ones(hf):
+    """CUDA reads each step's stop hits one step late; forced on here, results are the same: same
+    tokens, finish reasons and versions, with stops at many steps, rows joining late, and an abort."""
+    base = engine(hf)
+    free = [r.completions[0].output_ids
+            for r in asyncio.run(base.generate([req(p, max_new_tokens=12) for p in PROMPTS]))]
+    reqs = [req(p, f"r{i}", max_new_tokens=12, stop_token_ids=(free[i][2 + i % 6],)) for i, p in enumerate(PROMPTS)]
+
+    async def run(lagged: bool, abort_after: int | None):
+        eng = engine(hf)
+        eng._batch.lagged_stops = lagged
+        extra = [req(PROMPTS[0], "long", max_new_tokens=40)] if abort_after else []
+        task = asyncio.create_task(eng.generate(reqs[:3] + extra if abort_after else reqs))
+        if abort_after:
+            await wait_steps(eng, abort_after)
+            await eng.abort("long")
+        return await asyncio.wait_for(task, 20), eng.steps
+
+    (sync, sync_steps), (lagged, lagged_steps) = asyncio.run(run(False, None)), asyncio.run(run(True, None))
+    assert lagged_steps > sync_steps  # stopped rows ran one discarded step each time
+    assert [r.completions[0].finish_reason for r in sync].count("stop") >= 6
+    (sync_a, _), (lagged_a, _) = asyncio.run(run(False, 4)), asyncio.run(run(True, 4))
+    for a, b in zip(sync + sync_a, lagged + lagged_a):
+        ca, cb = a.completions[0], b.completions[0]
+        if a.request_id == "long":  # aborted at a step count, which the lag may shift: prefixes agree
+            n = min(len(ca.output_ids), len(cb.output_ids))
+            assert ca.finish_reason == cb.finish_reason == "abort" and ca.output_ids[:n] == cb.output_ids[:n]
+            continue
+        assert (ca.output_ids, ca.finish_reason, ca.versions) == (cb.output_ids, cb.finish_reason, cb.versions)
+        assert ca.logprobs == pytest.approx(cb.logprobs, abs=1e-5)  # other batch sizes: other rounding

@@ -9,6 +9,12 @@ reads are (a) which rows hit a stop token, made only when some row can stop on a
 output buffers of rows that finished. When rows finish, the last running rows move into the holes
 (``_compact``), keeping the batch packed.
 
+On CUDA, (a) is *lagged* (``lagged_stops``): step t's stop hits are copied into pinned host memory
+without waiting, and read after step t+1 has been launched, so the host waits for a step the GPU has
+already finished while the next one runs, instead of leaving the GPU idle for every step's Python.
+A row that stopped at step t thus runs step t+1 too; that token is discarded (its output is cut at
+the stop token), so results equal the synchronous check's, one step later.
+
 Simplifications, on purpose: a request is admitted only when all of its ``n`` samples fit (FIFO, no
 skipping ahead, so a large ``n`` is never starved); sequences are never preempted or swapped out.
 """
@@ -72,6 +78,12 @@ class RunningBatch:
         self._host_uniforms = dev.type == "cpu"
         self.seqs: list[Seq | None] = [None] * rows
         self.size = 0
+        self.lagged_stops = dev.type == "cuda"
+        """Read each step's stop hits after the next step is launched (see the module docstring)."""
+        pin = dev.type == "cuda"
+        self._hit_bufs = [torch.zeros(rows, dtype=torch.bool, pin_memory=pin) for _ in range(2)]  # alternate
+        self._hit_events = [torch.cuda.Event() if pin else None for _ in range(2)]
+        self._pending: tuple[int, list[Seq], np.ndarray] | None = None  # (buffer, rows' Seqs, their olen)
         self.n_greedy = self.n_filtered = self.n_stoppable = 0
 
     # ---- admission (prefill) ---------------------------------------------------------------
@@ -164,7 +176,37 @@ class RunningBatch:
     def after_decode(self, new_tok: torch.Tensor) -> list[tuple[Seq, Completion]]:
         """Host bookkeeping after ``decode_core`` ran on rows ``[0, size)``."""
         self.olen[: self.size] += 1
-        return self._retire_finished(0, self.size, new_tok)
+        if not self.lagged_stops:
+            return self._retire_finished(0, self.size, new_tok)
+        prev, self._pending = self._pending, self._launch_stop_check(new_tok)
+        reasons, n_out = self._read_stops(prev) if prev else ({}, {})
+        for r in np.flatnonzero(self.olen[: self.size] >= self.max_new[: self.size]).tolist():
+            reasons.setdefault(r, "length")  # a stop in the previous step came first
+        return self._retire(reasons, n_out) if reasons else []
+
+    def _launch_stop_check(self, new_tok: torch.Tensor) -> tuple[int, list[Seq], np.ndarray] | None:
+        """Start copying which rows' new token is a stop id to the host; read by ``_read_stops``."""
+        if not self.n_stoppable:
+            return None
+        b, k = self.size, 0 if self._pending is None or self._pending[0] == 1 else 1
+        hit = (new_tok[:, None] == self.istate[:b, _STOP:]).any(dim=1)  # [b]
+        self._hit_bufs[k][:b].copy_(hit, non_blocking=True)
+        if self._hit_events[k] is not None:
+            self._hit_events[k].record()
+        return k, self.seqs[:b], self.olen[:b].copy()
+
+    def _read_stops(self, pending: tuple[int, list[Seq], np.ndarray]) -> tuple[dict[int, FinishReason], dict[int, int]]:
+        """Rows (now) whose token in the pending check was a stop id, and their output length then."""
+        k, seqs, olen = pending
+        if self._hit_events[k] is not None:
+            self._hit_events[k].synchronize()  # host sync: on the step before the one now running
+        reasons: dict[int, FinishReason] = {}
+        n_out: dict[int, int] = {}
+        for i in np.flatnonzero(self._hit_bufs[k][: len(seqs)].numpy()).tolist():
+            seq = seqs[i]
+            if self.seqs[seq.row] is seq:  # still running (rows may have moved or been retired since)
+                reasons[seq.row], n_out[seq.row] = "stop", int(olen[i])
+        return reasons, n_out
 
     def _sample_and_record(self, logits: torch.Tensor, lo: int, hi: int,
                            flags: tuple[bool, bool, bool] | None = None) -> torch.Tensor:
@@ -203,15 +245,32 @@ class RunningBatch:
         reasons: dict[int, FinishReason] = {}
         if self.n_stoppable:
             hit = (new_tok[:, None] == self.istate[lo:hi, _STOP:]).any(dim=1)  # [hi-lo]
-            # host sync: which rows stopped decides the next step's batch
-            for r in torch.nonzero(hit).flatten().tolist():
+            # host sync: which rows stopped decides the next step's batch (one copy, no nonzero)
+            for r in np.flatnonzero(hit.cpu().numpy()).tolist():
                 reasons[lo + r] = "stop"
         for r in np.flatnonzero(self.olen[lo:hi] >= self.max_new[lo:hi]).tolist():
             reasons[lo + r] = "length"  # SGLang checks the length first: it wins over a stop token
-        return self.retire(reasons) if reasons else []
+        return self._retire(reasons) if reasons else []
 
     def retire(self, reasons: dict[int, FinishReason]) -> list[tuple[Seq, Completion]]:
-        """Finish the given rows (with their outputs so far), free them and repack the batch."""
+        """Finish the given rows (with their outputs so far), free them and repack the batch.
+
+        Rows whose stop token is still in a pending (lagged) check finish first, as "stop", so an
+        abort never returns tokens past a stop; their completions come back too.
+        """
+        if self._pending is None:
+            return self._retire(reasons)
+        by_seq = [(self.seqs[r], why) for r, why in reasons.items()]
+        pending, self._pending = self._pending, None
+        stopped, n_out = self._read_stops(pending)
+        done = self._retire(stopped, n_out) if stopped else []
+        rest = {s.row: why for s, why in by_seq if self.seqs[s.row] is s}
+        return done + (self._retire(rest) if rest else [])
+
+    def _retire(self, reasons: dict[int, FinishReason], n_out: dict[int, int] | None = None
+                ) -> list[tuple[Seq, Completion]]:
+        """``retire`` without the pending check; ``n_out``: rows' output lengths when not ``olen``."""
+        n_out = n_out or {}
         rows = sorted(reasons)
         idx = torch.tensor(rows, device=self.model.device)
         width = int(self.olen[rows].max())
@@ -219,7 +278,7 @@ class RunningBatch:
         lps = self.out_lp[idx, :width].tolist()
         done = []
         for r, tk, lp in zip(rows, toks, lps):
-            seq, n = self.seqs[r], int(self.olen[r])
+            seq, n = self.seqs[r], n_out.get(r, int(self.olen[r]))
             done.append((seq, Completion(output_ids=tk[:n], logprobs=lp[:n], finish_reason=reasons[r],
                                          versions=seq.versions(n))))
             self.n_greedy -= seq.greedy
