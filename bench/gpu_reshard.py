@@ -186,11 +186,17 @@ def two_ranks(args) -> dict[str, list[float]]:
     procs = [ctx.Process(target=_rank, args=(r, args, port, queue)) for r in range(2)]
     for p in procs:
         p.start()
-    results = {}
+    results, deadline = {}, time.monotonic() + 1800
     try:
-        for _ in procs:
-            rank, out, buckets = queue.get(timeout=1200)
-            results[rank] = out
+        while len(results) < len(procs):
+            try:
+                rank, out, buckets = queue.get(timeout=5)
+                results[rank] = out
+            except Exception:  # queue.Empty: check that both ranks are still alive
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError(f"a bench rank failed (exit codes {[p.exitcode for p in procs]}) or the run "
+                                       "passed 30 minutes; see its traceback above") from None
     finally:
         for p in procs:
             p.join(timeout=60)
