@@ -184,6 +184,34 @@ def test_weight_update_is_seen_by_captured_graphs():
     assert c.output_ids == [0] * 6 and c.versions == [1] * 6  # replayed graphs read the new (zero) head
 
 
+@pytest.mark.gpu
+@needs_cuda
+def test_lagged_stops_equal_synchronous_on_gpu():
+    """On CUDA stop hits are read a step late (pinned copies); results equal the synchronous check's."""
+    hf = _hf_cuda()
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() == 2:
+                p.mul_(6.0)  # sharp logits: greedy choices do not flip with the batch's rounding
+    cfg = TorchEngineConfig(dtype="bfloat16", device="cuda", max_batch_size=4, max_seq_len=96)
+    prompts = [list(range(3 + i, 20 + 3 * i)) for i in range(7)]
+    base = TorchEngine.from_hf_model(hf, config=cfg)
+    assert base._batch.lagged_stops
+    free = [r.completions[0].output_ids for r in asyncio.run(base.generate(
+        [GenerateRequest(input_ids=p, sampling=SamplingParams(max_new_tokens=16, temperature=0)) for p in prompts]))]
+    reqs = [GenerateRequest(input_ids=p, sampling=SamplingParams(max_new_tokens=16, temperature=0,
+                                                                 stop_token_ids=(free[i][2 + i],)))
+            for i, p in enumerate(prompts)]
+    results = []
+    for lagged in (False, True):
+        eng = TorchEngine.from_hf_model(hf, config=cfg)
+        eng._batch.lagged_stops = lagged
+        results.append([(c.output_ids, c.finish_reason) for r in asyncio.run(eng.generate(reqs))
+                        for c in r.completions])
+    assert results[0] == results[1]
+    assert [reason for _, reason in results[0]].count("stop") >= 5
+
+
 def _patch_interpreter_scalars() -> None:
     """Triton's interpreter keeps scalars as 1-element arrays, which NumPy 2 refuses to ``int()`` (a
     loop bounded by a loaded value fails); give its module an ``int`` that accepts them."""
