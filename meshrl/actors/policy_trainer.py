@@ -236,7 +236,7 @@ class PolicyTrainer:
                 # random init, and save_pretrained handles tied embeddings and file sharding.
                 with torch.device("meta"):
                     twin = AutoModelForCausalLM.from_config(self.policy.config)
-                twin.load_state_dict(full, assign=True, strict=False)
+                twin.load_state_dict(full, assign=True, strict=True)
                 twin.tie_weights()
                 twin.save_pretrained(out, safe_serialization=True)
         if self.dp.rank == 0:

@@ -22,6 +22,7 @@ under their restored reservations, with their original prompts and group ids.
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from pathlib import Path
@@ -31,8 +32,8 @@ import msgspec
 
 from meshrl.tasks import Problem, PromptStream
 
-__all__ = ["InFlight", "PromptLedger", "RunState", "write_checkpoint_files", "read_run_state", "commit",
-           "latest_checkpoint", "resolve_resume", "partial_dir"]  # fmt: skip
+__all__ = ["InFlight", "PromptLedger", "RunState", "write_checkpoint_files", "read_run_state", "read_records",
+           "commit", "latest_checkpoint", "resolve_resume", "partial_dir"]  # fmt: skip
 
 FORMAT = 1
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -143,6 +144,15 @@ def read_run_state(path: Path) -> RunState:
     if state.format != FORMAT:
         raise ValueError(f"{file}: checkpoint format {state.format}, this meshrl reads {FORMAT}")
     return state
+
+
+def read_records(path: Path) -> list[dict]:
+    """The step and eval records of the run up to the checkpoint at ``path`` (oldest first)."""
+    file = Path(path) / "metrics.jsonl"
+    if not file.is_file():
+        return []
+    records = [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
+    return [r for r in records if r.get("kind") in ("step", "eval")]
 
 
 def _complete(output_dir: str | Path) -> list[tuple[int, Path]]:

@@ -335,8 +335,8 @@ class Pipeline:
         self._echo(f"starting roles: queue, {cfg.rollout.num_workers} rollout, {cfg.reward.num_workers} reward, "
                    f"trainer (dp={cfg.trainer.dp})" + (", reference" if reference else ""))  # fmt: skip
         self.log = RunLog(self.out_dir, cfg.run.total_steps, progress=cfg.run.progress)
-        if resume_from is not None:
-            self._replay_records(resume_from / "metrics.jsonl")
+        for rec in ckpt.read_records(resume_from) if resume_from is not None else []:
+            self.log.record(rec.pop("kind"), **rec)  # the log continues the checkpointed run's
         self._evals: list[asyncio.Task] = []
         try:
             await self._start_roles(model_dir)
@@ -375,15 +375,6 @@ class Pipeline:
         with (self.out_dir / "metrics.jsonl").open("a") as f:
             f.write(json.dumps({"kind": "summary", **summary}) + "\n")
         return summary
-
-    def _replay_records(self, file: Path) -> None:
-        """Start the log with the checkpointed run's records (its steps and evals so far)."""
-        if not file.is_file():
-            return
-        for line in file.read_text().splitlines():
-            rec = json.loads(line)
-            if rec.get("kind") in ("step", "eval"):
-                self.log.record(rec.pop("kind"), **rec)
 
     async def _guard(self, coro) -> None:
         """Run a loop; on an unexpected error remember it and close the queue to wake the rest."""
