@@ -91,3 +91,24 @@ def test_resumed_run_repeats_the_uninterrupted_one(ray_cluster, tmp_path):
     assert {"loss", "kl", "value_error", "reward_mean", "grad_norm"} <= set(a[4])
     # the steps learn something and differ, so the equality above is not vacuous
     assert a[3]["reward_mean"] > 0 and a[4]["loss"] != a[3]["loss"] and a[4]["kl"] > 0
+
+
+class NaNRewardTask(DigitShareTask):
+    """Every reward is NaN: every update must be skipped, and the run must stop."""
+
+    def reward(self, problem: Problem, completion: str) -> RewardOutput:
+        return RewardOutput(reward=float("nan"))
+
+
+def test_repeated_nan_steps_stop_the_run_with_a_clear_message(ray_cluster, tmp_path):
+    from test_trainer_fsdp import tiny_model_dir
+
+    from meshrl.actors.trainer import NonFiniteStepsError
+
+    model_dir = tiny_model_dir(tmp_path / "model", layers=1)
+    cfg = _config(model_dir, tmp_path / "nan", "trainer.dp=1", "trainer.max_skipped_steps=2", "algo.kl_coef=0",
+                  "trainer.reference_in_trainer=false")  # fmt: skip
+    with pytest.raises(NonFiniteStepsError, match=r"2 train steps in a row .*max_skipped_steps=2"):
+        asyncio.run(Pipeline(cfg, task=NaNRewardTask()).run())
+    steps = _steps(tmp_path / "nan")
+    assert sorted(steps) == [1] and steps[1]["skipped_updates"] == 1  # step 1 logged as skipped; step 2 stopped

@@ -343,8 +343,9 @@ class Pipeline:
             if resume_from is not None:
                 await self._restore(resume_from)
             else:
-                self._accuracy_before = (await self._evaluate())["accuracy"]
-                self._echo(f"held-out accuracy before RL: {self._accuracy_before:.1%}")
+                before = await self._evaluate()
+                self._accuracy_before = before["accuracy"]
+                self._echo(f"held-out accuracy before RL: {before['accuracy']:.1%} ({before['problems']} problems)")
             loops = [
                 asyncio.create_task(self._guard(self._rollout_loop(self.rollouts.slice(procs=i), i)))
                 for i in range(cfg.rollout.num_workers) for _ in range(cfg.rollout.requests_in_flight)
