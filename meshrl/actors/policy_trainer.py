@@ -191,6 +191,9 @@ class PolicyTrainer:
         ``NonFiniteStepsError`` after ``max_skipped_steps`` skipped steps in a row.
         """
         start = time.perf_counter()
+        # Queue order depends on how rollouts interleaved; group order does not (stable sort keeps
+        # a group's samples in completion order), so the same samples always train the same way.
+        samples = sorted(samples, key=lambda s: s.group_id)
         batch = build_step_batch(samples, pad_id=self.pad_id)
         stats = batch_stats(samples, version)
         metrics = self.updater.step(

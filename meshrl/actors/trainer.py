@@ -13,10 +13,11 @@ Endpoints and who calls them:
   rank 0 keeps the full tensors for the next export. At dp = 1 it is a no-op.
 - ``export_weights()``: on rank 0 only (``meshrl.reshard.push_weights`` does this) — the policy's
   full tensors under Hugging Face names.
+- ``reshard_layout()`` (rank 0), ``reshard_join(...)`` and ``reshard_send(version)`` (every
+  rank): the source side of ``meshrl.reshard.meshes`` — each rank sends its own FSDP2 shards
+  straight into the engines' tensor-parallel layout, no gather (the default weight transport).
+- ``gather_weights()`` + ``export_weights()``: the ``object_store`` transport instead.
 - ``save_hf(path)``, ``save_checkpoint(path)``, ``load_checkpoint(path)``: on every rank.
-
-Simplification: full weights travel to the engines from rank 0 (gathered); the DTensor-aware
-transfer plan of ``meshrl.reshard`` will read the shards directly instead.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ from meshrl.actors.algo_config import AlgoConfig
 from meshrl.actors.data_parallel import DataParallel
 from meshrl.actors.policy_trainer import NonFiniteStepsError, PolicyTrainer, TrainerConfig, batch_stats, lr_lambda
 from meshrl.actors.trainer_checkpoint import load_trainer_state, save_trainer_state
-from meshrl.mesh import Actor, current_size, endpoint, init_torch_distributed
+from meshrl.mesh import Actor, current_rank, current_size, endpoint, init_torch_distributed
 from meshrl.queues import decode_samples
+from meshrl.reshard import DestLayout, GroupRanks, PushStats, ReshardConfig, SourceLayout
+from meshrl.reshard.meshes import SourceSide
 
 __all__ = ["TrainerConfig", "Trainer", "NonFiniteStepsError", "batch_stats", "lr_lambda"]
 
@@ -62,6 +65,7 @@ class Trainer(Actor):
         self.core = PolicyTrainer(model_path, cfg, algo, dp=dp, temperature=temperature,
                                   max_new_tokens=max_new_tokens, total_steps=total_steps)  # fmt: skip
         self._staged: dict[str, torch.Tensor] | None = None
+        self.reshard = SourceSide(self.core.policy.named_parameters, dp.device)
 
     @endpoint
     def train_step(self, encoded_samples: bytes, version: int) -> dict[str, float]:
@@ -90,6 +94,21 @@ class Trainer(Actor):
                                "weights: call gather_weights on every rank first, then export_weights on rank 0")
         staged, self._staged = self._staged, None
         return staged
+
+    @endpoint
+    def reshard_layout(self) -> SourceLayout:
+        """Where each policy parameter's shards live (read from its DTensors)."""
+        return self.reshard.layout()
+
+    @endpoint
+    def reshard_join(self, dest: DestLayout, ranks: GroupRanks, addr: str, port: int, config: ReshardConfig) -> None:
+        """Join the transfer group with the engines (blocks until every member joined)."""
+        self.reshard.join(dest, ranks, current_rank().rank, addr, port, config)
+
+    @endpoint
+    def reshard_send(self, version: int) -> PushStats:
+        """Send this rank's shards of the current policy as ``version``."""
+        return self.reshard.send(version)
 
     @endpoint
     def save_hf(self, path: str) -> str:

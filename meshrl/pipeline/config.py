@@ -15,6 +15,7 @@ from meshrl.actors import AlgoConfig, RewardConfig, RolloutConfig, TrainerConfig
 from meshrl.config import ConfigError
 from meshrl.embedded import EmbeddedModelConfig, WarmStartConfig
 from meshrl.queues import QueueConfig
+from meshrl.reshard import ReshardConfig
 from meshrl.tasks import TaskConfig
 
 __all__ = ["ModelConfig", "RunConfig", "PipelineConfig"]
@@ -64,6 +65,7 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
     reward: RewardConfig = RewardConfig()
     queue: QueueConfig = QueueConfig()
     trainer: TrainerConfig = TrainerConfig()
+    reshard: ReshardConfig = ReshardConfig()
 
     def validate(self) -> "PipelineConfig":
         """Cross-component checks; raise ConfigError naming the key."""

@@ -53,6 +53,7 @@ from meshrl.pipeline.metrics import RunLog
 from meshrl.queues import QueueClosed
 from meshrl.queues.actor import QueueActor
 from meshrl.reshard import push_weights
+from meshrl.reshard import meshes as reshard_meshes
 from meshrl.tasks import Problem, Task, build_task
 
 __all__ = ["Pipeline"]
@@ -132,6 +133,9 @@ class Pipeline:
                                          tokens_per_microbatch=cfg.trainer.tokens_per_microbatch)  # fmt: skip
         meshes = [self.queue, self.rollouts, self.rewards, self.trainer] + ([self.reference] if self.reference else [])
         await asyncio.gather(*(m.ready().within(self.cfg.run.step_timeout_s) for m in meshes))
+        if cfg.reshard.transport == "distributed":
+            # once: a process group over every trainer and engine rank, and the cached transfer plan
+            await reshard_meshes.connect(self.trainer, self.rollouts, cfg.reshard)
 
     def _echo(self, line: str) -> None:
         if self.log is not None:
@@ -246,6 +250,10 @@ class Pipeline:
     async def _push(self, version: int) -> int:
         """Publish the trainer's weights to every engine as ``version``; returns it."""
         timeout = self.cfg.run.step_timeout_s
+        if self.cfg.reshard.transport == "distributed":
+            # every trainer rank sends its own shards, every engine receives and flips atomically
+            stats = await reshard_meshes.push(self.trainer, self.rollouts, version, timeout_s=timeout)
+            return stats.version
         if self.cfg.trainer.dp > 1 or self.cfg.trainer.device == "cuda":
             # a collective over the dp ranks: rank 0 then holds the full tensors push_weights exports
             await self.trainer.gather_weights.call().within(timeout)

@@ -44,6 +44,10 @@ from meshrl.reshard.transport import GroupRanks, run_plan
 class ReshardConfig(msgspec.Struct, frozen=True, kw_only=True):
     """How weights move from the trainer to the engines."""
 
+    transport: Literal["distributed", "object_store"] = "distributed"
+    """distributed: each trainer rank sends its shards into the engines' layout over a process
+    group (the plan below); object_store: full tensors gathered on trainer rank 0 and fetched by
+    every engine from Ray's object store (no process group needed)."""
     bucket_bytes: int = 512 * 2**20
     """Most bytes in one bucket (the unit of pipelining and of temporary memory)."""
     timeout_s: float = 300.0
