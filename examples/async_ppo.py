@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from meshrl.config import ConfigError, load_config, to_yaml
+from meshrl.actors.trainer import NonFiniteStepsError
 from meshrl.pipeline import Pipeline, PipelineConfig
 
 DEFAULT_CONFIG = Path(__file__).with_suffix(".yaml")
@@ -50,7 +51,11 @@ def main(argv: list[str] | None = None) -> int:
         runner = uvloop.run
     except ImportError:
         runner = asyncio.run
-    summary = runner(Pipeline(cfg).run())
+    try:
+        summary = runner(Pipeline(cfg).run())
+    except NonFiniteStepsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     gain = summary["accuracy_after"] - summary["accuracy_before"]
     print(
         f"\nheld-out accuracy: {summary['accuracy_before']:.1%} before RL -> {summary['accuracy_after']:.1%} after "

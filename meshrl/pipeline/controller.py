@@ -77,6 +77,14 @@ def ensure_ray(num_cpus: int | None) -> None:
     )  # fmt: skip
 
 
+async def bounded(future, seconds: float, what: str):
+    """Await a mesh call at most ``seconds``; the error says what was waited for."""
+    try:
+        return await future.within(seconds)
+    except TimeoutError:
+        raise TimeoutError(f"gave up after {seconds:.0f}s waiting for {what}") from None
+
+
 class Pipeline:
     """An asynchronous RL run: ``summary = await Pipeline(cfg).run()``."""
 
@@ -169,12 +177,13 @@ class Pipeline:
             return reissued
         r, n = self.cfg.rollout, self.cfg.algo.samples_per_prompt
         # waits for: admission within max_staleness; unblocked by: train loop set_version
-        reservation = await self.queue.reserve.call_one(r.prompts_per_request * n)
+        reservation = await bounded(self.queue.reserve.call_one(r.prompts_per_request * n),
+                                     self.cfg.queue.reserve_timeout_s + 30, "the queue to admit a rollout request")
         try:
             # waits for: a checkpoint to finish capturing the controller state (milliseconds)
             await self._taking.wait()
         except BaseException:
-            await asyncio.shield(self.queue.cancel.call_one(reservation.id))
+            await asyncio.shield(self.queue.cancel.call_one(reservation.id).within(60))
             raise
         return self._ledger.take(reservation.id, r.prompts_per_request)
 
@@ -186,20 +195,23 @@ class Pipeline:
                 group_ids = list(range(job.first_group, job.first_group + job.count))
                 prompt_ids, requests = self._requests(problems, greedy=False, n=n, group_ids=group_ids)
                 t0 = self.log.now()
-                results = await worker.generate.call_one(requests)
+                results = await bounded(worker.generate.call_one(requests), self.cfg.run.step_timeout_s,
+                                        f"rollout worker {worker_index} to generate")
                 t1 = self.log.now()
                 self.log.span("rollout", "generate", t0, t1, worker=worker_index)
-                scored = await self.rewards.score.choose(RolloutJob(problems=problems, prompt_ids=prompt_ids, results=results, group_ids=group_ids))
+                job_in = RolloutJob(problems=problems, prompt_ids=prompt_ids, results=results, group_ids=group_ids)
+                scored = await bounded(self.rewards.score.choose(job_in), self.cfg.run.step_timeout_s, "a reward worker")
                 encoded = scored.encoded
                 if self.reference is not None:
-                    encoded = await self.reference.annotate.choose(encoded)
+                    encoded = await bounded(self.reference.annotate.choose(encoded), self.cfg.run.step_timeout_s, "the reference worker")
                 self.log.span("reward", "score", t1, self.log.now(), worker=worker_index)
                 # waits for: room under capacity_tokens; unblocked by: train loop get_batch
-                await self.queue.put_encoded.call_one(encoded, job.reservation_id)
+                await bounded(self.queue.put_encoded.call_one(encoded, job.reservation_id), self.cfg.queue.put_timeout_s + 30,
+                              "the queue to accept samples")
                 self._generated_tokens += scored.completion_tokens
             except BaseException:
                 if not self._stopping.is_set():
-                    await asyncio.shield(self.queue.cancel.call_one(job.reservation_id))
+                    await asyncio.shield(self.queue.cancel.call_one(job.reservation_id).within(60))
                 raise
             finally:
                 self._ledger.done(job.reservation_id)
@@ -211,7 +223,8 @@ class Pipeline:
             t0 = self.log.now()
             # waits for: samples_per_step samples within max_staleness of `version`;
             # unblocked by: rollout loop put_encoded
-            encoded = await self.queue.get_batch_encoded.call_one(cfg.trainer.samples_per_step, self.version, timeout=timeout)
+            encoded = await bounded(self.queue.get_batch_encoded.call_one(cfg.trainer.samples_per_step, self.version, timeout=timeout),
+                                    timeout + 30, "a batch from the queue")
             t1 = self.log.now()
             # every dp rank trains its share of the same batch; the metrics are global (rank 0's)
             metrics = (await self.trainer.train_step.call(encoded, self.version).within(timeout)).values()[0]
@@ -224,11 +237,11 @@ class Pipeline:
             if pushed:
                 self.version = await self._push(self.version + 1)
                 if not checkpoint:
-                    await self.queue.set_version.call_one(self.version)
+                    await bounded(self.queue.set_version.call_one(self.version), timeout, "the queue to take the new version")
                 sync_s = self.log.now() - t2
                 self.log.span("sync", "push_weights", t2, t2 + sync_s, version=self.version)
             now = time.perf_counter()
-            queue_m = await self.queue.metrics.call_one()
+            queue_m = await bounded(self.queue.metrics.call_one(), timeout, "the queue's metrics")
             self.log.step({
                 "step": self.step, "version": self.version, **metrics,
                 "step_time_s": now - last_end, "batch_wait_s": t1 - t0, "sync_time_s": sync_s,
@@ -241,7 +254,7 @@ class Pipeline:
                 # before set_version: at max_staleness=0 no rollout is in flight now
                 await self._checkpoint()
                 if pushed:
-                    await self.queue.set_version.call_one(self.version)
+                    await bounded(self.queue.set_version.call_one(self.version), timeout, "the queue to take the new version")
             if cfg.run.eval_every and self.step % cfg.run.eval_every == 0 and self.step < cfg.run.total_steps:
                 self._evals.append(asyncio.create_task(self._evaluate()))
         if self.step > self._last_checkpoint and self._failure is None:
@@ -295,11 +308,11 @@ class Pipeline:
         self._generated_tokens, self._accuracy_before = state.generated_tokens, state.accuracy_before
         if state.step > 0:
             await self._push(state.version)  # the engines serve the restored policy as its version
-        outstanding = await self.queue.restore.call_one(state.queue_snapshot)
+        outstanding = await bounded(self.queue.restore.call_one(state.queue_snapshot), timeout, "the queue to restore its snapshot")
         # the checkpoint was taken between the push and set_version: announce that version now
-        await self.queue.set_version.call_one(state.version)
+        await bounded(self.queue.set_version.call_one(state.version), timeout, "the queue to take the restored version")
         for reservation_id in self._ledger.restore(state, [r.id for r in outstanding]):
-            await self.queue.cancel.call_one(reservation_id)
+            await bounded(self.queue.cancel.call_one(reservation_id), timeout, "the queue to cancel a reservation")
         pending = self._ledger.reissue_pending
         self._echo(f"resumed from {path} at step {state.step}, policy version {state.version}"
                    + (f", re-issuing {pending} requests that were in flight" if pending else ""))  # fmt: skip
@@ -316,9 +329,9 @@ class Pipeline:
             jobs.append((part, prompt_ids, self.rollouts.generate.choose(requests)))
         scored = []
         for part, prompt_ids, pending in jobs:
-            results = await pending
+            results = await bounded(pending, self.cfg.run.step_timeout_s, "held-out generation")
             job = RolloutJob(problems=part, prompt_ids=prompt_ids, results=results, group_ids=[-1] * len(part))
-            scored.append(await self.rewards.score.choose(job))
+            scored.append(await bounded(self.rewards.score.choose(job), self.cfg.run.step_timeout_s, "held-out scoring"))
         rewards = [x for s in scored for x in s.rewards]
         correct = sum(s.info.get("correct", 0.0) * len(s.rewards) for s in scored) / max(1, len(rewards))
         accuracy = correct if any("correct" in s.info for s in scored) else sum(x >= 1.0 for x in rewards) / max(1, len(rewards))
@@ -362,7 +375,7 @@ class Pipeline:
                 await self._guard(self._train_loop())
             finally:
                 self._stopping.set()
-                await self.queue.close.call_one()
+                await self.queue.close.call_one().within(60)
                 await asyncio.gather(*loops, return_exceptions=True)
             if self._failure is not None:
                 raise self._failure
@@ -397,7 +410,7 @@ class Pipeline:
                 self._failure = exc
                 self._stopping.set()
                 try:
-                    await self.queue.close.call_one()
+                    await self.queue.close.call_one().within(60)
                 except Exception:
                     pass
 
