@@ -12,7 +12,9 @@ engine case writes ``speedup`` (HF time / engine time), both write ``tok_per_s``
 Cases: ``small`` (hidden 64, 2 layers, 64 sequences), ``default`` (hidden 128, 4 layers, 256
 sequences), ``fixed`` (``default`` with equal prompt lengths: no padding for HF to waste),
 ``grpo`` (the ``default`` model, 32 prompts x 8 samples: TorchEngine prefills each prompt once, HF's
-``num_return_sequences`` prefills every copy), ``wide`` (hidden 64, 512 sequences, 12 new tokens).
+``num_return_sequences`` prefills every copy), ``wide`` (hidden 64, 512 sequences, 12 new tokens),
+``example_ppo`` / ``example_grpo`` (the workload of examples/async_ppo.py: 4-6-token prompts,
+4 new tokens, 64 sequences in flight).
 
 Timing is CPU time of this process (``time.process_time``), not wall time: the machine is shared
 and both sides run on one thread, so CPU time is the cost that does not depend on the neighbours.
@@ -41,6 +43,10 @@ CASES = {  # hidden, layers, prompts, n, (min, max) prompt tokens, new_tokens
     "fixed": (128, 4, 256, 1, (12, 12), 8),
     "grpo": (128, 4, 32, 8, (8, 16), 8),
     "wide": (64, 2, 512, 1, (8, 16), 12),
+    # What examples/async_ppo.py asks of its engine: "37+45="-sized prompts, 4-token answers,
+    # 64 requests in flight (16 prompts x 4 requests, PPO) or 16 prompts x 4 samples (GRPO).
+    "example_ppo": (128, 4, 64, 1, (4, 6), 4),
+    "example_grpo": (128, 4, 16, 4, (4, 6), 4),
 }
 ROUNDS = 5
 _times: dict[str, float] = {}
