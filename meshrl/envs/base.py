@@ -1,0 +1,156 @@
+"""The environment interface: multi-turn episodes that the rollout side plays with its engine.
+
+```python
+class Env:                                   # any object with these two methods (sync or async)
+    stop = ("</calc>",)                      # optional: strings that end a policy turn
+    def reset(self) -> str: ...              # the first observation: the prompt
+    def step(self, action: str) -> StepResult | tuple:   # (observation, reward, done[, info])
+        ...
+```
+
+An environment is made per episode by a factory from the episode's ``Problem``
+(``environment=lambda problem: Env(problem)``), so an episode's state never leaks into another.
+The episode runner (``meshrl.envs.episode``) appends each policy turn and each observation to one
+token sequence; ``Episode`` records which tokens the policy produced (trained, loss mask 1) and
+which the environment did (context only, loss mask 0).
+
+Simplification on purpose: observations are appended as plain text, tokenised on their own; a
+chat model's role markers, if any, are the environment's to write into the observation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from typing import Any, Awaitable, Callable, Protocol, Sequence, TypeVar, runtime_checkable
+
+import msgspec
+
+from meshrl.tasks import Problem
+
+__all__ = ["Environment", "EnvFactory", "Episode", "EpisodeConfig", "StepResult", "as_step_result", "call_env",
+           "maybe_await", "stop_strings"]
+
+T = TypeVar("T")
+
+
+class StepResult(msgspec.Struct, frozen=True):
+    """What ``Environment.step`` returns (a tuple ``(observation, reward, done[, info])`` works too)."""
+
+    observation: str
+    """Text appended to the context after the policy's turn (not trained); "" when done."""
+    reward: float = 0.0
+    """Reward of this step; an episode's environment reward is the sum over its steps."""
+    done: bool = False
+    """The episode is over: no more policy turns."""
+    info: dict[str, float] = {}
+    """Metrics of the episode (the last step's win), averaged in the logs as ``reward_info/<key>``."""
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """One multi-turn episode; ``reset`` and ``step`` may be plain or ``async`` methods."""
+
+    def reset(self) -> str | Awaitable[str]:
+        """The first observation: the prompt the policy continues."""
+        ...
+
+    def step(self, action: str) -> StepResult | tuple | Awaitable[StepResult | tuple]:
+        """React to the policy's turn ``action`` (its text, special tokens removed)."""
+        ...
+
+
+EnvFactory = Callable[[Problem], Environment]
+"""Makes the environment of one episode from its problem (a class taking a ``Problem`` is one)."""
+
+
+class EpisodeConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Limits of one environment episode (used only when the pipeline has an environment)."""
+
+    max_turns: int = 4
+    """Policy turns per episode; an episode still running after them ends as "length"."""
+    max_tokens: int = 256
+    """Response tokens per episode, policy and environment tokens together (each policy turn is
+    also bounded by rollout.max_new_tokens)."""
+    env_timeout_s: float = 60.0
+    """Longest ``reset`` or ``step`` call; past it the episode ends, marked ``reward_failed``."""
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1 or self.max_tokens < 1:
+            raise ValueError(f"rollout.episode: max_turns and max_tokens must be >= 1, got {self.max_turns}, {self.max_tokens}")
+        if not self.env_timeout_s > 0:
+            raise ValueError(f"rollout.episode.env_timeout_s must be > 0 seconds, got {self.env_timeout_s}")
+
+
+class Episode(msgspec.Struct, kw_only=True):
+    """One played episode: the token sequence and who produced each token."""
+
+    prompt_ids: list[int]
+    """The first observation's tokens."""
+    response_ids: list[int]
+    """Every token after the prompt: policy turns and observations, in order."""
+    logprobs: list[float]
+    """Per response token: the engine's behaviour log-prob on policy tokens, 0.0 on observations."""
+    loss_mask: list[int]
+    """Per response token: 1 where the policy produced it, 0 for environment text."""
+    versions: list[int]
+    """Per response token: the policy version that produced it (observations: the version before)."""
+    final_text: str
+    """The last policy turn's text: what a reward function scores."""
+    reward: float = 0.0
+    """Sum of the environment's step rewards."""
+    info: dict[str, float] = {}
+    turns: int = 0
+    """Policy turns played."""
+    finish_reason: str = "stop"
+    """"stop": the environment said done; "length": a turn or token limit ended it; "abort"."""
+    failed: bool = False
+    """The environment raised or timed out; the sample is marked ``reward_failed``."""
+
+    @property
+    def policy_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+    @property
+    def behavior_version(self) -> int:
+        """The oldest version that produced a policy token (-1 when there is none)."""
+        return min((v for v, m in zip(self.versions, self.loss_mask) if m), default=-1)
+
+
+async def maybe_await(value: T | Awaitable[T]) -> T:
+    return await value if inspect.isawaitable(value) else value
+
+
+async def call_env(fn: Callable[..., Any], *args: Any, timeout_s: float, what: str) -> Any:
+    """Call an environment method, sync (in a thread: it may block) or async, within a timeout."""
+    async def call() -> Any:
+        if inspect.iscoroutinefunction(fn):
+            return await fn(*args)
+        return await maybe_await(await asyncio.to_thread(fn, *args))
+
+    try:
+        return await asyncio.wait_for(call(), timeout_s)
+    except asyncio.TimeoutError:
+        raise TimeoutError(f"environment {what} took longer than rollout.episode.env_timeout_s={timeout_s:g}s") from None
+
+
+def as_step_result(value: Any) -> StepResult:
+    """``StepResult`` from what ``step`` returned; a one-line error names a wrong shape."""
+    if isinstance(value, StepResult):
+        return value
+    if isinstance(value, tuple) and len(value) in (3, 4):
+        obs, reward, done, *info = value
+        if not isinstance(obs, str):
+            raise TypeError(f"Environment.step: the observation must be a str, got {type(obs).__name__}")
+        return StepResult(obs, float(reward), bool(done), dict(info[0]) if info else {})
+    raise TypeError(f"Environment.step must return a StepResult or (observation, reward, done[, info]), got {value!r:.80}")
+
+
+def stop_strings(env: Environment) -> Sequence[str]:
+    """The environment's turn-ending strings (its optional ``stop`` attribute)."""
+    stop = getattr(env, "stop", ())
+    if isinstance(stop, str):
+        return (stop,)
+    if not all(isinstance(s, str) and s for s in stop):
+        raise TypeError(f"Environment.stop must be a sequence of non-empty strings, got {stop!r}")
+    return tuple(stop)

@@ -1,0 +1,194 @@
+"""Environments: tool-call parsing, ToolEnv, and the episode runner on a real TorchEngine.
+
+The runner must record exactly which tokens the policy produced: behaviour log-probs equal to the
+model's own log-probs of those tokens in the full context, loss mask 0 and log-prob 0.0 on
+environment text; and the trainer must ignore the masked tokens in its ratios and losses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from meshrl.actors.algo_config import AlgoConfig
+from meshrl.actors.reward import RolloutJob, score_job
+from meshrl.actors.train_step import PolicyUpdater, build_step_batch
+from meshrl.engines import SamplingParams, TorchEngine, TorchEngineConfig
+from meshrl.envs import EpisodeConfig, EpisodeRequest, StepResult, ToolEnv, calculator, parse_tool_call, run_episode, run_episodes
+from meshrl.modeling import pack, response_logprobs
+from meshrl.queues import decode_samples
+from meshrl.tasks import AdditionTask, Problem
+
+torch.set_num_threads(1)
+PROBLEM = Problem(id=7, prompt="12+30=", answer="42")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from test_trainer_fsdp import tiny_model_dir
+
+    return tiny_model_dir(tmp_path_factory.mktemp("envs") / "model", layers=2, hidden=32)
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def engine(model_dir) -> TorchEngine:
+    return TorchEngine.from_pretrained(model_dir, TorchEngineConfig(max_batch_size=16))
+
+
+def test_tool_calls_are_parsed_and_run():
+    assert parse_tool_call("so <calc> 23*47 </calc> then", {"calc": calculator}) == msgspec.convert(
+        {"name": "calc", "arguments": "23*47", "start": 3}, type=type(parse_tool_call("<calc>1</calc>", ["calc"])))
+    assert parse_tool_call("<calc>1+1</search>", ["calc", "search"]) is None  # tags must match
+    assert parse_tool_call("<calc>1+1", ["calc"]) is None and parse_tool_call("<x>1</x>", ["calc"]) is None
+    assert parse_tool_call("<search>a</search><calc>2</calc>", ["calc", "search"]).name == "search"  # the first call
+    assert [calculator(e) for e in ("23*47", "7/2", "-(3+4)*2", "2**10", "8/4")] == ["1081", "3.5", "-14", "1024", "2"]
+    for bad, msg in (("__import__('os')", "unsupported"), ("1/0", "division by zero"), ("2**99999", "too large"), ("1+", "not an")):
+        with pytest.raises(ValueError, match=msg):
+            calculator(bad)
+
+    env = ToolEnv.factory({"calc": calculator}, result_format="={}.", max_calls=1)(PROBLEM)
+    assert env.stop == ("</calc>",) and env.reset() == "12+30="
+    assert env.step("<calc>12+30</calc>") == StepResult("=42.", 0.0, False, {"tool_calls": 1.0, "tool_used": 1.0})
+    assert env.step("<calc>1+1</calc>").done  # max_calls reached: the episode ends
+    assert ToolEnv(PROBLEM, {"calc": calculator}).step("<calc>1/0</calc>").observation == "<result>error: calculator: division by zero</result>"
+    assert ToolEnv(PROBLEM, {"calc": calculator}).step("42").done
+    with pytest.raises(ValueError, match="identifiers"):
+        ToolEnv(PROBLEM, {"my tool": calculator})
+
+
+class Scripted:
+    """Answers every turn with a fixed observation and reward; done after ``turns`` turns."""
+
+    def __init__(self, problem: Problem, turns: int = 3, fail_at: int | None = None) -> None:
+        self.problem, self.turns, self.fail_at, self.actions = problem, turns, fail_at, []
+
+    async def reset(self) -> str:  # async and sync methods both work
+        return self.problem.prompt
+
+    def step(self, action: str):
+        self.actions.append(action)
+        if self.fail_at == len(self.actions):
+            raise RuntimeError("the environment broke")
+        return f"[obs {len(self.actions)}]", 0.25, len(self.actions) >= self.turns, {"turn": float(len(self.actions))}
+
+
+def test_episode_masks_exactly_the_policy_tokens_and_their_logprobs_match_the_model(model_dir, tok):
+    eng, hf = engine(model_dir), AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    env = Scripted(PROBLEM, turns=3)
+    sampling = SamplingParams(max_new_tokens=3, temperature=1.0, seed=5)
+    ep = asyncio.run(run_episode(eng, tok, env, sampling, EpisodeConfig(), max_seq_len=64))
+    obs = [tok.encode(f"[obs {i}]", add_special_tokens=False) for i in (1, 2)]
+    assert ep.turns == 3 and len(env.actions) == 3 and ep.reward == pytest.approx(0.75) and ep.info == {"turn": 3.0}
+    # policy turn (3 tokens, cut off) | obs 1 | policy | obs 2 | policy
+    want_mask = ([1] * 3 + [0] * len(obs[0])) + ([1] * 3 + [0] * len(obs[1])) + [1] * 3
+    assert ep.loss_mask == want_mask and ep.finish_reason == "length"  # the last turn was cut off
+    assert ep.response_ids[3 : 3 + len(obs[0])] == obs[0] and ep.prompt_ids == tok.encode(PROBLEM.prompt)
+    assert all(lp == 0.0 for lp, m in zip(ep.logprobs, ep.loss_mask) if not m)
+    assert env.actions[-1] == ep.final_text == tok.decode(ep.response_ids[-3:], skip_special_tokens=True)
+
+    packed = pack([ep.prompt_ids], [ep.response_ids], pad_id=tok.pad_token_id, loss_masks=[ep.loss_mask])
+    with torch.no_grad():
+        ref = response_logprobs(hf(input_ids=packed.input_ids).logits, packed, temperature=1.0)[0]
+    torch.testing.assert_close(torch.tensor(ep.logprobs), ref, atol=2e-4, rtol=0)  # policy tokens, in full context
+    assert ref[torch.tensor(ep.loss_mask) == 0].abs().max() == 0
+
+    # the same seed gives the same episode; limits end it early
+    again = asyncio.run(run_episode(eng, tok, Scripted(PROBLEM, turns=3), sampling, EpisodeConfig(), max_seq_len=64))
+    assert again.response_ids == ep.response_ids
+    short = asyncio.run(run_episode(eng, tok, Scripted(PROBLEM, turns=9), sampling, EpisodeConfig(max_turns=2), max_seq_len=64))
+    assert short.turns == 2 and short.finish_reason == "length" and sum(short.loss_mask) == 6
+    cut = asyncio.run(run_episode(eng, tok, Scripted(PROBLEM, turns=9), sampling, EpisodeConfig(max_tokens=10), max_seq_len=64))
+    assert len(cut.response_ids) == 10 and cut.finish_reason == "length"
+
+
+def test_a_stop_string_ends_the_turn_only_when_complete(model_dir, tok):
+    """Greedy decoding from a fixed prompt; the stop string is a bigram of that output whose
+    last character also occurs earlier: the engine stops there first (a stop id), and the
+    runner continues the turn until the whole string is at its end."""
+    eng = engine(model_dir)
+    free = asyncio.run(run_episode(eng, tok, Scripted(PROBLEM, turns=1), SamplingParams(max_new_tokens=24, temperature=0),
+                                   EpisodeConfig(), max_seq_len=64))  # fmt: skip
+    text = tok.decode(free.response_ids)
+    candidates = [j for j in range(1, len(text)) if text[j] in text[:j] and text[j - 1 : j + 1] not in text[:j]]
+    assert candidates, f"no usable stop string in the greedy output {text!r}"
+    j = candidates[0]
+
+    class StopEnv(Scripted):
+        stop = (text[j - 1 : j + 1],)
+
+    ep = asyncio.run(run_episode(eng, tok, StopEnv(PROBLEM, turns=1), SamplingParams(max_new_tokens=24, temperature=0),
+                                 EpisodeConfig(), max_seq_len=64))  # fmt: skip
+    assert tok.decode(ep.response_ids) == text[: j + 1] and ep.finish_reason == "stop"
+    assert ep.logprobs == pytest.approx(free.logprobs[: j + 1], abs=1e-5)  # continuing leaves sampling unchanged
+
+
+def test_environment_errors_mark_the_episode_and_groups_stay_whole(model_dir, tok):
+    eng = engine(model_dir)
+
+    class BadReset(Scripted):
+        def reset(self):
+            raise ValueError("no prompt today")
+
+    def make(problem: Problem):
+        return {0: BadReset(problem), 1: Scripted(problem, turns=3, fail_at=2)}.get(problem.id) or Scripted(problem, turns=1)
+
+    problems = [Problem(id=i, prompt=f"{i}+1=", answer=str(i + 1)) for i in range(3)]
+    reqs = [EpisodeRequest(problem=p, n=2, sampling=SamplingParams(max_new_tokens=3, seed=i)) for i, p in enumerate(problems)]
+    groups = asyncio.run(run_episodes(eng, tok, make, reqs, EpisodeConfig(), max_seq_len=64))
+    assert [len(g) for g in groups] == [2, 2, 2]
+    assert all(e.failed and e.loss_mask == [0] and e.response_ids == [tok.eos_token_id] for e in groups[0])
+    assert all(e.failed and e.turns == 2 and sum(e.loss_mask) == 6 for e in groups[1])  # kept what it generated
+    assert not any(e.failed for e in groups[2])
+    assert groups[2][0].response_ids != groups[2][1].response_ids  # each episode of a group has its own seed
+
+    job = RolloutJob(problems=problems, prompt_ids=[g[0].prompt_ids for g in groups], results=[], group_ids=[10, 11, 12],
+                     episodes=groups)  # fmt: skip
+    scored = score_job(AdditionTask(1, num_test=5), tok, job)
+    samples = decode_samples(scored.encoded)
+    assert [s.reward_failed for s in samples] == [True] * 4 + [False] * 2 and scored.failures == 4
+    assert [s.group_id for s in samples] == [10, 10, 11, 11, 12, 12] and all(s.group_size == 2 for s in samples)
+    assert all(s.loss_mask == e.loss_mask for s, e in zip(samples, [e for g in groups for e in g]))
+    assert scored.completion_tokens == sum(sum(e.loss_mask) for g in groups for e in g)  # policy tokens only
+
+
+def test_trainer_ignores_masked_tokens_in_ratios_and_losses(model_dir, tok):
+    """On-policy episode samples: ratios are 1 on policy tokens; whatever sits in the masked
+    positions' behaviour log-probs changes nothing, and only policy tokens are counted."""
+    eng = engine(model_dir)
+    reqs = [EpisodeRequest(problem=Problem(id=i, prompt=f"{i}+{i}=", answer=str(2 * i)), n=2,
+                           sampling=SamplingParams(max_new_tokens=3, seed=i)) for i in range(3)]  # fmt: skip
+    groups = asyncio.run(run_episodes(eng, tok, lambda p: Scripted(p, turns=2), reqs, EpisodeConfig(), max_seq_len=64))
+    job = RolloutJob(problems=[r.problem for r in reqs], prompt_ids=[g[0].prompt_ids for g in groups], results=[],
+                     group_ids=[0, 1, 2], episodes=groups)  # fmt: skip
+    samples = decode_samples(score_job(AdditionTask(1, num_test=5), tok, job).encoded)
+    for i, s in enumerate(samples):
+        s.reward = float(i % 2)  # varied rewards: non-zero advantages
+
+    def step(samples, placeholder: float) -> tuple[dict, torch.Tensor]:
+        for s in samples:
+            s.behavior_logprobs = [lp if m else placeholder for lp, m in zip(s.behavior_logprobs, s.loss_mask)]
+        torch.manual_seed(0)
+        policy = AutoModelForCausalLM.from_pretrained(model_dir).train()
+        opt = torch.optim.SGD(policy.parameters(), lr=0.1)
+        updater = PolicyUpdater(policy, None, AlgoConfig(advantage="grpo", samples_per_prompt=2), temperature=1.0,
+                                max_new_tokens=64, tokens_per_microbatch=4096)  # fmt: skip
+        batch = build_step_batch(samples, pad_id=tok.pad_token_id)
+        assert batch.packed.num_response_tokens == sum(sum(s.loss_mask) for s in samples) == 6 * 6
+        m = updater.step(batch, policy_optimizer=opt, critic_optimizer=None, max_grad_norm=1e9)
+        return m, next(policy.parameters()).detach().clone()
+
+    m0, w0 = step(samples, 0.0)
+    m1, w1 = step(samples, -30.0)
+    assert m0["ratio_mean"] == pytest.approx(1.0, abs=1e-3) and m0["ratio_max"] == pytest.approx(1.0, abs=1e-3)
+    assert m0["clip_frac_low"] == m0["clip_frac_high"] == 0.0 and m0["grad_norm"] > 0
+    for key in ("loss", "grad_norm", "ratio_mean", "mismatch_kl", "entropy"):
+        assert m1[key] == m0[key], key
+    torch.testing.assert_close(w1, w0, rtol=0, atol=0)
