@@ -1,6 +1,10 @@
-"""The RewardWorker role: scores completions with the task's verifiable reward and builds Samples.
+"""The RewardWorker role: scores completions or episodes and builds the Samples the queue holds.
 
-A reward function that raises marks its sample (``reward_failed``, reward 0) and the run goes on.
+The reward is any ``meshrl.envs.Reward``: by default the task's own ``reward`` method, else a plain
+function (sync or async, per sample or batched), a remote ``HTTPReward`` or a ``MeshReward`` on a
+mesh. A reward that raises, times out or returns a non-number marks its sample (``reward_failed``,
+reward 0) and the run goes on. Episodes of an environment are scored on their last policy turn,
+and the environment's step rewards are added; a failed episode gets reward 0, marked failed.
 The worker returns the samples already encoded in the queue's wire format, so the controller only
 forwards bytes.
 """
@@ -10,16 +14,17 @@ from __future__ import annotations
 import logging
 import time
 import traceback
-from typing import Sequence
+from typing import Any, Sequence
 
 import msgspec
 
 from meshrl.engines import GenerateResult
+from meshrl.envs import Episode, Reward, as_reward
 from meshrl.mesh import Actor, endpoint
 from meshrl.queues import Sample, encode_samples
 from meshrl.tasks import Problem, RewardOutput, Task
 
-__all__ = ["RewardConfig", "RewardWorker", "RolloutJob", "Scored", "call_reward", "score_job"]
+__all__ = ["RewardConfig", "RewardWorker", "RolloutJob", "Scored", "call_reward", "score_job", "score_job_with"]
 
 log = logging.getLogger(__name__)
 
@@ -27,16 +32,26 @@ log = logging.getLogger(__name__)
 class RewardConfig(msgspec.Struct, frozen=True, kw_only=True):
     num_workers: int = 1
     """Reward workers; jobs go to the least busy one."""
+    timeout_s: float = 60.0
+    """Longest call of a reward function: per sample, or per batch for a batched one; past it the
+    samples are marked reward_failed (functions and scorers with their own timeout_s keep it)."""
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 1 or not self.timeout_s > 0:
+            raise ValueError(f"reward: need num_workers >= 1 and timeout_s > 0, got {self.num_workers}, {self.timeout_s}")
 
 
 class RolloutJob(msgspec.Struct, kw_only=True):
-    """Everything needed to turn one generate call into samples."""
+    """Everything needed to turn one generate call (or one batch of episodes) into samples."""
 
     problems: list[Problem]
     prompt_ids: list[list[int]]
     results: list[GenerateResult]
+    """Single-turn generations, one per problem (empty for episodes)."""
     group_ids: list[int]
     """One per problem: the group id of its ``samples_per_prompt`` completions."""
+    episodes: list[list[Episode]] = []
+    """Environment episodes, one list per problem (empty for single-turn generations)."""
 
 
 class Scored(msgspec.Struct, kw_only=True):
@@ -47,6 +62,7 @@ class Scored(msgspec.Struct, kw_only=True):
     """Means of the reward functions' metrics over the job."""
     failures: int
     completion_tokens: int
+    """Tokens the policy generated (environment text excluded)."""
 
 
 def call_reward(task: Task, problem: Problem, completion: str) -> tuple[RewardOutput, bool]:
@@ -59,44 +75,92 @@ def call_reward(task: Task, problem: Problem, completion: str) -> tuple[RewardOu
         return RewardOutput(reward=0.0), True
 
 
-def score_job(task: Task, tokenizer, job: RolloutJob) -> Scored:
-    """Decode every completion of ``job``, reward it and build its ``Sample``."""
+def _texts(tokenizer: Any, job: RolloutJob) -> tuple[list[Problem], list[str]]:
+    """The problem and the text to score of every sample of ``job``, in sample order."""
+    if job.episodes:
+        pairs = [(p, e.final_text) for p, group in zip(job.problems, job.episodes) for e in group]
+    else:
+        pairs = [(p, tokenizer.decode(c.output_ids, skip_special_tokens=True))
+                 for p, r in zip(job.problems, job.results) for c in r.completions]  # fmt: skip
+    return [p for p, _ in pairs], [t for _, t in pairs]
+
+
+def _build(job: RolloutJob, outs: Sequence[RewardOutput | None]) -> Scored:
+    """Samples from ``job`` and one reward result per sample (None: the reward failed)."""
     samples, rewards, info_sums, failures, tokens = [], [], {}, 0, 0
-    now = time.time()
-    for problem, prompt, result, group_id in zip(job.problems, job.prompt_ids, job.results, job.group_ids):
-        for completion in result.completions:
-            text = tokenizer.decode(completion.output_ids, skip_special_tokens=True)
-            out, failed = call_reward(task, problem, text)
+    now, k = time.time(), 0
+    for problem, prompt, group_id, i in zip(job.problems, job.prompt_ids, job.group_ids, range(len(job.problems))):
+        items = job.episodes[i] if job.episodes else job.results[i].completions
+        for item in items:
+            out = outs[k]
+            k += 1
+            if isinstance(item, Episode):
+                failed = out is None or item.failed
+                reward = 0.0 if failed else out.reward + item.reward
+                info = {**item.info, **({} if out is None else out.info), "turns": float(item.turns)}
+                versions, mask = item.versions, item.loss_mask
+                fields = dict(prompt_ids=item.prompt_ids, response_ids=item.response_ids, behavior_logprobs=item.logprobs,
+                              behavior_version=item.behavior_version, loss_mask=mask, finish_reason=item.finish_reason)  # fmt: skip
+                tokens += item.policy_tokens
+            else:
+                failed, reward, info = out is None, 0.0 if out is None else out.reward, {} if out is None else out.info
+                versions = item.versions
+                fields = dict(prompt_ids=prompt, response_ids=item.output_ids, behavior_logprobs=item.logprobs,
+                              behavior_version=item.behavior_version, finish_reason=item.finish_reason)  # fmt: skip
+                tokens += len(item.output_ids)
             failures += failed
-            tokens += len(completion.output_ids)
-            versions = completion.versions
             samples.append(Sample(
-                prompt_id=problem.id, group_id=group_id, group_size=len(result.completions),
-                prompt_ids=prompt, response_ids=completion.output_ids,
-                behavior_logprobs=completion.logprobs, behavior_version=completion.behavior_version,
+                prompt_id=problem.id, group_id=group_id, group_size=len(items), **fields,
                 token_versions=versions if versions and min(versions) != max(versions) else None,
-                reward=out.reward, reward_info=out.info, reward_failed=failed,
-                finish_reason=completion.finish_reason, t_generated=now,
+                reward=reward, reward_info=info, reward_failed=failed, t_generated=now,
             ))  # fmt: skip
-            rewards.append(out.reward)
-            for k, v in out.info.items():
-                info_sums[k] = info_sums.get(k, 0.0) + v
+            rewards.append(reward)
+            for key, v in info.items():
+                info_sums[key] = info_sums.get(key, 0.0) + v
     n = max(1, len(samples))
     return Scored(
-        encoded=encode_samples(samples), rewards=rewards, info={k: v / n for k, v in info_sums.items()},
+        encoded=encode_samples(samples), rewards=rewards, info={key: v / n for key, v in info_sums.items()},
         failures=failures, completion_tokens=tokens,
     )  # fmt: skip
 
 
-class RewardWorker(Actor):
-    """Decodes completions and applies ``task.reward`` (``score_job``)."""
+def score_job(task: Task, tokenizer: Any, job: RolloutJob) -> Scored:
+    """Decode every completion of ``job``, reward it with ``task.reward`` and build its ``Sample``."""
+    problems, texts = _texts(tokenizer, job)
+    outs = []
+    for p, t in zip(problems, texts):
+        out, failed = call_reward(task, p, t)
+        outs.append(None if failed else out)
+    return _build(job, outs)
 
-    def __init__(self, task: Task, tokenizer_path: str) -> None:
+
+async def score_job_with(reward: Reward, tokenizer: Any, job: RolloutJob) -> Scored:
+    """``score_job`` with any ``Reward`` (episodes whose environment failed are not scored)."""
+    problems, texts = _texts(tokenizer, job)
+    failed = [e.failed for group in job.episodes for e in group] if job.episodes else [False] * len(texts)
+    todo = [i for i, f in enumerate(failed) if not f]
+    outs: list[RewardOutput | None] = [None] * len(texts)
+    if todo:
+        scored = await reward.score([problems[i] for i in todo], [texts[i] for i in todo])
+        if len(scored) != len(todo):
+            raise ValueError(f"{reward!r}.score returned {len(scored)} results for {len(todo)} completions")
+        for i, out in zip(todo, scored):
+            outs[i] = out
+    return _build(job, outs)
+
+
+class RewardWorker(Actor):
+    """Decodes completions and applies the reward (``score_job_with``); an async actor, so async
+    rewards of several jobs overlap."""
+
+    def __init__(self, task: Task, tokenizer_path: str, reward: Any = None, timeout_s: float = 60.0) -> None:
         from transformers import AutoTokenizer
 
         self.task = task
+        self.reward = as_reward(task if reward is None else reward, timeout_s=timeout_s)
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
 
     @endpoint
-    def score(self, job: RolloutJob) -> Scored:
-        return score_job(self.task, self.tokenizer, job)
+    async def score(self, job: RolloutJob) -> Scored:
+        return await score_job_with(self.reward, self.tokenizer, job)
+

@@ -5,6 +5,8 @@ continuously; ``update_weights`` lands between two decode steps, so a sample's p
 show exactly where the weights changed. The ``reshard_*`` endpoints are the engine side of
 ``meshrl.reshard.meshes`` (the trainer's shards arrive straight into this engine's TP layout and
 flip atomically); the engine keeps generating on the old version while they arrive.
+With an environment (``meshrl.envs``), ``run_episodes`` plays multi-turn episodes on the same
+engine: every policy turn is a generate call, so turns of all episodes batch together.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import msgspec
 
 from meshrl.engines import GenerateRequest, GenerateResult
 from meshrl.engines.torch_engine import TorchEngine, TorchEngineConfig
+from meshrl.envs import EnvFactory, Episode, EpisodeConfig, EpisodeRequest, run_episodes
 from meshrl.mesh import Actor, current_rank, endpoint
 from meshrl.reshard import DestLayout, GroupRanks, PushStats, ReshardConfig, SourceLayout
 from meshrl.reshard.meshes import DestSide
@@ -39,6 +42,8 @@ class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True):
     threads: int = 1
     """torch intra-op threads per worker."""
     engine: TorchEngineConfig = TorchEngineConfig()
+    episode: EpisodeConfig = EpisodeConfig()
+    """Limits of environment episodes (only with an environment); max_new_tokens bounds each turn."""
 
     def __post_init__(self) -> None:
         for name in ("num_workers", "max_new_tokens", "prompts_per_request", "requests_in_flight", "threads"):
@@ -47,18 +52,34 @@ class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class RolloutWorker(Actor):
-    """Owns a ``TorchEngine`` loaded from a Hugging Face checkpoint directory."""
+    """Owns a ``TorchEngine`` loaded from a Hugging Face checkpoint directory (and, to play
+    episodes, an environment factory and the checkpoint's tokenizer)."""
 
-    def __init__(self, model_path: str, engine: TorchEngineConfig, threads: int = 1) -> None:
+    def __init__(self, model_path: str, engine: TorchEngineConfig, threads: int = 1, *,
+                 environment: EnvFactory | None = None, episode: EpisodeConfig = EpisodeConfig()) -> None:  # fmt: skip
         import torch
 
         torch.set_num_threads(threads)
         self.engine = TorchEngine.from_pretrained(model_path, engine)
         self.reshard = DestSide(self.engine)
+        self.environment, self.episode = environment, episode
+        self.tokenizer = None
+        if environment is not None:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(model_path)
 
     @endpoint
     async def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
         return await self.engine.generate(requests)
+
+    @endpoint
+    async def run_episodes(self, requests: Sequence[EpisodeRequest]) -> list[list[Episode]]:
+        """Every request's ``n`` episodes of the environment, played concurrently on the engine."""
+        if self.environment is None:
+            raise RuntimeError("run_episodes: this rollout worker has no environment (Pipeline(environment=...))")
+        return await run_episodes(self.engine, self.tokenizer, self.environment, requests, self.episode,
+                                  max_seq_len=self.engine.cache.max_seq_len)  # fmt: skip
 
     @endpoint
     async def update_weights(self, named_tensors: dict[str, Any], version: int) -> int:

@@ -50,6 +50,9 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True):
     multiple of trainer.sync_interval, so a checkpoint always follows a weight push."""
     keep_checkpoints: int = 2
     """Newest checkpoints kept on disk (older ones are deleted); 0 keeps all."""
+    stop_drain_timeout_s: float = 60.0
+    """Pipeline.stop: longest wait for the requests in flight to put their samples before the
+    checkpoint (requests still generating then are recorded and generated again on resume)."""
     resume: str | None = None
     """latest: continue from the newest checkpoint under output_dir/checkpoints (a fresh start
     if there is none); a path: that checkpoint directory; null: start fresh."""
@@ -83,6 +86,8 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
         if every < 0 or every % sync:
             raise ConfigError(f"`run.checkpoint_every`: {every} must be >= 0 and a multiple of "
                               f"trainer.sync_interval={sync} (a checkpoint follows a weight push)")
+        if not self.run.stop_drain_timeout_s >= 0:
+            raise ConfigError(f"`run.stop_drain_timeout_s`: must be >= 0 seconds, got {self.run.stop_drain_timeout_s}")
         if self.run.keep_checkpoints < 0:
             raise ConfigError(f"`run.keep_checkpoints`: must be >= 0, got {self.run.keep_checkpoints}")
         resume = self.run.resume

@@ -43,6 +43,7 @@ class RunLog:
         self.t0 = time.perf_counter()
         self.records: list[dict[str, Any]] = []
         self._subscribers: list[asyncio.Queue] = []
+        self._closed = False
         self._bar = None
         if progress:
             from tqdm import tqdm
@@ -79,9 +80,14 @@ class RunLog:
             self._bar.update(1)
             self._bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", v=metrics["version"])
 
-    async def stream(self) -> AsyncIterator[dict[str, Any]]:
-        """Every record from now on, as the run writes it (ends when the log closes)."""
+    async def stream(self, *, replay: bool = False) -> AsyncIterator[dict[str, Any]]:
+        """Every record from now on (``replay``: from the first), as the run writes it; ends when
+        the log closes."""
         q: asyncio.Queue = asyncio.Queue()
+        for rec in self.records if replay else []:
+            q.put_nowait(rec)
+        if self._closed:
+            q.put_nowait(None)
         self._subscribers.append(q)
         try:
             while (rec := await q.get()) is not None:
@@ -90,6 +96,7 @@ class RunLog:
             self._subscribers.remove(q)
 
     def close(self) -> None:
+        self._closed = True
         if self._bar is not None:
             self._bar.close()
             self._bar = None

@@ -1,0 +1,57 @@
+"""Held-out evaluation and generation on the rollout engines, at whatever version they serve now.
+
+``evaluate`` plays the task's held-out split greedily (single-turn, or as environment episodes),
+scores it on the reward workers and writes an ``eval`` record: ``accuracy`` (the mean of the
+reward's ``correct`` metric, else the share of rewards >= 1), ``reward_mean`` and every other
+reward metric's mean as ``info/<key>`` (e.g. ``info/tool_used`` with ``ToolEnv``).
+``generate`` completes free-form prompts for a user's own evaluation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Sequence
+
+from meshrl.pipeline.metrics import RunLog
+from meshrl.pipeline.rollout_loop import RolloutDriver, bounded
+from meshrl.tasks import Problem, Task
+
+__all__ = ["evaluate", "generate"]
+
+
+async def evaluate(driver: RolloutDriver, task: Task, log: RunLog, *, step: int, version: int) -> dict[str, Any]:
+    """Greedy held-out accuracy on the engines' current version; the ``eval`` record it wrote."""
+    roles, timeout, t0 = driver.roles, driver.cfg.run.step_timeout_s, log.now()
+    problems = list(task.split("test"))
+    chunk = max(1, -(-len(problems) // max(1, len(roles.rollouts))))
+    jobs = [driver.play(roles.rollouts, problems[i : i + chunk], greedy=True, n=1, group_ids=None, what="held-out generation")
+            for i in range(0, len(problems), chunk)]  # fmt: skip
+    scored = []
+    for job in await asyncio.gather(*jobs):
+        scored.append(await bounded(roles.rewards.score.choose(job), timeout, "held-out scoring"))
+    rewards = [x for s in scored for x in s.rewards]
+    n = max(1, len(rewards))
+    means = {k: sum(s.info.get(k, 0.0) * len(s.rewards) for s in scored) / n for s in scored for k in s.info}
+    accuracy = means["correct"] if "correct" in means else sum(x >= 1.0 for x in rewards) / n
+    log.span("eval", "held-out", t0, log.now(), version=version)
+    return log.record("eval", step=step, version=version, accuracy=accuracy, reward_mean=sum(rewards) / n,
+                      problems=len(rewards), **{f"info/{k}": v for k, v in sorted(means.items()) if k != "correct"})  # fmt: skip
+
+
+async def generate(driver: RolloutDriver, prompts: Sequence[str], *, max_new_tokens: int | None,
+                   temperature: float) -> list[str]:  # fmt: skip
+    """One completion per prompt (single-turn, special tokens removed) from the rollout engines."""
+    if isinstance(prompts, str) or not all(isinstance(p, str) and p for p in prompts):
+        raise TypeError("generate: prompts must be a list of non-empty strings")
+    problems = [Problem(id=i, prompt=p, answer="") for i, p in enumerate(prompts)]
+    _, requests = driver.requests(problems, greedy=True, n=1, max_new_tokens=max_new_tokens)
+    if temperature > 0:
+        import msgspec
+
+        r = driver.cfg.rollout
+        requests = [msgspec.structs.replace(q, sampling=msgspec.structs.replace(q.sampling, temperature=temperature, top_p=r.top_p,
+                                                                                 top_k=r.top_k)) for q in requests]  # fmt: skip
+    rollouts = driver.roles.rollouts
+    adverb = rollouts.generate.call_one if len(rollouts) == 1 else rollouts.generate.choose
+    results = await bounded(adverb(requests), driver.cfg.run.step_timeout_s, "generation for Pipeline.generate")
+    return [driver.tokenizer.decode(r.completions[0].output_ids, skip_special_tokens=True) for r in results]

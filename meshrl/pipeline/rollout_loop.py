@@ -1,0 +1,170 @@
+"""The controller's rollout side: the roles it drives, the requests it builds, and the rollout loop.
+
+```text
+rollout loop (× workers × requests_in_flight), until the run stops:
+  queue.reserve(k·n)        waits for: admission within max_staleness
+                            unblocked by: train loop set_version after a push
+  rollout.generate          single-turn: one request per prompt, n samples each
+  or rollout.run_episodes   with an environment: n episodes per prompt (meshrl.envs.episode)
+  reward.score              samples built and encoded on the reward worker
+  reference.annotate        (only with a KL term)
+  queue.put_encoded         waits for: room under queue.capacity_tokens
+                            unblocked by: train loop get_batch
+```
+
+Every request is recorded in the ``PromptLedger`` until its samples are in the queue, so a
+checkpoint knows what was in flight. A request interrupted by ``Pipeline.stop`` stays recorded
+(its reservation stays outstanding in the queue snapshot) and is re-issued on resume.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from meshrl.actors import RolloutJob
+from meshrl.engines import GenerateRequest, SamplingParams
+from meshrl.envs import EpisodeRequest
+from meshrl.mesh import ActorMesh
+from meshrl.pipeline import checkpoint as ckpt
+from meshrl.pipeline.config import PipelineConfig
+from meshrl.pipeline.metrics import RunLog
+from meshrl.tasks import Problem
+
+__all__ = ["Roles", "RolloutDriver", "bounded"]
+
+
+async def bounded(future, seconds: float, what: str):
+    """Await a mesh call at most ``seconds``; the error says what was waited for."""
+    try:
+        return await future.within(seconds)
+    except TimeoutError:
+        raise TimeoutError(f"gave up after {seconds:.0f}s waiting for {what}") from None
+
+
+@dataclass
+class Roles:
+    """The meshes of a running pipeline."""
+
+    queue: ActorMesh
+    rollouts: ActorMesh
+    rewards: ActorMesh
+    trainer: ActorMesh
+    reference: ActorMesh | None
+
+
+class RolloutDriver:
+    """Builds requests and runs the rollout loops of one pipeline run (module docstring)."""
+
+    def __init__(self, cfg: PipelineConfig, roles: Roles, tokenizer: Any, ledger: ckpt.PromptLedger, log: RunLog, *,
+                 stopping: asyncio.Event, environment: bool) -> None:  # fmt: skip
+        self.cfg, self.roles, self.tokenizer, self.ledger, self.log = cfg, roles, tokenizer, ledger, log
+        self.stopping = stopping
+        """Set when the run winds down: no new request starts."""
+        self.environment = environment
+        self.taking = asyncio.Event()
+        """Cleared while a checkpoint captures the controller state."""
+        self.taking.set()
+        self.generated_tokens = 0
+        """Policy tokens generated for training so far."""
+
+    def _sampling(self, *, greedy: bool, n: int, seed: int | None, max_new_tokens: int | None = None) -> SamplingParams:
+        r = self.cfg.rollout
+        if max_new_tokens is None:
+            max_new_tokens = (self.cfg.run.eval_max_new_tokens or r.max_new_tokens) if greedy else r.max_new_tokens
+        return SamplingParams(
+            max_new_tokens=max_new_tokens, temperature=0.0 if greedy else r.temperature, top_p=1.0 if greedy else r.top_p,
+            top_k=-1 if greedy else r.top_k, n=n, seed=seed,
+        )  # fmt: skip
+
+    def _seed(self, group_ids: list[int] | None, i: int) -> int | None:
+        """A sampled request is seeded by its group id, so a run's samples do not depend on how
+        requests interleave in the engine."""
+        return None if group_ids is None else (self.cfg.run.seed * 1_000_003 + group_ids[i]) % (1 << 62)
+
+    def requests(self, problems: list[Problem], *, greedy: bool, n: int, group_ids: list[int] | None = None,
+                 max_new_tokens: int | None = None) -> tuple[list[list[int]], list[GenerateRequest]]:  # fmt: skip
+        """Tokenised prompts and their single-turn requests."""
+        prompt_ids = [self.tokenizer.encode(p.prompt) for p in problems]
+        requests = [GenerateRequest(input_ids=ids, sampling=self._sampling(greedy=greedy, n=n, seed=self._seed(group_ids, i),
+                                                                           max_new_tokens=max_new_tokens))
+                    for i, ids in enumerate(prompt_ids)]  # fmt: skip
+        return prompt_ids, requests
+
+    async def play(self, worker: ActorMesh, problems: list[Problem], *, greedy: bool, n: int,
+                   group_ids: list[int] | None, what: str) -> RolloutJob:  # fmt: skip
+        """Generate (or play episodes) on ``worker`` (a one-actor mesh, or a mesh to ``choose`` from)."""
+        timeout, gids = self.cfg.run.step_timeout_s, group_ids or [-1] * len(problems)
+        call = worker.run_episodes if self.environment else worker.generate
+        adverb = call.call_one if len(worker) == 1 else call.choose
+        if self.environment:
+            reqs = [EpisodeRequest(problem=p, n=n, sampling=self._sampling(greedy=greedy, n=1, seed=self._seed(group_ids, i)))
+                    for i, p in enumerate(problems)]  # fmt: skip
+            episodes = await bounded(adverb(reqs), timeout, what)
+            return RolloutJob(problems=problems, prompt_ids=[g[0].prompt_ids for g in episodes], results=[],
+                              group_ids=gids, episodes=episodes)  # fmt: skip
+        prompt_ids, requests = self.requests(problems, greedy=greedy, n=n, group_ids=group_ids)
+        results = await bounded(adverb(requests), timeout, what)
+        return RolloutJob(problems=problems, prompt_ids=prompt_ids, results=results, group_ids=gids)
+
+    async def next_job(self) -> tuple[ckpt.InFlight, list[Problem]] | None:
+        """A restored request to generate again, or a new reservation with the next prompts;
+        None once the run is stopping."""
+        if (reissued := self.ledger.take_reissued()) is not None:
+            return reissued
+        r, n, queue = self.cfg.rollout, self.cfg.algo.samples_per_prompt, self.roles.queue
+        # waits for: admission within max_staleness; unblocked by: train loop set_version
+        reservation = await bounded(queue.reserve.call_one(r.prompts_per_request * n),
+                                    self.cfg.queue.reserve_timeout_s + 30, "the queue to admit a rollout request")  # fmt: skip
+        try:
+            # waits for: a checkpoint to finish capturing the controller state (milliseconds)
+            await self.taking.wait()
+        except BaseException:
+            await asyncio.shield(queue.cancel.call_one(reservation.id).within(60))
+            raise
+        if self.stopping.is_set():  # granted while the run winds down: give the positions back
+            await asyncio.shield(queue.cancel.call_one(reservation.id).within(60))
+            return None
+        return self.ledger.take(reservation.id, r.prompts_per_request)
+
+    async def loop(self, worker: ActorMesh, worker_index: int) -> None:
+        """One rollout loop on one worker, until the run stops (module docstring)."""
+        n, timeout, queue = self.cfg.algo.samples_per_prompt, self.cfg.run.step_timeout_s, self.roles.queue
+        while not self.stopping.is_set():
+            if (taken := await self.next_job()) is None:
+                return
+            job, problems = taken
+            try:
+                group_ids = list(range(job.first_group, job.first_group + job.count))
+                t0 = self.log.now()
+                job_in = await self.play(worker, problems, greedy=False, n=n, group_ids=group_ids,
+                                         what=f"rollout worker {worker_index} to generate")  # fmt: skip
+                t1 = self.log.now()
+                self.log.span("rollout", "generate", t0, t1, worker=worker_index)
+                scored = await bounded(self.roles.rewards.score.choose(job_in), timeout, "a reward worker")
+                encoded = scored.encoded
+                if self.roles.reference is not None:
+                    encoded = await bounded(self.roles.reference.annotate.choose(encoded), timeout, "the reference worker")
+                self.log.span("reward", "score", t1, self.log.now(), worker=worker_index)
+                # waits for: room under capacity_tokens; unblocked by: train loop get_batch
+                await bounded(queue.put_encoded.call_one(encoded, job.reservation_id), self.cfg.queue.put_timeout_s + 30,
+                              "the queue to accept samples")  # fmt: skip
+                self.generated_tokens += scored.completion_tokens
+            except BaseException:
+                if not self.stopping.is_set():
+                    await asyncio.shield(queue.cancel.call_one(job.reservation_id).within(60))
+                    self.ledger.done(job.reservation_id)
+                # stopping: the request stays in the ledger, so the checkpoint re-issues it on resume
+                raise
+            self.ledger.done(job.reservation_id)
+
+    async def drain(self, timeout_s: float) -> int:
+        """Wait until every request in flight has put its samples (call with ``stopping`` set);
+        returns how many were still in flight after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        # waits for: the in-flight requests' puts; unblocked by: rollout loops (or the deadline)
+        while self.ledger.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return len(self.ledger.in_flight)

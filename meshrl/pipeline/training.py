@@ -1,0 +1,151 @@
+"""The controller's training side: the train loop, weight pushes, checkpoints and resume.
+
+```text
+train loop, until run.total_steps or the run stops:
+  queue.get_batch      waits for: samples_per_step samples (whole groups) within max_staleness
+                                  of the current version
+                       unblocked by: rollout loop put_encoded (or queue.close when stopping)
+  trainer.train_step   (every dp rank, the same batch; each trains its share)
+  every sync_interval steps: version += 1; trainer.gather_weights (dp > 1: full tensors onto
+  rank 0) → reshard.push_weights → engines
+  every checkpoint_every steps and at the end: checkpoint (trainer state, queue snapshot, prompt
+  position, requests in flight) — before set_version, so at max_staleness = 0 nothing is in
+  flight (meshrl.pipeline.checkpoint)
+  queue.set_version(version)  (only after every engine applied it)
+resume: trainer.load_checkpoint → push its weights as the saved version → queue.restore
+        → re-issue the requests that were in flight (or cancel unknown reservations)
+```
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+from meshrl.pipeline import checkpoint as ckpt
+from meshrl.pipeline.config import PipelineConfig
+from meshrl.pipeline.metrics import RunLog
+from meshrl.pipeline.rollout_loop import Roles, RolloutDriver, bounded
+from meshrl.reshard import meshes as reshard_meshes
+from meshrl.reshard import push_weights
+
+__all__ = ["TrainLoop"]
+
+
+class TrainLoop:
+    """The train loop and the run's position: step, policy version, newest checkpoint."""
+
+    def __init__(self, cfg: PipelineConfig, roles: Roles, rollout: RolloutDriver, log: RunLog, out_dir: Path, *,
+                 evaluate: Callable[[], Awaitable[dict[str, Any]]]) -> None:  # fmt: skip
+        self.cfg, self.roles, self.rollout, self.log, self.out_dir = cfg, roles, rollout, log, out_dir
+        self._evaluate = evaluate
+        self.step = 0
+        self.version = 0
+        self.last_checkpoint = 0
+        """The step of the newest checkpoint."""
+        self.accuracy_before: float | None = None
+        self.evals: list[asyncio.Task] = []
+        """Held-out evaluations started every run.eval_every steps."""
+
+    async def run(self) -> None:
+        """Train until ``run.total_steps`` or until the rollout side's ``stopping`` is set."""
+        cfg, timeout, queue = self.cfg, self.cfg.run.step_timeout_s, self.roles.queue
+        last_end, last_tokens = time.perf_counter(), self.rollout.generated_tokens
+        while self.step < cfg.run.total_steps and not self.rollout.stopping.is_set():
+            t0 = self.log.now()
+            # waits for: samples_per_step samples within max_staleness of `version`;
+            # unblocked by: rollout loop put_encoded (or queue.close when the run stops)
+            encoded = await bounded(queue.get_batch_encoded.call_one(cfg.trainer.samples_per_step, self.version, timeout=timeout),
+                                    timeout + 30, "a batch from the queue")  # fmt: skip
+            t1 = self.log.now()
+            # every dp rank trains its share of the same batch; the metrics are global (rank 0's)
+            metrics = (await self.roles.trainer.train_step.call(encoded, self.version).within(timeout)).values()[0]
+            t2 = self.log.now()
+            self.log.span("trainer", "train_step", t1, t2)
+            self.step += 1
+            sync_s, pushed = 0.0, self.step % cfg.trainer.sync_interval == 0
+            every = cfg.run.checkpoint_every
+            checkpoint = (every > 0 and self.step % every == 0) or self.step == cfg.run.total_steps
+            if pushed:
+                self.version = await self.push(self.version + 1)
+                if not checkpoint:
+                    await bounded(queue.set_version.call_one(self.version), timeout, "the queue to take the new version")
+                sync_s = self.log.now() - t2
+                self.log.span("sync", "push_weights", t2, t2 + sync_s, version=self.version)
+            now = time.perf_counter()
+            queue_m = await bounded(queue.metrics.call_one(), timeout, "the queue's metrics")
+            generated = self.rollout.generated_tokens
+            self.log.step({
+                "step": self.step, "version": self.version, **metrics,
+                "step_time_s": now - last_end, "batch_wait_s": t1 - t0, "sync_time_s": sync_s,
+                "tokens_per_s": (generated - last_tokens) / max(now - last_end, 1e-9), "generated_tokens": generated,
+                **{f"queue/{k}": v for k, v in queue_m.items() if isinstance(v, (int, float))},
+            })  # fmt: skip
+            last_end, last_tokens = now, generated
+            if checkpoint:
+                # before set_version: at max_staleness=0 no rollout is in flight now
+                await self.checkpoint()
+                if pushed:
+                    await bounded(queue.set_version.call_one(self.version), timeout, "the queue to take the new version")
+            if cfg.run.eval_every and self.step % cfg.run.eval_every == 0 and self.step < cfg.run.total_steps:
+                self.evals.append(asyncio.create_task(self._evaluate()))
+
+    async def push(self, version: int) -> int:
+        """Publish the trainer's weights to every engine as ``version``; returns it."""
+        timeout, trainer, rollouts = self.cfg.run.step_timeout_s, self.roles.trainer, self.roles.rollouts
+        if self.cfg.reshard.transport == "distributed":
+            # every trainer rank sends its own shards, every engine receives and flips atomically
+            stats = await reshard_meshes.push(trainer, rollouts, version, timeout_s=timeout)
+            return stats.version
+        if self.cfg.trainer.dp > 1 or self.cfg.trainer.device == "cuda":
+            # a collective over the dp ranks: rank 0 then holds the full tensors push_weights exports
+            await trainer.gather_weights.call().within(timeout)
+        push = await push_weights(trainer, rollouts, version, timeout_s=timeout)
+        return push.version
+
+    async def checkpoint(self) -> Path:
+        """Trainer state, queue snapshot and controller state of this step (module docstring)."""
+        t0, timeout, ledger = self.log.now(), self.cfg.run.step_timeout_s, self.rollout.ledger
+        partial = ckpt.partial_dir(self.out_dir, self.step)
+        if partial.exists():
+            shutil.rmtree(partial)
+        await self.roles.trainer.save_checkpoint.call(str(partial / "trainer")).within(timeout)
+        self.rollout.taking.clear()  # no new prompts are taken until the state below is captured
+        try:
+            snapshot = await bounded(self.roles.queue.snapshot.call_one(), timeout, "the queue's snapshot")
+            state = ckpt.RunState(
+                step=self.step, version=self.version, prompt_position=ledger.stream.position,
+                next_group=ledger.next_group, generated_tokens=self.rollout.generated_tokens,
+                accuracy_before=self.accuracy_before, in_flight=list(ledger.in_flight.values()),
+                queue_snapshot=snapshot,
+            )  # fmt: skip
+        finally:
+            self.rollout.taking.set()
+        ckpt.write_checkpoint_files(partial, state, self.out_dir / "metrics.jsonl")
+        final = ckpt.commit(partial, keep=self.cfg.run.keep_checkpoints)
+        self.last_checkpoint = self.step
+        self.log.span("trainer", "checkpoint", t0, self.log.now(), step=self.step)
+        return final
+
+    async def restore(self, path: Path) -> str:
+        """Continue the run saved at ``path`` (roles started, rollout loops not yet); a line saying so."""
+        timeout, queue = self.cfg.run.step_timeout_s, self.roles.queue
+        state = ckpt.read_run_state(path)
+        steps = await self.roles.trainer.load_checkpoint.call(str(path / "trainer")).within(timeout)
+        if set(steps.values()) != {state.step}:
+            raise RuntimeError(f"{path}: trainer state is at steps {sorted(set(steps.values()))}, the run at {state.step}")
+        self.step, self.version, self.last_checkpoint = state.step, state.version, state.step
+        self.rollout.generated_tokens, self.accuracy_before = state.generated_tokens, state.accuracy_before
+        if state.step > 0:
+            await self.push(state.version)  # the engines serve the restored policy as its version
+        outstanding = await bounded(queue.restore.call_one(state.queue_snapshot), timeout, "the queue to restore its snapshot")
+        # the checkpoint was taken between the push and set_version: announce that version now
+        await bounded(queue.set_version.call_one(state.version), timeout, "the queue to take the restored version")
+        for reservation_id in self.rollout.ledger.restore(state, [r.id for r in outstanding]):
+            await bounded(queue.cancel.call_one(reservation_id), timeout, "the queue to cancel a reservation")
+        pending = self.rollout.ledger.reissue_pending
+        return (f"resumed from {path} at step {state.step}, policy version {state.version}"
+                + (f", re-issuing {pending} requests that were in flight" if pending else ""))  # fmt: skip
