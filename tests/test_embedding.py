@@ -1,0 +1,127 @@
+"""The pipeline embedded in a user's asyncio program: custom reward, custom environment, stop, resume.
+
+A user-style script runs ``pipeline.run()`` as a task beside its own heartbeat task, reads
+``pipeline.metrics()``, asks the current policy for completions and stops the run mid-way. The
+stop must drain, checkpoint and shut down without losing samples: the checkpoint's queue snapshot
+holds every sample put and not yet trained, and a resumed run continues from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+
+import msgspec
+import pytest
+import ray.cloudpickle
+
+import meshrl
+from meshrl.pipeline.checkpoint import read_run_state
+from meshrl.queues import QueueSnapshot
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+pytestmark = pytest.mark.slow
+
+
+class HintEnv:
+    """Two turns: the first answer earns a hint (the answer's first digit), the second is final."""
+
+    def __init__(self, problem: meshrl.Problem) -> None:
+        self.problem, self.turn = problem, 0
+
+    def reset(self) -> str:
+        return self.problem.prompt
+
+    async def step(self, action: str) -> meshrl.StepResult:
+        self.turn += 1
+        if self.turn == 1:
+            return meshrl.StepResult(f" hint {self.problem.answer[0]}:", reward=0.0, done=False, info={"hinted": 1.0})
+        return meshrl.StepResult("", reward=0.0, done=True, info={"hinted": 1.0})
+
+
+async def digit_reward(problem: meshrl.Problem, completion: str) -> meshrl.RewardOutput:
+    """Share of digits (a random policy already gets varied rewards); every 4th problem raises."""
+    await asyncio.sleep(0)
+    if problem.id % 4 == 0:
+        raise ValueError(f"this scorer cannot score problem {problem.id}")
+    share = sum(c.isdigit() for c in completion) / max(1, len(completion))
+    return meshrl.RewardOutput(reward=share, info={"correct": float(completion.strip() == problem.answer)})
+
+
+def make_config(model_dir: str, out, *extra: str) -> meshrl.PipelineConfig:
+    return meshrl.load_config(meshrl.PipelineConfig, None, [
+        f"model.path={model_dir}", f"run.output_dir={out}", "run.total_steps=40", "run.eval_every=0",
+        "run.progress=false", "task.digits=1", "task.num_test=8", "algo=grpo", "algo.samples_per_prompt=2",
+        "queue.max_staleness=2", "trainer.samples_per_step=8", "rollout.prompts_per_request=2",
+        "rollout.requests_in_flight=2", "rollout.max_new_tokens=3", "rollout.episode.max_turns=2",
+        "trainer.lr=1e-3", *extra,
+    ])  # fmt: skip
+
+
+async def user_script(cfg: meshrl.PipelineConfig, stop_after_steps: int) -> dict:
+    """What a user writes: the pipeline as one task among others, stopped on their own signal."""
+    pipeline = meshrl.Pipeline(cfg, reward=digit_reward, environment=HintEnv)
+    beats = 0
+
+    async def heartbeat() -> None:
+        nonlocal beats
+        while True:
+            beats += 1
+            await asyncio.sleep(0.02)
+
+    beat = asyncio.create_task(heartbeat())
+    run = asyncio.create_task(pipeline.run())
+    steps, seen = [], {}
+    async with contextlib.aclosing(pipeline.metrics()) as records:
+        async for m in records:
+            if m["kind"] == "step":
+                steps.append(m)
+            if len(steps) == stop_after_steps:
+                beats_at_stop = beats
+                seen["version"] = pipeline.policy_version
+                seen["texts"] = await pipeline.generate(["1+1=", "2+3="], max_new_tokens=4)
+                summary = await asyncio.wait_for(pipeline.stop(), 300)
+                break
+    assert await asyncio.wait_for(run, 60) == summary  # run() returned the same summary
+    beat.cancel()
+    return {"summary": summary, "steps": steps, "beats_at_stop": beats_at_stop, **seen}
+
+
+def test_user_script_with_custom_reward_and_environment_stops_without_losing_samples(ray_cluster, tmp_path):
+    from test_trainer_fsdp import tiny_model_dir
+
+    model_dir = tiny_model_dir(tmp_path / "model", layers=1)
+    out = asyncio.run(user_script(make_config(model_dir, tmp_path / "run"), stop_after_steps=3))
+    summary, steps = out["summary"], out["steps"]
+    assert summary["stopped"] is True and 3 <= summary["steps"] < 40 and summary["accuracy_after"] is None
+    assert out["beats_at_stop"] > 20  # the user's task kept running beside the pipeline
+    assert out["version"] >= 3 and len(out["texts"]) == 2 and all(isinstance(t, str) for t in out["texts"])
+    # the custom environment and reward reached the trainer; a raising reward never stopped the run
+    assert all(s["reward_info/hinted"] == 1.0 and s["reward_info/turns"] >= 1 for s in steps)
+    failed = [s["reward_failed_frac"] for s in steps]
+    assert all(0 <= f < 1 for f in failed) and sum(failed) > 0
+
+    # the stop checkpoint: the queue snapshot holds every sample put and not trained
+    state = read_run_state(summary["last_checkpoint"])
+    assert state.step == summary["steps"]
+    snap = msgspec.msgpack.decode(state.queue_snapshot, type=QueueSnapshot)
+    queued = [s for g in snap.groups for s in g.samples]
+    c = snap.counters
+    assert len(queued) == c.samples_put - c.samples_consumed - c.dropped_stale - c.dropped_incomplete
+    assert len(queued) > 0, "the rollout side ran ahead: samples were queued at the stop"
+    assert c.samples_consumed == 8 * summary["steps"]
+    assert all(s.loss_mask is not None and 0 in s.loss_mask and 1 in s.loss_mask for s in queued)  # env text masked
+    assert all(s.reward == 0.0 for s in queued if s.reward_failed)
+
+    # a resumed run continues from that snapshot: one more step, nothing dropped, the log goes on
+    records_before = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    cfg = make_config(model_dir, tmp_path / "run", "run.resume=latest", f"run.total_steps={summary['steps'] + 1}")
+    resumed = asyncio.run(meshrl.Pipeline(cfg, reward=digit_reward, environment=HintEnv).run())
+    assert resumed["steps"] == summary["steps"] + 1 and resumed["stopped"] is False
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in records if r["kind"] == "step"][-1]
+    assert last["step"] == summary["steps"] + 1 and len(records) > len(records_before) // 2
+    assert last["queue/samples_consumed"] == c.samples_consumed + 8
+    assert last["queue/dropped_stale"] == c.dropped_stale and last["queue/dropped_incomplete"] == c.dropped_incomplete
