@@ -19,8 +19,8 @@ def test_defaults_yaml_and_overrides_compose(tmp_path):
 
 
 def test_preset_selects_algorithm_and_later_overrides_apply():
-    cfg = load_config(PipelineConfig, None, ["algo=grpo", "algo.samples_per_prompt=4"])
-    assert cfg.algo.advantage == "grpo" and cfg.algo.samples_per_prompt == 4
+    cfg = load_config(PipelineConfig, None, ["algo=grpo", "algo.samples_per_prompt=8"])
+    assert cfg.algo.advantage == "grpo" and cfg.algo.samples_per_prompt == 8
     assert not cfg.algo.uses_critic
 
 
@@ -58,7 +58,7 @@ def test_unknown_key_in_yaml_is_named_with_its_path(tmp_path):
 def test_validate_checks_paths_and_cross_component_rules(tmp_path):
     with pytest.raises(ConfigError, match="`model.path`"):
         load_config(PipelineConfig, None, [f"model.path={tmp_path / 'missing'}"]).validate()
-    with pytest.raises(ConfigError, match="not a multiple of algo.samples_per_prompt=8"):
-        load_config(PipelineConfig, None, ["algo=grpo", "trainer.samples_per_step=12"]).validate()
+    with pytest.raises(ConfigError, match="not a multiple of algo.samples_per_prompt=4"):
+        load_config(PipelineConfig, None, ["algo=grpo", "trainer.samples_per_step=14"]).validate()
     with pytest.raises(ConfigError, match="`task.train_file`"):
         load_config(PipelineConfig, None, ["task.kind=file"]).validate()

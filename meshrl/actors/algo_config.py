@@ -83,10 +83,11 @@ class AlgoConfig(msgspec.Struct, frozen=True, kw_only=True):
         """Named starting points for ``algo=<name>`` on the command line."""
         return {
             "ppo": {"advantage": "gae", "samples_per_prompt": 1},
-            "grpo": {"advantage": "grpo", "samples_per_prompt": 8},
-            "dr_grpo": {"advantage": "grpo", "samples_per_prompt": 8, "grpo_scale_by_std": False,
+            # 4 samples of 64 prompts learned faster than 8 of 32 on the embedded default
+            "grpo": {"advantage": "grpo", "samples_per_prompt": 4},
+            "dr_grpo": {"advantage": "grpo", "samples_per_prompt": 4, "grpo_scale_by_std": False,
                         "aggregation": "seq_mean_token_sum"},
-            "rloo": {"advantage": "rloo", "samples_per_prompt": 8},
+            "rloo": {"advantage": "rloo", "samples_per_prompt": 4},
             "reinforce_pp": {"advantage": "reinforce_pp", "samples_per_prompt": 1},
             "async_ppo": {"advantage": "gae", "policy_loss": "decoupled_ppo"},
         }

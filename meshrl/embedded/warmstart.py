@@ -37,7 +37,7 @@ _FORMAT = 1  # bump when the warm start's procedure changes, so old cache entrie
 class WarmStartConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Supervised warm start of the embedded default (skipped with ``model.path``)."""
 
-    target_accuracy: float | None = 0.3
+    target_accuracy: float | None = 0.4
     """Stop once greedy accuracy on a sample of *training* problems reaches this (None: run all
     ``max_steps``); kept low on purpose, so that RL has room to improve."""
     max_steps: int = 1000
