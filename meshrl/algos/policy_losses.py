@@ -110,6 +110,21 @@ def _common_metrics(
     return metrics
 
 
+def _weigh_and_aggregate(
+    fn, per_token, metrics, ratio, log_ratio, logprobs, old_logprobs, behavior_logprobs, mask,
+    aggregate, importance_sampling, entropy,
+):
+    """The tail every clipped policy loss shares: optional IS weights, aggregation, metrics."""
+    if importance_sampling is not None:
+        assert behavior_logprobs is not None
+        is_weights = importance_sampling(old_logprobs, behavior_logprobs, mask)
+        per_token = per_token * is_weights.weights.to(per_token.dtype)
+        metrics.update(is_weights.metrics)
+    loss = aggregate(per_token, mask)
+    metrics.update(_common_metrics(fn, ratio, log_ratio, logprobs, mask, behavior_logprobs, entropy))
+    return loss, metrics
+
+
 def _ppo(
     fn: str,
     old_name: str,
@@ -138,16 +153,10 @@ def _ppo(
     log_ratio = safe_log_ratio(logprobs, old_logprobs.detach(), mask)  # [B, T], 0 at masked
     ratio = log_ratio.exp()
     per_token, metrics = _clipped_surrogate(ratio, adv, mask, clip_low, clip_high, dual_clip)
-    if importance_sampling is not None:
-        assert behavior_logprobs is not None
-        is_weights = importance_sampling(old_logprobs, behavior_logprobs, mask)
-        per_token = per_token * is_weights.weights.to(per_token.dtype)
-        metrics.update(is_weights.metrics)
-    loss = aggregate(per_token, mask)
-    metrics.update(
-        _common_metrics(fn, ratio, log_ratio, logprobs, mask, behavior_logprobs, entropy)
-    )
-    return loss, metrics
+    return _weigh_and_aggregate(
+        fn, per_token, metrics, ratio, log_ratio, logprobs, old_logprobs, behavior_logprobs, mask,
+        aggregate, importance_sampling, entropy,
+    )  # fmt: skip
 
 
 def ppo_policy_loss(
@@ -304,13 +313,7 @@ def gspo_policy_loss(
     log_ratio = zero_masked(log_ratio, mask)
     ratio = log_ratio.exp()
     per_token, metrics = _clipped_surrogate(ratio, adv, mask, clip_low, clip_high, None)
-    if importance_sampling is not None:
-        assert behavior_logprobs is not None
-        is_weights = importance_sampling(old_logprobs, behavior_logprobs, mask)
-        per_token = per_token * is_weights.weights.to(per_token.dtype)
-        metrics.update(is_weights.metrics)
-    loss = aggregate(per_token, mask)
-    metrics.update(
-        _common_metrics(fn, ratio, token_log_ratio, logprobs, mask, behavior_logprobs, entropy)
-    )
-    return loss, metrics
+    return _weigh_and_aggregate(
+        fn, per_token, metrics, ratio, token_log_ratio, logprobs, old_logprobs, behavior_logprobs, mask,
+        aggregate, importance_sampling, entropy,
+    )  # fmt: skip
