@@ -7,7 +7,9 @@ It speaks the request/response schemas of SGLang's ``/generate`` and control end
 ``make_app`` builds the aiohttp application (tests start it in-process on a free port); more
 endpoints plug in through ``extra_routes`` or ``app.router`` with the engine at ``app[ENGINE]``.
 The distributed weight-update endpoints (``/init_weights_update_group``, ``/begin_weight_update``,
-``/update_weights_from_distributed``, ...) live in ``serve_weights.py`` and are always served.
+``/update_weights_from_distributed``, ...) live in ``serve_weights.py`` and are always served, and
+so are OpenAI's ``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models`` (``openai_api.py``:
+token ids and behaviour log-probs in every answer, so meshrl can train on agent-driven rollouts).
 
 Simplifications, on purpose: no streaming; no input-token or top-k log-probs; sampling params that
 TorchEngine does not implement (``min_p``, penalties, ``stop`` strings, grammars) are accepted only
@@ -248,15 +250,22 @@ class _Server:
 
 
 def make_app(engine: TorchEngine, *, tokenizer: Any = None, server_args: dict[str, Any] | None = None,
-             extra_routes: Iterable[tuple[str, str, Handler]] = (), compat_version: str = SGLANG_COMPAT_VERSION
-             ) -> web.Application:
+             extra_routes: Iterable[tuple[str, str, Handler]] = (), compat_version: str = SGLANG_COMPAT_VERSION,
+             hf_tokenizer: Any = "auto", model_name: str | None = None) -> web.Application:
     """The aiohttp application serving ``engine``; ``extra_routes`` are ``(method, path, handler)``.
 
     ``compat_version``: the SGLang release whose surface to show (``version`` in server info, and
     the weight-update branches of ``serve_weights``); older ones let adapters test their branches.
+    ``hf_tokenizer``: the transformers tokenizer of the OpenAI endpoints (``openai_api``: text,
+    chat template); "auto" loads the checkpoint's, None serves them on token ids only.
     """
+    from meshrl.engines.openai_api import OpenAIServer
     from meshrl.engines.serve_weights import WeightSync
 
+    if hf_tokenizer == "auto":
+        hf_tokenizer = load_hf_tokenizer(engine.model_path)
+    name = model_name or (os.path.basename(os.path.normpath(engine.model_path)) if engine.model_path else "meshrl")
+    openai = OpenAIServer(engine, hf_tokenizer, model_name=name)
     s = _Server(engine, tokenizer, dict(server_args or {}), compat_version)
     weights = WeightSync(engine, compat_version)
     app = web.Application(client_max_size=64 * 1024**2)
@@ -268,7 +277,7 @@ def make_app(engine: TorchEngine, *, tokenizer: Any = None, server_args: dict[st
         ("POST", "/pause_generation", s.pause), ("POST", "/continue_generation", s.resume),
         ("POST", "/abort_request", s.abort_request), ("GET", "/flush_cache", s.flush_cache),
         ("POST", "/flush_cache", s.flush_cache), ("POST", "/get_weights_by_name", s.get_weights_by_name),
-        ("GET", "/get_weights_by_name", s.get_weights_by_name), *weights.routes(),
+        ("GET", "/get_weights_by_name", s.get_weights_by_name), *weights.routes(), *openai.routes(),
         *extra_routes,
     ]
     for method, path, handler in routes:
@@ -292,8 +301,17 @@ def load_tokenizer(path: str | None) -> Any:
     return Tokenizer.from_file(f)
 
 
+def load_hf_tokenizer(path: str | None) -> Any:
+    """The checkpoint's transformers tokenizer (for the OpenAI endpoints), or None when it has none."""
+    if not path or not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="Serve a local HF checkpoint with TorchEngine over SGLang's HTTP API.")
+    p = argparse.ArgumentParser(description="Serve a local HF checkpoint with TorchEngine over SGLang's (and OpenAI's) HTTP API.")
     p.add_argument("--model", required=True, help="checkpoint directory (config.json + *.safetensors)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)

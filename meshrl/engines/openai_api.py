@@ -1,0 +1,225 @@
+"""OpenAI-compatible ``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models`` over TorchEngine.
+
+An external agent framework can drive rollouts through these endpoints while meshrl records what
+it needs to train on them: every choice carries ``prompt_token_ids``, ``token_ids`` (the generated
+ids, the stop token included) and a ``meshrl`` object with the per-token behaviour ``logprobs``
+(the sampling distribution's, as in ``engines/types.py``) and the policy ``versions`` that
+produced them, whether or not the request asked for OpenAI ``logprobs``; those are served in
+OpenAI's shape when asked. Chat messages are rendered with the tokenizer's chat template, or, for a
+model without one, with ``SIMPLE_CHAT_TEMPLATE`` (``role: content`` lines, then ``assistant:``).
+
+Simplifications on purpose: no streaming, no ``tools`` / function calling (agents parse tool
+calls from the text), no ``echo``, ``top_logprobs`` and penalties only at their neutral values.
+A stop string that is one token stops generation there; a longer one cuts the text after
+generation (generation runs on to EOS or ``max_tokens``), and ``token_ids`` end with the token
+that completed it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+from aiohttp import web
+
+from meshrl.engines.types import GenerateRequest, SamplingParams
+
+__all__ = ["SIMPLE_CHAT_TEMPLATE", "OpenAIServer", "render_simple_chat"]
+
+SIMPLE_CHAT_TEMPLATE = "{role}: {content}\n"
+"""One line per message for models without a chat template; the prompt ends with ``assistant:``."""
+
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream", "user", "logprobs",
+           "presence_penalty", "frequency_penalty", "logit_bias", "top_k", "return_token_ids", "stream_options"}  # fmt: skip
+_COMPLETION = _COMMON | {"prompt", "echo", "best_of", "suffix"}
+_CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "response_format",
+                   "parallel_tool_calls"}  # fmt: skip
+_NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "echo": False, "best_of": 1,
+            "suffix": None, "top_logprobs": 0, "tools": None, "tool_choice": None, "response_format": None,
+            "stream_options": None, "parallel_tool_calls": None}  # fmt: skip
+
+
+class BadRequest(ValueError):
+    """A request answered with HTTP 400 and OpenAI's error object."""
+
+
+def render_simple_chat(messages: list[dict[str, Any]]) -> str:
+    return "".join(SIMPLE_CHAT_TEMPLATE.format(role=m["role"], content=m["content"]) for m in messages) + "assistant:"
+
+
+def _error(message: str, status: int = 400) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}},
+                             status=status)  # fmt: skip
+
+
+async def _json(request: web.Request) -> Any:
+    try:
+        return await request.json()
+    except ValueError as exc:
+        raise BadRequest(f"the body is not valid JSON: {exc}") from None
+
+
+class OpenAIServer:
+    """The OpenAI handlers for one engine; the tokenizer (transformers) is the checkpoint's."""
+
+    def __init__(self, engine: Any, tokenizer: Any, *, model_name: str = "meshrl") -> None:
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self._ids = itertools.count()
+
+    def routes(self) -> list[tuple[str, str, Any]]:
+        return [("POST", "/v1/completions", self.completions), ("POST", "/v1/chat/completions", self.chat),
+                ("GET", "/v1/models", self.models)]  # fmt: skip
+
+    # -- request parsing ----------------------------------------------------------------------
+
+    def _check(self, body: Any, allowed: set[str], endpoint: str) -> dict[str, Any]:
+        if not isinstance(body, dict):
+            raise BadRequest("the body must be a JSON object")
+        unknown = sorted(k for k in body if k not in allowed)
+        if unknown:
+            raise BadRequest(f"{endpoint}: unknown fields {unknown}")
+        if body.get("stream"):
+            raise BadRequest(f"{endpoint}: stream=true is not supported by this server: send stream=false")
+        for key, neutral in _NEUTRAL.items():
+            if body.get(key) not in (neutral, None, [], {}):
+                raise BadRequest(f"{endpoint}: {key}={body[key]!r} is not supported by TorchEngine (only {neutral!r})")
+        return body
+
+    def _sampling(self, body: dict[str, Any], max_tokens: Any, single_token_stops: tuple[int, ...]) -> SamplingParams:
+        def get(key: str, default: Any) -> Any:
+            return default if body.get(key) is None else body[key]
+
+        try:
+            return SamplingParams(
+                max_new_tokens=int(max_tokens), temperature=float(get("temperature", 1.0)), top_p=float(get("top_p", 1.0)),
+                top_k=int(get("top_k", -1)), n=int(get("n", 1)), seed=None if body.get("seed") is None else int(body["seed"]),
+                stop_token_ids=single_token_stops,
+            )  # fmt: skip
+        except (TypeError, ValueError) as exc:
+            raise BadRequest(f"bad sampling parameters: {exc}") from None
+
+    def _stops(self, body: dict[str, Any]) -> tuple[list[str], tuple[int, ...]]:
+        stop = body.get("stop")
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if not all(isinstance(s, str) and s for s in stops) or len(stops) > 4:
+            raise BadRequest("stop must be a string or a list of at most 4 non-empty strings")
+        single = []
+        for s in stops:
+            ids = self._encode(s)
+            if len(ids) == 1:
+                single.append(ids[0])
+        return stops, tuple(sorted(set(single)))
+
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise BadRequest("this server has no tokenizer (no tokenizer files in the checkpoint): send token ids")
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _prompts(self, prompt: Any) -> list[list[int]]:
+        if isinstance(prompt, str):
+            return [self.tokenizer.encode(prompt) if self.tokenizer is not None else self._encode(prompt)]
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return [prompt]
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            return [ids for p in prompt for ids in self._prompts(p)]
+        if isinstance(prompt, list) and prompt and all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompt):
+            return prompt
+        raise BadRequest("prompt must be a string, a list of strings, a list of token ids or a list of such lists")
+
+    # -- generation and answers ---------------------------------------------------------------
+
+    async def _generate(self, prompts: list[list[int]], sampling: SamplingParams, stops: list[str]) -> list[dict[str, Any]]:
+        """One dict per choice (prompt-major): ids, text, finish reason, log-probs, versions."""
+        requests = [GenerateRequest(input_ids=p, sampling=sampling, request_id=f"oai-{next(self._ids)}") for p in prompts]
+        try:
+            results = await self.engine.generate(requests)
+        except ValueError as exc:  # the engine's own check, e.g. prompt + max_tokens past max_seq_len
+            raise BadRequest(str(exc)) from None
+        choices = []
+        for prompt, res in zip(prompts, results):
+            for c in res.completions:
+                ids, logprobs, versions, finish = c.output_ids, c.logprobs, c.versions, c.finish_reason
+                text = self._decode(ids)
+                cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+                if cut >= 0:  # keep the tokens up to the one that completed the stop string
+                    k = next(k for k in range(1, len(ids) + 1) if any(s in self._decode(ids[:k]) for s in stops))
+                    ids, logprobs, versions, text, finish = ids[:k], logprobs[:k], versions[:k], text[:cut], "stop"
+                elif finish == "stop" and ids and ids[-1] in sampling.stop_token_ids:
+                    text = self._decode(ids[:-1])  # a one-token stop string is not part of the text
+                choices.append({"prompt_ids": prompt, "ids": ids, "text": text, "logprobs": logprobs, "versions": versions,
+                                "finish": "length" if finish == "length" else "stop"})  # fmt: skip
+        return choices
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+    def _token_text(self, t: int) -> str:
+        return self.tokenizer.decode([t]) if self.tokenizer is not None else f"<{t}>"
+
+    def _choice(self, i: int, c: dict[str, Any]) -> dict[str, Any]:
+        return {"index": i, "finish_reason": c["finish"], "prompt_token_ids": c["prompt_ids"], "token_ids": c["ids"],
+                "meshrl": {"logprobs": c["logprobs"], "versions": c["versions"],
+                           "behavior_version": min(c["versions"]) if c["versions"] else self.engine.version}}  # fmt: skip
+
+    def _usage(self, choices: list[dict[str, Any]], prompts: list[list[int]]) -> dict[str, int]:
+        p, c = sum(len(x) for x in prompts), sum(len(x["ids"]) for x in choices)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    async def completions(self, request: web.Request) -> web.Response:
+        try:
+            body = self._check(await _json(request), _COMPLETION, "/v1/completions")
+            if "prompt" not in body:
+                raise BadRequest("/v1/completions: send a prompt")
+            prompts = self._prompts(body["prompt"])
+            stops, single = self._stops(body)
+            choices = await self._generate(prompts, self._sampling(body, body.get("max_tokens") or 16, single), stops)
+        except BadRequest as exc:
+            return _error(str(exc))
+        out = []
+        for i, c in enumerate(choices):
+            choice = {**self._choice(i, c), "text": c["text"], "logprobs": None}
+            if body.get("logprobs") is not None:
+                tokens = [self._token_text(t) for t in c["ids"]]
+                offsets = list(itertools.accumulate([0] + [len(t) for t in tokens[:-1]]))
+                choice["logprobs"] = {"tokens": tokens, "token_logprobs": c["logprobs"], "text_offset": offsets,
+                                      "top_logprobs": [{t: lp} for t, lp in zip(tokens, c["logprobs"])]}  # fmt: skip
+            out.append(choice)
+        return web.json_response({"id": f"cmpl-{next(self._ids)}", "object": "text_completion", "created": int(time.time()),
+                                  "model": body.get("model") or self.model_name, "choices": out,
+                                  "usage": self._usage(choices, prompts)})  # fmt: skip
+
+    async def chat(self, request: web.Request) -> web.Response:
+        try:
+            body = self._check(await _json(request), _CHAT, "/v1/chat/completions")
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
+                raise BadRequest("/v1/chat/completions: messages must be a non-empty list of {role, content} with text content")
+            if self.tokenizer is None:
+                raise BadRequest("/v1/chat/completions needs the checkpoint's tokenizer (none was found)")
+            if getattr(self.tokenizer, "chat_template", None):
+                prompt = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            else:
+                prompt_ids = self.tokenizer.encode(render_simple_chat(messages))
+            stops, single = self._stops(body)
+            max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 128
+            choices = await self._generate([prompt_ids], self._sampling(body, max_tokens, single), stops)
+        except BadRequest as exc:
+            return _error(str(exc))
+        out = []
+        for i, c in enumerate(choices):
+            choice = {**self._choice(i, c), "message": {"role": "assistant", "content": c["text"]}, "logprobs": None}
+            if body.get("logprobs"):
+                choice["logprobs"] = {"content": [{"token": (s := self._token_text(t)), "logprob": lp,
+                                                   "bytes": list(s.encode()), "top_logprobs": []}
+                                                  for t, lp in zip(c["ids"], c["logprobs"])]}  # fmt: skip
+            out.append(choice)
+        return web.json_response({"id": f"chatcmpl-{next(self._ids)}", "object": "chat.completion", "created": int(time.time()),
+                                  "model": body.get("model") or self.model_name, "choices": out,
+                                  "usage": self._usage(choices, [prompt_ids])})  # fmt: skip
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                                              "owned_by": "meshrl"}]})  # fmt: skip

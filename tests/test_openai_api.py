@@ -1,0 +1,155 @@
+"""The OpenAI-compatible endpoints over real HTTP on 127.0.0.1, on a real TorchEngine.
+
+What an agent framework gets must be enough to train on: the prompt and generated token ids, and
+behaviour log-probs equal to the model's own log-probs of those tokens (checked against the HF
+model), whatever the chat template or stop strings did to the text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import aiohttp
+import pytest
+import torch
+from aiohttp import web
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from meshrl.engines import GenerateRequest, SamplingParams, TorchEngine, TorchEngineConfig
+from meshrl.engines.openai_api import render_simple_chat
+from meshrl.engines.serve import make_app
+from meshrl.modeling import pack, response_logprobs
+
+torch.set_num_threads(1)
+TIMEOUT = aiohttp.ClientTimeout(total=30)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from test_trainer_fsdp import tiny_model_dir
+
+    return tiny_model_dir(tmp_path_factory.mktemp("openai") / "model", layers=2, hidden=32)
+
+
+@contextlib.asynccontextmanager
+async def serve(model_dir: str, **kwargs):
+    engine = TorchEngine.from_pretrained(model_dir, TorchEngineConfig(max_batch_size=8))
+    runner = web.AppRunner(make_app(engine, **kwargs))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}", timeout=TIMEOUT) as session:
+            yield session, engine
+    finally:
+        await runner.cleanup()
+
+
+async def post(s: aiohttp.ClientSession, path: str, body) -> tuple[int, dict]:
+    async with s.post(path, json=body) as r:
+        return r.status, await r.json()
+
+
+def hf_logprobs(model_dir: str, prompt: list[int], ids: list[int], temperature: float) -> torch.Tensor:
+    hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    packed = pack([prompt], [ids], pad_id=0)
+    with torch.no_grad():
+        return response_logprobs(hf(input_ids=packed.input_ids).logits, packed, temperature=temperature)[0]
+
+
+def test_completions_return_trainable_token_ids_and_logprobs(model_dir):
+    tok = AutoTokenizer.from_pretrained(model_dir)
+
+    async def main():
+        async with serve(model_dir) as (s, engine):
+            greedy = await post(s, "/v1/completions", {"model": "m", "prompt": "12+30=", "max_tokens": 6, "temperature": 0})
+            direct = await engine.generate([GenerateRequest(input_ids=tok.encode("12+30="),
+                                                            sampling=SamplingParams(max_new_tokens=6, temperature=0))])  # fmt: skip
+            sampled = await post(s, "/v1/completions", {"prompt": [tok.encode("7+1="), tok.encode("3+3=")], "max_tokens": 5,
+                                                        "temperature": 1.0, "n": 2, "seed": 3, "logprobs": 1})  # fmt: skip
+            models = await (await s.get("/v1/models")).json()
+            return greedy, direct, sampled, models
+
+    (st, greedy), direct, (st2, sampled), models = asyncio.run(main())
+    assert st == 200 and greedy["object"] == "text_completion" and greedy["model"] == "m"
+    c = greedy["choices"][0]
+    assert c["token_ids"] == direct[0].completions[0].output_ids and c["prompt_token_ids"] == tok.encode("12+30=")
+    assert c["text"] == tok.decode(c["token_ids"], skip_special_tokens=True) and c["finish_reason"] == "length"
+    assert c["meshrl"]["versions"] == [0] * 6 and greedy["usage"] == {"prompt_tokens": 6, "completion_tokens": 6, "total_tokens": 12}
+
+    assert st2 == 200 and len(sampled["choices"]) == 4  # prompt-major: 2 prompts x n=2
+    for choice in sampled["choices"]:
+        want = hf_logprobs(model_dir, choice["prompt_token_ids"], choice["token_ids"], temperature=1.0)
+        torch.testing.assert_close(torch.tensor(choice["meshrl"]["logprobs"]), want, atol=2e-4, rtol=0)
+        lp = choice["logprobs"]
+        assert lp["token_logprobs"] == choice["meshrl"]["logprobs"] and "".join(lp["tokens"]) == tok.decode(choice["token_ids"])
+        assert lp["text_offset"][0] == 0 and len(lp["top_logprobs"]) == len(choice["token_ids"])
+    assert sampled["choices"][0]["token_ids"] != sampled["choices"][1]["token_ids"]
+    assert models["data"][0]["id"] == "model"  # the checkpoint folder's name
+
+
+def test_chat_uses_the_template_or_a_simple_one_and_honours_stop_strings(model_dir):
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    templated = AutoTokenizer.from_pretrained(model_dir)
+    templated.chat_template = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}[assistant]"
+    messages = [{"role": "system", "content": "add"}, {"role": "user", "content": "1+2="}]
+
+    async def main():
+        async with serve(model_dir) as (s, _):
+            plain = await post(s, "/v1/chat/completions", {"model": "m", "messages": messages, "max_tokens": 12,
+                                                           "temperature": 0, "logprobs": True})  # fmt: skip
+            free = plain[1]["choices"][0]["message"]["content"]
+            stop_long, stop_one = free[1:3], free[1]  # a two-character and a one-character stop string
+            long = await post(s, "/v1/chat/completions", {"messages": messages, "max_tokens": 12, "temperature": 0,
+                                                          "stop": [stop_long]})  # fmt: skip
+            one = await post(s, "/v1/chat/completions", {"messages": messages, "max_tokens": 12, "temperature": 0,
+                                                         "stop": stop_one})  # fmt: skip
+        async with serve(model_dir, hf_tokenizer=templated) as (s, _):
+            tmpl = await post(s, "/v1/chat/completions", {"messages": messages, "max_completion_tokens": 3, "temperature": 0})
+        return plain, long, one, tmpl, free, stop_long, stop_one
+
+    (st, plain), (_, long), (_, one), (_, tmpl), free, stop_long, stop_one = asyncio.run(main())
+    c = plain["choices"][0]
+    assert st == 200 and plain["object"] == "chat.completion" and c["message"]["role"] == "assistant"
+    assert c["prompt_token_ids"] == tok.encode(render_simple_chat(messages)) == tok.encode("system: add\nuser: 1+2=\nassistant:")
+    assert len(c["logprobs"]["content"]) == len(c["token_ids"]) == 12
+    assert [x["logprob"] for x in c["logprobs"]["content"]] == c["meshrl"]["logprobs"]
+    want = hf_logprobs(model_dir, c["prompt_token_ids"], c["token_ids"], temperature=0.0)  # greedy: unscaled logits
+    torch.testing.assert_close(torch.tensor(c["meshrl"]["logprobs"]), want, atol=2e-4, rtol=0)
+
+    cut = long["choices"][0]
+    i = free.find(stop_long)
+    assert cut["message"]["content"] == free[:i] and cut["finish_reason"] == "stop"
+    assert tok.decode(cut["token_ids"]) == free[: i + len(stop_long)]  # ids end with the token completing the stop
+    early = one["choices"][0]
+    assert early["message"]["content"] == free[: free.find(stop_one)] and early["finish_reason"] == "stop"
+    assert tok.decode(early["token_ids"]) == free[: free.find(stop_one) + 1]  # one-token stop: the engine stopped there
+    assert tmpl["choices"][0]["prompt_token_ids"] == tok.encode("[system]add[user]1+2=[assistant]", add_special_tokens=False)
+
+
+def test_bad_requests_get_one_line_openai_errors(model_dir):
+    async def main():
+        async with serve(model_dir) as (s, _):
+            out = []
+            for path, body in [
+                ("/v1/completions", {"prompt": "1+1=", "max_tokns": 3}),
+                ("/v1/completions", {"prompt": "1+1=", "stream": True}),
+                ("/v1/completions", {"prompt": "1+1=", "max_tokens": 500}),
+                ("/v1/completions", {"prompt": [1.5]}),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}),
+                ("/v1/chat/completions", {"messages": []}),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": -1}),
+            ]:
+                out.append(await post(s, path, body))
+            async with s.post("/v1/completions", data=b"{not json") as r:
+                out.append((r.status, await r.json()))
+            return out
+
+    answers = asyncio.run(main())
+    assert all(st == 400 and set(body) == {"error"} and "\n" not in body["error"]["message"] for st, body in answers)
+    messages = [body["error"]["message"] for _, body in answers]
+    for got, want in zip(messages, ["unknown fields ['max_tokns']", "stream=true", "max_seq_len", "prompt must be",
+                                    "tools=", "messages must be", "temperature", "not valid JSON"]):  # fmt: skip
+        assert want in got, (want, got)
