@@ -33,12 +33,14 @@ class MeshReward:
     """Scores on an actor mesh of ``actor(*args, **kwargs)`` (``num_workers`` actors)."""
 
     def __init__(self, actor: type | None = None, *args: Any, num_workers: int = 1, timeout_s: float = 120.0,
-                 batch_size: int | None = None, **kwargs: Any) -> None:  # fmt: skip
+                 batch_size: int | None = None, name: str | None = None, **kwargs: Any) -> None:  # fmt: skip
         if num_workers < 1 or timeout_s <= 0 or (batch_size is not None and batch_size < 1):
             raise ValueError(f"MeshReward: need num_workers >= 1, timeout_s > 0, batch_size >= 1; "
                              f"got {num_workers}, {timeout_s}, {batch_size}")  # fmt: skip
         self.actor, self.args, self.kwargs = actor, args, kwargs
         self.num_workers, self.timeout_s, self.batch_size = num_workers, timeout_s, batch_size
+        self.name = name or f"reward-{getattr(actor, '__name__', 'mesh').lower()}"
+        """The mesh's name (actor names are ``<name>/<rank>``: unique within a Ray cluster)."""
         self.mesh: ActorMesh | None = None
 
     @classmethod
@@ -56,7 +58,7 @@ class MeshReward:
         if self.mesh is None:
             if self.actor is None:
                 raise ValueError("MeshReward needs an actor class, or a running mesh through MeshReward.of(mesh)")
-            self.mesh = spawn("reward_model", self.actor, *self.args, procs=self.num_workers, **self.kwargs)
+            self.mesh = spawn(self.name, self.actor, *self.args, procs=self.num_workers, **self.kwargs)
         try:
             await self.mesh.ready().within(self.timeout_s)
         except TimeoutError:

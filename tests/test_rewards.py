@@ -1,0 +1,204 @@
+"""Rewards: plain functions (sync/async, per sample/batched), an HTTP scorer, a reward model on a mesh.
+
+Whatever goes wrong — a raise, a timeout, a wrong answer shape, a server error — marks only the
+samples concerned (None) and never raises; retries happen where they can help and only there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import time
+
+import pytest
+import ray.cloudpickle
+import torch
+from aiohttp import web
+
+from meshrl.envs import FunctionReward, HTTPReward, as_reward, batched_reward
+from meshrl.mesh import Actor, endpoint, spawn_procs
+from meshrl.tasks import AdditionTask, Problem, RewardOutput
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+torch.set_num_threads(1)
+P = [Problem(id=i, prompt=f"{i}+1=", answer=str(i + 1)) for i in range(6)]
+COMPLETIONS = ["1", "2", "x", "4", "5", "6"]
+
+
+def exact(problem: Problem, completion: str) -> float:
+    if completion == "x":
+        raise ValueError("cannot score x")
+    return float(completion == problem.answer)
+
+
+async def exact_async(problem: Problem, completion: str) -> RewardOutput:
+    await asyncio.sleep(0.01)
+    if completion == "5":
+        await asyncio.sleep(5)  # past the timeout
+    return RewardOutput(reward=float(completion == problem.answer), info={"seen": 1.0})
+
+
+def score(reward, problems=P, completions=COMPLETIONS):
+    return asyncio.run(reward.score(problems, completions))
+
+
+def test_function_rewards_sync_async_batched_with_failures_marked():
+    out = score(as_reward(exact, timeout_s=5))
+    assert [o.reward if o else None for o in out] == [1.0, 1.0, None, 1.0, 1.0, 1.0]
+
+    t0 = time.monotonic()
+    out = score(as_reward(exact_async, timeout_s=0.5))
+    assert time.monotonic() - t0 < 3  # the slow call was cut off, the others ran concurrently
+    assert [o.reward if o else None for o in out] == [1.0, 1.0, 0.0, 1.0, None, 1.0] and out[0].info == {"seen": 1.0}
+
+    def slow_sync(problem, completion):
+        if completion == "2":
+            time.sleep(2.0)
+        return {"reward": 0.5, "info": {"sync": 1}}
+
+    t0 = time.monotonic()
+    out = score(FunctionReward(slow_sync, timeout_s=0.3))
+    assert time.monotonic() - t0 < 1.5  # the rest went on in a fresh thread
+    assert [o.reward if o else None for o in out] == [0.5, None, 0.5, 0.5, 0.5, 0.5] and out[0].info == {"sync": 1.0}
+
+    assert [o is None for o in score(as_reward(lambda p, c: "high", timeout_s=1))] == [True] * 6  # not a number
+
+    @batched_reward
+    def lengths(problems, completions):
+        return [len(c) / 2 for c in completions]
+
+    assert [o.reward for o in score(as_reward(lengths, timeout_s=1))] == [0.5] * 6
+
+    async def short_batch(problems, completions):
+        return [1.0]  # the wrong length: the whole batch is marked
+
+    assert score(FunctionReward(short_batch, batched=True, timeout_s=1)) == [None] * 6
+    task = AdditionTask(1, num_test=5)
+    assert [o.info for o in score(as_reward(task, timeout_s=1))][:2] == [{"correct": 1.0}, {"correct": 1.0}]
+    with pytest.raises(TypeError, match="reward must be"):
+        as_reward(42, timeout_s=1)
+
+
+@contextlib.asynccontextmanager
+async def scorer_server():
+    """A scorer service: /score (per sample), /flaky (503 twice per item), /slow, /bad, /batch."""
+    seen: dict[str, int] = {}
+
+    async def per_sample(request: web.Request) -> web.Response:
+        body = await request.json()
+        return web.json_response({"reward": float(body["completion"] == body["answer"]), "info": {"remote": 1.0}})
+
+    async def flaky(request: web.Request) -> web.Response:
+        body = await request.json()
+        key = body["completion"]
+        seen[key] = seen.get(key, 0) + 1
+        if seen[key] <= 2:
+            return web.Response(status=503, text="busy")
+        return web.json_response(1.0)
+
+    async def slow(request: web.Request) -> web.Response:
+        seen["slow"] = seen.get("slow", 0) + 1
+        await asyncio.sleep(2)
+        return web.json_response(1.0)
+
+    async def bad(request: web.Request) -> web.Response:
+        seen["bad"] = seen.get("bad", 0) + 1
+        return web.Response(status=422, text="bad input")
+
+    async def batch(request: web.Request) -> web.Response:
+        items = (await request.json())["items"]
+        return web.json_response({"rewards": [len(x["completion"]) for x in items]})
+
+    app = web.Application()
+    for path, handler in (("/score", per_sample), ("/flaky", flaky), ("/slow", slow), ("/bad", bad), ("/batch", batch)):
+        app.router.add_post(path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}", seen
+    finally:
+        await runner.cleanup()
+
+
+def test_http_scorer_retries_what_can_succeed_and_marks_the_rest():
+    async def main():
+        async with scorer_server() as (url, seen):
+            ok = await HTTPReward(f"{url}/score").score(P, COMPLETIONS)
+            flaky = await HTTPReward(f"{url}/flaky", retries=2, backoff_s=0.01).score(P[:2], ["a", "b"])
+            too_flaky = await HTTPReward(f"{url}/flaky", retries=0, backoff_s=0.01).score(P[:1], ["c"])
+            t0 = time.monotonic()
+            slow = await HTTPReward(f"{url}/slow", timeout_s=0.2, retries=1, backoff_s=0.01).score(P[:2], ["a", "b"])
+            slow_s = time.monotonic() - t0
+            bad = await HTTPReward(f"{url}/bad", retries=3).score(P[:1], ["a"])
+            batch = await HTTPReward(f"{url}/batch", batch_size=4).score(P, COMPLETIONS)
+            down = await HTTPReward("http://127.0.0.1:9/score", retries=1, backoff_s=0.01, timeout_s=1).score(P[:1], ["a"])
+            return ok, flaky, too_flaky, slow, slow_s, bad, batch, down, dict(seen)
+
+    ok, flaky, too_flaky, slow, slow_s, bad, batch, down, seen = asyncio.run(main())
+    assert [o.reward for o in ok] == [1.0, 1.0, 0.0, 1.0, 1.0, 1.0] and ok[0].info == {"remote": 1.0}
+    assert [o.reward for o in flaky] == [1.0, 1.0] and seen["a"] == seen["b"] == 3  # two 503s, then an answer
+    assert too_flaky == [None] and seen["c"] == 1
+    assert slow == [None, None] and seen["slow"] == 4 and slow_s < 1.5  # 2 items x 2 attempts, each cut at 0.2 s
+    assert bad == [None] and seen["bad"] == 1  # a 4xx other than 429 is not retried
+    assert [o.reward for o in batch] == [1.0] * 6
+    assert down == [None]
+    with pytest.raises(ValueError, match="http://"):
+        HTTPReward("127.0.0.1:8000/score")
+
+
+class Judge(Actor):
+    """A user's scorer actor: rewards the completion's length; refuses completions with an x."""
+
+    @endpoint
+    def score(self, problems: list[Problem], completions: list[str]) -> list[float]:
+        if any("x" in c for c in completions):
+            raise ValueError("the judge refuses x")
+        return [float(len(c)) for c in completions]
+
+
+def _spawn(name, cls, *args, procs=1, **kwargs):
+    mesh = spawn_procs({"procs": procs}, cpus_per_proc=0.01, name=name)
+    _spawned.append(mesh)
+    return mesh.spawn(name, cls, *args, **kwargs)
+
+
+_spawned: list = []
+
+
+@pytest.mark.slow
+def test_reward_model_and_scorer_actors_on_a_mesh(ray_cluster, tmp_path):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, Qwen2Config
+
+    from meshrl.embedded import build_char_tokenizer
+    from meshrl.envs import MeshReward, RewardModel
+
+    tok = build_char_tokenizer()
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, num_labels=1, pad_token_id=tok.pad_token_id)  # fmt: skip
+    AutoModelForSequenceClassification.from_config(cfg).save_pretrained(tmp_path / "rm")
+    tok.save_pretrained(tmp_path / "rm")
+    texts = ["12", "2", "a longer completion", "4", "5", "6"]
+
+    async def main():
+        rm = RewardModel(str(tmp_path / "rm"), batch_size=4, tokens_per_batch=32)  # chunks of 4, batches of <= 32 tokens
+        await rm.start(_spawn)
+        judge = MeshReward(Judge, num_workers=1, batch_size=3)
+        await judge.start(_spawn)
+        return await rm.score(P, texts), await judge.score(P, ["ab", "x", "abc", "a", "b", "c"])
+
+    try:
+        scores, judged = asyncio.run(main())
+    finally:
+        for mesh in _spawned:
+            mesh.stop()
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm").eval()
+    hf_tok = AutoTokenizer.from_pretrained(tmp_path / "rm")
+    with torch.no_grad():
+        want = [model(input_ids=torch.tensor([hf_tok.encode(p.prompt + t)])).logits[0, 0].item() for p, t in zip(P, texts)]
+    assert [o.reward for o in scores] == pytest.approx(want, abs=1e-5)  # padded batches score like single rows
+    assert len(set(round(x, 6) for x in want)) == len(want)
+    assert judged == [None, None, None, RewardOutput(1.0), RewardOutput(1.0), RewardOutput(1.0)]  # the refused chunk only
