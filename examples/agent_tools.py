@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = warm_start(task, WarmStart(steps=args.warm_steps, tool_share=args.warm_tool_share))
     cfg = msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=str(model_dir)))
     environment = meshrl.ToolEnv.factory(TOOLS, result_format=RESULT_FORMAT, max_calls=1)
-    summary = asyncio.run(meshrl.Pipeline(cfg, task=task, environment=environment).run())
+    summary = asyncio.run(meshrl.Pipeline(cfg, task=task, reward=task.reward, environment=environment).run())
 
     records = [json.loads(line) for line in Path(summary["metrics"]).read_text().splitlines()]
     evals = [r for r in records if r["kind"] == "eval"]

@@ -1,10 +1,10 @@
 """The RewardWorker role: scores completions or episodes and builds the Samples the queue holds.
 
-The reward is any ``meshrl.envs.Reward``: by default the task's own ``reward`` method, else a plain
-function (sync or async, per sample or batched), a remote ``HTTPReward`` or a ``MeshReward`` on a
-mesh. A reward that raises, times out or returns a non-number marks its sample (``reward_failed``,
-reward 0) and the run goes on. Episodes of an environment are scored on their last policy turn,
-and the environment's step rewards are added; a failed episode gets reward 0, marked failed.
+The reward is any ``meshrl.envs.Reward``: the task's own ``reward`` method, a plain function (sync
+or async, per sample or batched), a remote ``HTTPReward`` or a ``MeshReward`` on a mesh. A reward
+that raises, times out or returns a non-number marks its sample (``reward_failed``, reward 0) and
+the run goes on. An environment episode's reward is the sum of its step rewards, plus the reward
+function's score of its last policy turn when there is one; a failed episode gets 0, marked.
 The worker returns the samples already encoded in the queue's wire format, so the controller only
 forwards bytes.
 """
@@ -134,13 +134,19 @@ def score_job(task: Task, tokenizer: Any, job: RolloutJob) -> Scored:
     return _build(job, outs)
 
 
-async def score_job_with(reward: Reward, tokenizer: Any, job: RolloutJob) -> Scored:
-    """``score_job`` with any ``Reward`` (episodes whose environment failed are not scored)."""
+async def score_job_with(reward: Reward | None, tokenizer: Any, job: RolloutJob) -> Scored:
+    """``score_job`` with any ``Reward``, or none (episodes: the environment's rewards only);
+    episodes whose environment failed are not scored."""
     problems, texts = _texts(tokenizer, job)
     failed = [e.failed for group in job.episodes for e in group] if job.episodes else [False] * len(texts)
     todo = [i for i, f in enumerate(failed) if not f]
     outs: list[RewardOutput | None] = [None] * len(texts)
-    if todo:
+    if reward is None:
+        if not job.episodes:
+            raise ValueError("score_job_with: a single-turn job needs a reward")
+        for i in todo:
+            outs[i] = RewardOutput(reward=0.0)
+    elif todo:
         scored = await reward.score([problems[i] for i in todo], [texts[i] for i in todo])
         if len(scored) != len(todo):
             raise ValueError(f"{reward!r}.score returned {len(scored)} results for {len(todo)} completions")
@@ -151,13 +157,13 @@ async def score_job_with(reward: Reward, tokenizer: Any, job: RolloutJob) -> Sco
 
 class RewardWorker(Actor):
     """Decodes completions and applies the reward (``score_job_with``); an async actor, so async
-    rewards of several jobs overlap."""
+    rewards of several jobs overlap. ``reward``: what ``as_reward`` takes (a Task, a function, a
+    Reward), or None for episodes scored by their environment alone."""
 
-    def __init__(self, task: Task, tokenizer_path: str, reward: Any = None, timeout_s: float = 60.0) -> None:
+    def __init__(self, reward: Any, tokenizer_path: str, timeout_s: float = 60.0) -> None:
         from transformers import AutoTokenizer
 
-        self.task = task
-        self.reward = as_reward(task if reward is None else reward, timeout_s=timeout_s)
+        self.reward = None if reward is None else as_reward(reward, timeout_s=timeout_s)
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
 
     @endpoint

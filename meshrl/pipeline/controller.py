@@ -91,7 +91,8 @@ class Pipeline:
     ``reward`` replaces the task's reward (a function, sync or async, per sample or batched, or a
     ``meshrl.envs`` reward: ``HTTPReward``, ``MeshReward``, ``RewardModel``); ``environment`` makes
     each rollout a multi-turn episode (a factory ``problem -> Environment``, e.g.
-    ``ToolEnv.factory({...})``).
+    ``ToolEnv.factory({...})``), rewarded by its step rewards plus, when given, ``reward`` of its
+    last policy turn (the task's reward is then not used).
     """
 
     def __init__(self, config: PipelineConfig, *, task: Task | None = None, reward: Any = None,
@@ -101,7 +102,7 @@ class Pipeline:
         if environment is not None and not callable(environment):
             raise TypeError(f"environment must be a factory problem -> Environment (e.g. a class), got {environment!r:.80}")
         self.reward, self.environment = reward, environment
-        self.out_dir = Path(config.run.output_dir)
+        self.out_dir = Path(config.run.output_dir).resolve()  # actors may run in another directory
         self._stopping = asyncio.Event()  # set when the run winds down (the end, a failure, or stop())
         self._stop_requested = asyncio.Event()
         self._started, self._finished = asyncio.Event(), asyncio.Event()
@@ -127,7 +128,7 @@ class Pipeline:
 
     async def _model_dir(self) -> str:
         if self.cfg.model.path is not None:
-            return self.cfg.model.path
+            return str(Path(self.cfg.model.path).resolve())  # actors may run in another directory
         return str(await asyncio.to_thread(warm_start, self.cfg.model.embedded, self.task, self.cfg.warmstart, log=self._echo))
 
     def _spawn(self, name: str, cls: type, *args: Any, procs: int = 1, dims: dict[str, int] | None = None,
@@ -146,8 +147,9 @@ class Pipeline:
                                procs=cfg.rollout.num_workers, **({"environment": env, "episode": cfg.rollout.episode} if env else {}))  # fmt: skip
         if callable(getattr(self.reward, "start", None)):  # a reward served by a mesh of its own
             await self.reward.start(self._spawn)
-        rewards = self._spawn("reward", RewardWorker, self.task, model_dir, self.reward, cfg.reward.timeout_s,
-                              procs=cfg.reward.num_workers)  # fmt: skip
+        # without an environment the task's reward is the default; an environment's rewards stand alone
+        reward = self.reward if self.reward is not None else None if env else self.task
+        rewards = self._spawn("reward", RewardWorker, reward, model_dir, cfg.reward.timeout_s, procs=cfg.reward.num_workers)
         trainer = self._spawn(
             "trainer", Trainer, model_dir, cfg.trainer, cfg.algo, temperature=cfg.rollout.temperature,
             max_new_tokens=cfg.rollout.episode.max_tokens if env else cfg.rollout.max_new_tokens,
