@@ -143,8 +143,10 @@ class Pipeline:
         ensure_ray(cfg.run.num_cpus)
         queue = self._spawn("queue", QueueActor, cfg.queue, samples_per_step=cfg.trainer.samples_per_step,
                             steps_per_version=cfg.trainer.sync_interval)  # fmt: skip
+        engine_gpus = int(cfg.rollout.engine.device.startswith("cuda"))  # one GPU per engine worker
         rollouts = self._spawn("rollout", RolloutWorker, model_dir, cfg.rollout.engine, cfg.rollout.threads,
-                               procs=cfg.rollout.num_workers, **({"environment": env, "episode": cfg.rollout.episode} if env else {}))  # fmt: skip
+                               procs=cfg.rollout.num_workers, gpus_per_proc=engine_gpus,
+                               **({"environment": env, "episode": cfg.rollout.episode} if env else {}))  # fmt: skip
         if callable(getattr(self.reward, "start", None)):  # a reward served by a mesh of its own
             await self.reward.start(self._spawn)
         # without an environment the task's reward is the default; an environment's rewards stand alone
