@@ -35,6 +35,8 @@ class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    ignore_eos: bool = False
+    """Sampled (training) completions run to exactly max_new_tokens (fixed lengths for throughput runs)."""
     prompts_per_request: int = 32
     """Prompts per generate call (one queue reservation of prompts × samples_per_prompt)."""
     requests_in_flight: int = 2

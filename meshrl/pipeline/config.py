@@ -48,6 +48,8 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True):
     checkpoint_every: int = 0
     """Train steps between checkpoints under output_dir/checkpoints (0: only at the end); a
     multiple of trainer.sync_interval, so a checkpoint always follows a weight push."""
+    checkpoint_at_end: bool = True
+    """Checkpoint after the last step (benchmarks turn it off: a large model's save takes long)."""
     keep_checkpoints: int = 2
     """Newest checkpoints kept on disk (older ones are deleted); 0 keeps all."""
     stop_drain_timeout_s: float = 60.0

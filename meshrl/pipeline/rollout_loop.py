@@ -76,7 +76,7 @@ class RolloutDriver:
             max_new_tokens = (self.cfg.run.eval_max_new_tokens or r.max_new_tokens) if greedy else r.max_new_tokens
         return SamplingParams(
             max_new_tokens=max_new_tokens, temperature=0.0 if greedy else r.temperature, top_p=1.0 if greedy else r.top_p,
-            top_k=-1 if greedy else r.top_k, n=n, seed=seed,
+            top_k=-1 if greedy else r.top_k, n=n, seed=seed, ignore_eos=r.ignore_eos and not greedy,
         )  # fmt: skip
 
     def _seed(self, group_ids: list[int] | None, i: int) -> int | None:

@@ -68,7 +68,8 @@ class TrainLoop:
             self.step += 1
             sync_s, pushed = 0.0, self.step % cfg.trainer.sync_interval == 0
             every = cfg.run.checkpoint_every
-            checkpoint = (every > 0 and self.step % every == 0) or self.step == cfg.run.total_steps
+            last = self.step == cfg.run.total_steps and cfg.run.checkpoint_at_end
+            checkpoint = (every > 0 and self.step % every == 0) or last
             if pushed:
                 self.version = await self.push(self.version + 1)
                 if not checkpoint:
