@@ -17,7 +17,9 @@ Cases, each the median of ``--iters`` timed runs after ``--warmup`` runs:
   one NCCL group built the SGLang way: ``Resharder.send`` / ``Resharder.receive`` (staging, then
   the atomic apply on the engine) against raw NCCL broadcasts of the same bytes in the same run and
   group — one per tensor (``raw-bcast``) and 1 GiB flat buffers (``raw-bcast-1g``); target <= 1.3x
-  the faster. ``p2p-transfer`` is the transfer into staging alone (no apply).
+  the faster. ``p2p-in-place`` is ``ReshardConfig(apply="in_place")``: the engine pauses, receives
+  straight into its live weights and resumes (no staging copy). ``p2p-transfer`` is the transfer
+  into staging alone (no apply).
 
 Time = max over the ranks of (synchronised start -> device-synchronised end). After the last push
 every engine tensor is checked bit for bit against the trainer's (the trainer regenerates nothing:
@@ -33,6 +35,7 @@ import statistics
 import sys
 import time
 
+import msgspec
 import torch
 import torch.multiprocessing as mp
 
@@ -54,7 +57,7 @@ SHAPES = {
     "tiny": dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
 }
-TARGETS = {"colocated": 2.0, "p2p": 1.3}
+TARGETS = {"colocated": 2.0, "p2p": 1.3, "p2p-in-place": 1.3}
 
 
 def hf_config(shape: str) -> Qwen2Config:
@@ -172,6 +175,11 @@ def _rank(rank: int, args, port: int, queue) -> None:
     out["p2p"] = timed(push, device, args.warmup, args.iters, barrier)
     if rank == 1:
         check(eng, cfg, device, dtype, seed=1)
+        res.config = msgspec.structs.replace(conf, apply="in_place")  # pause, receive into live weights, resume
+    out["p2p-in-place"] = timed(push, device, args.warmup, args.iters, barrier)
+    if rank == 1:
+        check(eng, cfg, device, dtype, seed=1)
+        assert not eng.is_paused
     out["p2p-transfer"] = timed(transfer, device, args.warmup, args.iters, barrier)
     queue.put((rank, out, len(res.plan.buckets)))
     res.close()
@@ -210,7 +218,7 @@ def table(rows: dict[str, list[float]], nbytes: int, tiny: bool) -> None:
     med = {k: statistics.median(v) for k, v in rows.items()}
     base = {"colocated": med.get("foreach_copy"), "colocated-staged": med.get("foreach_copy"),
             "p2p": min((med[k] for k in ("raw-bcast", "raw-bcast-1g") if k in med), default=None)}
-    base["p2p-transfer"] = base["p2p"]
+    base["p2p-transfer"] = base["p2p-in-place"] = base["p2p"]
     print(f"\n| case | ms (median) | GB/s | vs baseline | target |\n|---|---|---|---|---|")
     for k, t in med.items():
         ratio = f"{t / base[k]:.2f}x" if base.get(k) else "baseline"

@@ -15,6 +15,7 @@ import datetime
 import socket
 import time
 
+import msgspec
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -131,8 +132,10 @@ def _run_case(proc: int, dp: int, tp: int, dtype: str, tied: bool, ports: list[i
             assert 0 < stats.bytes <= full * tp, (stats.bytes, full)  # this rank's shards, at most once per TP rank
             continue
         sources = None if model is None else local_tensors(model.named_parameters())
+        # v1 staged (the default), v2 straight into the live weights while paused (apply=in_place)
+        res.config = msgspec.structs.replace(res.config, apply="staged" if version == 1 else "in_place")
         asyncio.run(res.receive(engine, version, sources=sources))  # sends this process's shards as well
-        assert engine.version == version and not engine.is_updating
+        assert engine.version == version and not engine.is_updating and not engine.is_paused
         full_v = {n: p.detach().to(getattr(torch, dtype)) for n, p in _trainer_model(cfg, version).state_dict().items()}
         for pl in engine.model.layout.params.values():
             local = engine.model.params[pl.name]
@@ -155,7 +158,7 @@ def _failed_push(proc: int, port: int) -> None:
     conf = ReshardConfig(timeout_s=2.0, group_name="rs-fail")
     res = Resharder.join(source, dest, GroupRanks.disjoint(1, 1), proc, "127.0.0.1", port, conf)
     if proc == 0:
-        time.sleep(4.0)  # the engine gives up meanwhile
+        time.sleep(8.0)  # the engine gives up meanwhile, twice
         return
     engine = TorchEngine.from_hf_model(_trainer_model(cfg, 0).state_dict(), cfg,
                                        TorchEngineConfig(max_batch_size=2, max_seq_len=32))
@@ -170,6 +173,11 @@ def _failed_push(proc: int, port: int) -> None:
 
     out = asyncio.run(engine.generate([GenerateRequest(input_ids=[1, 2], sampling=SamplingParams(max_new_tokens=2))]))
     assert out[0].completions[0].versions == [0, 0]
+    # In place, a failed push may have written part of v1: the engine stays paused and says so.
+    res.config = msgspec.structs.replace(conf, apply="in_place")
+    with pytest.raises(ReshardError, match=r"mix of v0 and v1, so the engine stays paused"):
+        asyncio.run(res.receive(engine, 1))
+    assert engine.is_paused and engine.version == 0
 
 
 def _main(proc: int, all_ports: list[list[int]]) -> None:

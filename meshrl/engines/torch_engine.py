@@ -16,6 +16,13 @@ with ``mode="abort"`` ends everything in flight (partial outputs, ``finish_reaso
 (tokens after a weight update then attend to KV computed by the old weights, as SGLang's in-place
 pause does). New requests wait while paused.
 
+Memory release (colocated with a trainer, ``meshrl.actors.hybrid``): while nothing runs,
+``release_memory`` frees the KV cache, and with ``weights=True`` the parameters (held in one
+allocation when ``contiguous_weights``), back to torch's caching allocator; ``restore_memory``
+takes both back at the same sizes and re-captures the CUDA graphs only if an address moved
+(``graph_recaptures`` counts it). Restored weights are undefined until the caller writes a whole
+version (``write_params``); restored KV is zeroed where attention could read it before a write.
+
 Simplifications, on purpose: one engine per process and per loop (moving to a new loop drops what
 was in flight on the old one); a request's samples are admitted together; no preemption; under
 tensor parallelism every rank must receive the same calls in the same order (pause before updating).
@@ -73,6 +80,9 @@ class TorchEngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Policy version of the weights the engine starts with."""
     generate_timeout_s: float = 3600.0
     """How long one ``generate`` call may wait for its requests before aborting them."""
+    contiguous_weights: bool = False
+    """Hold every parameter in one allocation, so ``release_memory(weights=True)`` frees it at once and
+    ``restore_memory`` gets it back, most often at the same address (set by the colocated mode)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPES):
@@ -109,6 +119,10 @@ class TorchEngine:
         tp = tp or TensorParallel()
         self.model = Transformer(self.spec, dtype=dtype, device=dev, tp_rank=tp.rank, tp_size=tp.size,
                                  all_reduce=tp.all_reduce)
+        self._weights = self._make_weights_contiguous() if config.contiguous_weights else None
+        self._weights_nbytes = self._weights.nbytes() if self._weights is not None else 0
+        self._weights_ptr = self._weights.data_ptr() if self._weights is not None else 0
+        self.weights_released = False
         load_all(self.model, weights)
         seq = config.max_seq_len or min(self.spec.max_position_embeddings, 4096)
         per_row = KVCache.bytes_per_row(num_layers=self.spec.num_layers, num_kv_heads=self.model.num_kv_heads,
@@ -130,9 +144,9 @@ class TorchEngine:
             core = torch.compile(core, dynamic=True)
         self._core = core
         self._graphs = None
-        if config.cuda_graphs and dev.type == "cuda":
-            sizes = list(config.cuda_graph_batch_sizes) or default_bucket_sizes(rows)
-            self._graphs = DecodeGraphs(self._batch, core, [min(s, rows) for s in sizes])
+        self.graph_recaptures = 0
+        """CUDA graph captures after ``restore_memory`` found an address moved."""
+        self._capture_graphs()
         self._version = config.initial_version
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
@@ -144,6 +158,29 @@ class TorchEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self.steps = 0  # decode steps run (a metric)
+
+    def _capture_graphs(self) -> None:
+        self._graphs = None  # the old graphs (and their memory pool) go first
+        if self.config.cuda_graphs and self.device.type == "cuda":
+            rows = self.cache.rows
+            sizes = list(self.config.cuda_graph_batch_sizes) or default_bucket_sizes(rows)
+            self._graphs = DecodeGraphs(self._batch, self._core, [min(s, rows) for s in sizes])
+
+    def _make_weights_contiguous(self) -> torch.Tensor:
+        """Move every parameter into views of one flat buffer (each start 256-byte aligned); returns its
+        storage. Tensor objects stay the same (``set_``); the model's derived views are rebuilt."""
+        m, align = self.model, max(1, 256 // torch.empty((), dtype=self.dtype).element_size())
+        offsets, total = {}, 0
+        for name, p in m.params.items():
+            offsets[name] = total
+            total += -(-p.numel() // align) * align
+        flat = torch.zeros(total, dtype=self.dtype, device=self.device)
+        storage = flat.untyped_storage()
+        with torch.no_grad():
+            for name, p in m.params.items():
+                p.set_(storage, offsets[name], p.shape, p.stride())
+        m.layers = [type(layer)(m.params, i) for i, layer in enumerate(m.layers)]  # .t() views of new storage
+        return storage
 
     # ---- constructors -----------------------------------------------------------------------
 
@@ -367,6 +404,46 @@ class TorchEngine:
         """SGLang's flush: succeeds only while idle. There is no prefix cache, so nothing to drop."""
         return not (self._batch.size or self._waiting)
 
+    # ---- memory (colocated with a trainer) ----------------------------------------------------
+
+    @property
+    def memory_released(self) -> bool:
+        return self.cache.released
+
+    def release_memory(self, *, weights: bool = False) -> None:
+        """Free the KV cache (and the parameters with ``weights``) while nothing runs or waits; nothing
+        may generate until ``restore_memory``."""
+        if self._batch.size or self._waiting or self._stage is not None:
+            raise RuntimeError(f"release_memory on a busy engine (running={self._batch.size}, waiting="
+                               f"{len(self._waiting)}, updating={self._stage is not None}): let generate calls finish")
+        if weights:
+            if self._weights is None:
+                raise RuntimeError("release_memory(weights=True) needs TorchEngineConfig.contiguous_weights=True")
+            self._weights.resize_(0)
+            self.weights_released = True
+        self.cache.release()
+
+    def restore_memory(self) -> bool:
+        """Allocate what ``release_memory`` freed, parameters first; re-capture the CUDA graphs if an
+        address moved. Returns whether they were re-captured. Released weights are undefined until
+        the caller writes a whole version."""
+        moved = False
+        if self.weights_released:
+            self._weights.resize_(self._weights_nbytes)
+            moved, self._weights_ptr = self._weights.data_ptr() != self._weights_ptr, self._weights.data_ptr()
+            self.weights_released = False
+        moved = self.cache.restore() or moved
+        recapture = moved and self._graphs is not None
+        if recapture:
+            self._capture_graphs()  # (its warm-up steps write into the cache: zeroed below if need be)
+            self.graph_recaptures += 1
+        if self.cache.stale and not self.model.fused_kernels:
+            # the torch decode reads every position up to the batch's longest row (under a mask), and
+            # 0 * NaN is NaN: zero it all (the fused path zeroes only what a prefill reads; batch.py)
+            self.cache.kv.zero_()
+            self.cache.stale = False
+        return recapture
+
     # ---- weights ----------------------------------------------------------------------------
 
     async def begin_weight_update(self) -> None:
@@ -393,6 +470,13 @@ class TorchEngine:
         if self._stage is None:
             raise RuntimeError("staged_params outside a weight update: call begin_weight_update first")
         return self._stage.buffers()
+
+    def live_params(self) -> dict[str, torch.Tensor]:
+        """The parameters the steps read (engine names), for writers that fill them in place while the
+        engine is paused (``ReshardConfig.apply = "in_place"``); the caller sets the version after."""
+        if self._stage is not None:
+            raise RuntimeError("live_params during a staged weight update: end or abort it first")
+        return self.model.params
 
     async def abort_weight_update(self) -> None:
         """Drop whatever was staged; the engine keeps serving its current version."""

@@ -58,6 +58,13 @@ class ReshardConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Name of the transfer group (its store prefix); unique per concurrent group."""
     depth: int = 2
     """Buckets in flight per process (2: pack the next while the last sends)."""
+    apply: Literal["staged", "in_place"] = "staged"
+    """How an engine takes a version. staged: received into a staging copy while it keeps generating
+    on v, then one copy into the live weights between two steps (a failed push leaves v intact;
+    costs a copy of the weights in memory and time). in_place: the engine pauses (its sequences
+    kept), receives straight into its live weights and resumes on v+1 (SGLang's way: no copy, no
+    extra memory, but generation waits for the transfer, and a push that fails midway leaves the
+    engine paused on a mix of versions, never generating from it)."""
 
     def __post_init__(self) -> None:
         if self.bucket_bytes < 1 or self.timeout_s <= 0 or self.depth < 1:
@@ -94,6 +101,14 @@ class ReshardTarget(Protocol):
     async def abort_weight_update(self) -> None: ...
 
     def write_params(self, write: Callable[[dict[str, torch.Tensor]], None], version: int) -> None: ...
+
+    async def pause(self, mode: str) -> None: ...
+
+    async def resume(self) -> None: ...
+
+    def live_params(self) -> dict[str, torch.Tensor]: ...
+
+    def set_version(self, version: int) -> None: ...
 
 
 class Resharder:
@@ -184,6 +199,9 @@ class Resharder:
                 raise ReshardError(f"group rank {self.group_rank} holds no source rank: receive(sources=None)")
             self._check_sources(sources)
         old, start = target.version, time.perf_counter()
+        if self.config.apply == "in_place":
+            received = await self._receive_in_place(target, version, sources)
+            return PushStats(version=version, seconds=time.perf_counter() - start, bytes=received)
         await target.begin_weight_update()
         try:
             buffers = target.staged_params()
@@ -201,6 +219,33 @@ class Resharder:
                                f"the engine stays on v{old}") from exc
         await target.end_weight_update(version)
         return PushStats(version=version, seconds=time.perf_counter() - start, bytes=received)
+
+    async def _receive_in_place(self, target: ReshardTarget, version: int,
+                                sources: Mapping[str, torch.Tensor] | None) -> int:
+        """Pause (keeping sequences), receive into the live weights, label them ``version``, resume."""
+        old = target.version
+        await target.pause("keep")  # from here no step runs until resume: none can read a half-written model
+        try:
+            buffers = target.live_params()
+            self._check_buffers(buffers)
+        except BaseException:
+            await target.resume()  # nothing written yet: still exactly v
+            raise
+        try:
+            _, received = await asyncio.wait_for(asyncio.to_thread(self._run, sources, buffers),
+                                                 self.config.timeout_s + 5.0)
+        except asyncio.CancelledError:
+            raise  # the engine stays paused: the transfer thread may still be writing
+        except BaseException as exc:
+            why = f"timed out after {self.config.timeout_s + 5.0}s" if isinstance(exc, asyncio.TimeoutError) else exc
+            raise ReshardError(f"in-place push of v{version} failed on destination rank {self.dst_rank}: {why}; "
+                               f"its weights are now a mix of v{old} and v{version}, so the engine stays paused "
+                               "(push a whole version again, or restart it)") from exc
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the next step reads complete weights
+        target.set_version(version)
+        await target.resume()
+        return received
 
     def _check_buffers(self, buffers: Mapping[str, torch.Tensor]) -> None:
         want = self.dest.ranks[self.dst_rank].params
