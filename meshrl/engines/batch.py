@@ -134,6 +134,8 @@ class RunningBatch:
         self.istate[lo:hi].copy_(torch.tensor(irows, dtype=torch.int64), non_blocking=True)
         self.fstate[lo:hi].copy_(torch.tensor(frows, dtype=torch.float32), non_blocking=True)
         self.flags[lo:hi].copy_(torch.tensor(flag_rows, dtype=torch.bool), non_blocking=True)
+        if self.cache.stale:  # restored after a release: prefill attention reads positions [0, longest prompt)
+            self.cache.kv[:, :, lo:hi, :, : max(len(p) for p in prompts)].zero_()
         logits = self.model.prefill(PackedPrompts(prompts, first_rows, dev), self.cache)  # [N, V]
         if hi - lo > len(batch):  # the other samples of a prompt copy its KV and share its logits
             src = [f for f, n in zip(first_rows, counts) for _ in range(1, n)]

@@ -15,6 +15,12 @@ softmax in float32, and, when rows x kv heads are too few to fill the GPU, split
 programs and merges their partial softmaxes in a second launch. The torch paths (model.py) stay the
 reference and the CPU implementation.
 
+Colocated with a trainer (``meshrl.actors.hybrid``), ``release`` gives the cache's memory back to
+torch's caching allocator (no ``empty_cache``: training reuses the block) and ``restore`` takes it
+again; every view of ``kv`` stays valid (they share its storage), and ``restore`` says whether the
+address moved (CUDA graphs captured over the old one must then be captured again). The restored
+contents are undefined (``stale``): the engine zeroes what attention may read before it is written.
+
 Simplifications, on purpose: no paging and no prefix sharing (the ``n`` samples of a prompt share
 its prefill *compute*; its KV is copied into each sample's row), and every row reserves
 ``max_seq_len`` positions, so the budget is ``rows * bytes_per_row``.
@@ -60,6 +66,11 @@ class KVCache:
         head = torch.arange(num_kv_heads, device=device)[None, :]
         self._write_base = ((kind * rows * num_kv_heads + head) * max_seq_len)[None]  # [1, 2, Hkv]
         self._row_offset = torch.arange(rows, device=device) * (num_kv_heads * max_seq_len)  # [rows]
+        self._nbytes = self.kv.untyped_storage().nbytes()
+        self._ptr = self.kv.data_ptr()
+        self.released = False
+        self.stale = False
+        """Restored after a release: positions not written since hold garbage (possibly NaN bit patterns)."""
 
     @staticmethod
     def bytes_per_row(*, num_layers: int, num_kv_heads: int, max_seq_len: int, head_dim: int,
@@ -70,6 +81,22 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
+
+    def release(self) -> None:
+        """Free the cache's memory (to the caching allocator); its tensors stay, empty, until ``restore``."""
+        if not self.released:
+            self.kv.untyped_storage().resize_(0)
+            self.released = True
+
+    def restore(self) -> bool:
+        """Allocate the memory again (same size); returns whether its address changed. Contents are
+        undefined afterwards (``stale``)."""
+        if not self.released:
+            return False
+        self.kv.untyped_storage().resize_(self._nbytes)
+        self.released, self.stale = False, True
+        moved, self._ptr = self.kv.data_ptr() != self._ptr, self.kv.data_ptr()
+        return moved
 
     def decode_write_index(self, pos: torch.Tensor) -> torch.Tensor:
         """Flat indices ``[B, 2, Hkv]`` where rows ``[0, B)`` write the key/value of position ``pos``."""

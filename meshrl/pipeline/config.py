@@ -8,10 +8,12 @@ can: that the parts agree with each other, and that paths exist.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 
 from meshrl.actors import AlgoConfig, RewardConfig, RolloutConfig, TrainerConfig
+from meshrl.actors.hybrid import ColocatedConfig
 from meshrl.config import ConfigError
 from meshrl.embedded import EmbeddedModelConfig, WarmStartConfig
 from meshrl.queues import QueueConfig
@@ -71,6 +73,13 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
     queue: QueueConfig = QueueConfig()
     trainer: TrainerConfig = TrainerConfig()
     reshard: ReshardConfig = ReshardConfig()
+    placement: Literal["disaggregated", "colocated"] = "disaggregated"
+    """disaggregated: rollout workers and trainer ranks are separate processes (and devices);
+    colocated: one process per trainer rank holds the trainer and a full engine replica, which take
+    turns on its device (meshrl.actors.hybrid: the KV cache is freed while training, weights are
+    handed over by in-place copies)."""
+    colocated: ColocatedConfig = ColocatedConfig()
+    """The switch between the two modes (placement=colocated only)."""
 
     def validate(self) -> "PipelineConfig":
         """Cross-component checks; raise ConfigError naming the key."""
@@ -98,6 +107,7 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
                               "use latest or an <output_dir>/checkpoints/step_XXXXXXXX directory")
         if self.trainer.reference_in_trainer and self.algo.kl_coef == 0:
             raise ConfigError("`trainer.reference_in_trainer`: needs algo.kl_coef > 0 (no KL term, no reference)")
+        self._validate_placement()
         if self.task.kind == "file" and not (self.task.train_file and self.task.test_file):
             raise ConfigError("`task.train_file`: task.kind=file needs task.train_file and task.test_file")
         for key in ("train_file", "test_file"):
@@ -105,3 +115,22 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
             if self.task.kind == "file" and path and not Path(path).is_file():
                 raise ConfigError(f"`task.{key}`: file not found: {path}")
         return self
+
+    def _validate_placement(self) -> None:
+        if self.placement != "colocated":
+            if self.colocated.release_weights:
+                raise ConfigError("`colocated.release_weights`: only applies with placement=colocated")
+            return
+        dp, engine_device = self.trainer.dp, self.rollout.engine.device
+        if self.rollout.num_workers != dp:
+            raise ConfigError(f"`rollout.num_workers`: placement=colocated runs one engine per trainer rank; "
+                              f"set it to trainer.dp={dp} (got {self.rollout.num_workers})")
+        if self.reshard.transport != "distributed":
+            raise ConfigError("`reshard.transport`: placement=colocated hands weights over in place; "
+                              "use reshard.transport=distributed (the default)")
+        if engine_device != "auto" and engine_device.startswith("cuda") != (self.trainer.device == "cuda"):
+            raise ConfigError(f"`rollout.engine.device`: placement=colocated puts the engine on the trainer's device "
+                              f"(trainer.device={self.trainer.device}); use auto, got {engine_device}")
+        if self.colocated.release_weights and self.trainer.sync_interval != 1:
+            raise ConfigError(f"`colocated.release_weights`: needs trainer.sync_interval=1 (released weights come back "
+                              f"only with a push), got {self.trainer.sync_interval}")

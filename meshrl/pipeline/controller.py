@@ -48,6 +48,7 @@ from typing import Any, AsyncIterator, Sequence
 import ray
 
 from meshrl.actors import ReferenceWorker, RewardWorker, RolloutWorker, Trainer
+from meshrl.actors.hybrid import HybridWorker
 from meshrl.config import to_yaml
 from meshrl.embedded import warm_start
 from meshrl.envs import EnvFactory
@@ -143,27 +144,39 @@ class Pipeline:
         ensure_ray(cfg.run.num_cpus)
         queue = self._spawn("queue", QueueActor, cfg.queue, samples_per_step=cfg.trainer.samples_per_step,
                             steps_per_version=cfg.trainer.sync_interval)  # fmt: skip
-        engine_gpus = int(cfg.rollout.engine.device.startswith("cuda"))  # one GPU per engine worker
-        rollouts = self._spawn("rollout", RolloutWorker, model_dir, cfg.rollout.engine, cfg.rollout.threads,
-                               procs=cfg.rollout.num_workers, gpus_per_proc=engine_gpus,
-                               **({"environment": env, "episode": cfg.rollout.episode} if env else {}))  # fmt: skip
+        max_new_tokens = cfg.rollout.episode.max_tokens if env else cfg.rollout.max_new_tokens
+        if cfg.placement == "colocated":
+            # one process per trainer rank holds the trainer and an engine replica (meshrl.actors.hybrid);
+            # "procs" is the dim the rollout loops slice, and the trainer's dp axis
+            rollouts = trainer = self._spawn(
+                "hybrid", HybridWorker, model_dir, cfg.trainer, cfg.algo, cfg.rollout.engine, cfg.colocated,
+                rollout_threads=cfg.rollout.threads, temperature=cfg.rollout.temperature, max_new_tokens=max_new_tokens,
+                total_steps=cfg.run.total_steps, dims={"procs": cfg.trainer.dp}, gpus_per_proc=int(cfg.trainer.device == "cuda"),
+                **({"environment": env, "episode": cfg.rollout.episode} if env else {}),
+            )  # fmt: skip
+        else:
+            engine_gpus = int(cfg.rollout.engine.device.startswith("cuda"))  # one GPU per engine worker
+            rollouts = self._spawn("rollout", RolloutWorker, model_dir, cfg.rollout.engine, cfg.rollout.threads,
+                                   procs=cfg.rollout.num_workers, gpus_per_proc=engine_gpus,
+                                   **({"environment": env, "episode": cfg.rollout.episode} if env else {}))  # fmt: skip
         if callable(getattr(self.reward, "start", None)):  # a reward served by a mesh of its own
             await self.reward.start(self._spawn)
         # without an environment the task's reward is the default; an environment's rewards stand alone
         reward = self.reward if self.reward is not None else None if env else self.task
         rewards = self._spawn("reward", RewardWorker, reward, model_dir, cfg.reward.timeout_s, procs=cfg.reward.num_workers)
-        trainer = self._spawn(
-            "trainer", Trainer, model_dir, cfg.trainer, cfg.algo, temperature=cfg.rollout.temperature,
-            max_new_tokens=cfg.rollout.episode.max_tokens if env else cfg.rollout.max_new_tokens,
-            total_steps=cfg.run.total_steps, dims={"dp": cfg.trainer.dp}, gpus_per_proc=int(cfg.trainer.device == "cuda"),
-        )  # fmt: skip
+        if cfg.placement != "colocated":
+            trainer = self._spawn(
+                "trainer", Trainer, model_dir, cfg.trainer, cfg.algo, temperature=cfg.rollout.temperature,
+                max_new_tokens=max_new_tokens, total_steps=cfg.run.total_steps, dims={"dp": cfg.trainer.dp},
+                gpus_per_proc=int(cfg.trainer.device == "cuda"),
+            )  # fmt: skip
         reference = None
         if cfg.algo.kl_coef > 0 and not cfg.trainer.reference_in_trainer:
             reference = self._spawn("reference", ReferenceWorker, model_dir, temperature=cfg.rollout.temperature,
                                     tokens_per_microbatch=cfg.trainer.tokens_per_microbatch)  # fmt: skip
-        meshes = [queue, rollouts, rewards, trainer] + ([reference] if reference else [])
+        meshes = [queue, rollouts, rewards] + ([trainer] if trainer is not rollouts else []) + ([reference] if reference else [])
         await asyncio.gather(*(m.ready().within(self.cfg.run.step_timeout_s) for m in meshes))
-        if cfg.reshard.transport == "distributed":
+        if cfg.reshard.transport == "distributed" and cfg.placement != "colocated":  # colocated: in-place hand-over
             # once: a process group over every trainer and engine rank, and the cached transfer plan
             await reshard_meshes.connect(trainer, rollouts, cfg.reshard)
         return Roles(queue, rollouts, rewards, trainer, reference)

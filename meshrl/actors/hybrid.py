@@ -1,0 +1,334 @@
+"""Colocated placement: the trainer and a TorchEngine in one process, taking turns on one device.
+
+``placement=colocated`` spawns one ``HybridWorker`` per trainer rank (``{"procs": trainer.dp}``,
+one GPU each on CUDA). Each holds a ``Trainer`` (its FSDP2 shard) and a ``RolloutWorker`` (a
+full engine replica), and the controller points both ``Roles.rollouts`` and ``Roles.trainer`` at
+that one mesh. The two modes share the device memory instead of holding it twice:
+
+```text
+rollout mode  generate / run_episodes run on the engine (the gate is open)
+  train_step  close the gate: new generate calls wait (switch_timeout_s), the calls in flight finish
+              engine.release_memory: KV cache (and with release_weights the weights) go back to
+              torch's caching allocator, so the step's activations and gradients reuse that memory
+train mode    PolicyTrainer.train_step on a worker thread (the event loop stays responsive)
+  hand-over   at the push that follows (reshard_receive), or at once after a step without one:
+              engine.restore_memory (same sizes, mostly the same addresses: CUDA graphs are
+              re-captured only if one moved) → LocalHandover: foreach_copy of the trainer's
+              parameters, cast to the engine's dtype, into the live engine weights → version
+rollout mode  the gate opens; generation resumes at the new version
+```
+
+The trainer's persistent memory (parameters, AdamW state, created eagerly here) is allocated
+before the engine's, so a KV cache released to training is one free segment afterwards and comes
+back at the same address. Metrics of every phase (``colocated/*``: peak GiB allocated, switch
+seconds, graph re-captures) ride along in ``train_step``'s metrics: the rollout phase and the
+hand-over are those that ended before this step.
+
+Simplifications, on purpose: rollout and training never overlap on the device (with
+max_staleness >= 1 the rollout of the next version waits for the step, but the queue already
+holds it, so the trainer never waits for generation it could have overlapped); one engine
+replica per trainer rank, without engine tensor parallelism; ``release_weights`` needs a push
+after every step (trainer.sync_interval = 1: the old weights are gone).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator, Callable, Sequence
+
+import msgspec
+import torch
+
+from meshrl.actors.algo_config import AlgoConfig
+from meshrl.actors.policy_trainer import PolicyTrainer, TrainerConfig
+from meshrl.actors.rollout import RolloutWorker
+from meshrl.actors.trainer import Trainer
+from meshrl.engines import GenerateRequest, GenerateResult
+from meshrl.engines.torch_engine import TorchEngine, TorchEngineConfig
+from meshrl.envs import EnvFactory, Episode, EpisodeConfig, EpisodeRequest
+from meshrl.mesh import Actor, endpoint
+from meshrl.reshard import PushStats, ReshardConfig
+from meshrl.reshard.colocated import LocalHandover
+
+__all__ = ["ColocatedConfig", "Colocated", "HybridWorker", "init_optimizer_state"]
+
+_GIB = 2**30
+
+
+class ColocatedConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """The colocated placement's switch between rollout and training (placement=colocated)."""
+
+    release_weights: bool = False
+    """rollout → train also frees the engine's weights (not only its KV cache); the hand-over writes
+    them back. Saves the engine weights' memory in the train phase; needs trainer.sync_interval=1."""
+    switch_timeout_s: float = 600.0
+    """Longest wait for the generate calls in flight before a train step, and of a generate call
+    for the rollout mode to come back (train step and hand-over)."""
+
+    def __post_init__(self) -> None:
+        if not self.switch_timeout_s > 0:
+            raise ValueError(f"colocated.switch_timeout_s must be > 0, got {self.switch_timeout_s}")
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create Adam/AdamW state now, exactly as the first ``step`` would (zeros, step 0), so that it is
+    allocated before the engine's KV cache and never lands in the memory the cache gives back."""
+    from torch.optim.optimizer import _get_scalar_dtype
+
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if state:
+                continue
+            on_device = group.get("capturable", False) or group.get("fused", False)
+            state["step"] = (torch.zeros((), dtype=_get_scalar_dtype(is_fused=group.get("fused", False)), device=p.device)
+                             if on_device else torch.tensor(0.0, dtype=_get_scalar_dtype()))  # fmt: skip
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if group.get("amsgrad", False):
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+class Colocated:
+    """The mode switch of one process: a ``PolicyTrainer`` and a ``TorchEngine`` on one device.
+
+    No Ray and no event loop: ``HybridWorker`` drives it from its actor, ``bench/gpu_colocated.py``
+    directly. ``to_train`` → the trainer's step → ``finish_train`` → ``to_rollout(version)``.
+    """
+
+    def __init__(self, trainer: PolicyTrainer, engine: TorchEngine, *, release_weights: bool = False,
+                 bucket_bytes: int = 512 * 2**20):  # fmt: skip
+        self.trainer, self.engine, self.release_weights = trainer, engine, release_weights
+        self.handover = LocalHandover(trainer.policy.named_parameters, engine, ReshardConfig(bucket_bytes=bucket_bytes))
+        self.mode = "rollout"
+        self.device = engine.device
+        self._cuda = self.device.type == "cuda"
+        self._carry: dict[str, float] = {}  # metrics of the rollout phase, reported by the next step
+        self.switches = 0
+        self._reset_peak()
+
+    def _sync(self) -> None:
+        if self._cuda:
+            torch.cuda.synchronize(self.device)  # switch times include the device work they queued
+
+    def _reset_peak(self) -> None:
+        if self._cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _peak_gib(self) -> float:
+        return torch.cuda.max_memory_allocated(self.device) / _GIB
+
+    def to_train(self) -> float:
+        """Rollout → train (the engine must be idle): free the KV cache (and weights); returns seconds."""
+        if self.mode == "train":
+            return 0.0
+        self._sync()
+        start = time.perf_counter()
+        if self._cuda:
+            self._carry["colocated/rollout_peak_gib"] = self._peak_gib()
+        self.engine.release_memory(weights=self.release_weights)
+        self._sync()
+        seconds = time.perf_counter() - start
+        self._carry["colocated/switch_to_train_s"] = seconds
+        self._reset_peak()
+        self.mode = "train"
+        return seconds
+
+    def finish_train(self, metrics: dict[str, float]) -> dict[str, float]:
+        """``metrics`` of the step just run, with this cycle's ``colocated/*`` ones added."""
+        out = {**metrics, **self._carry}
+        self._carry = {}
+        if self._cuda:
+            out["colocated/train_peak_gib"] = self._peak_gib()
+            out["colocated/engine_resident_gib"] = self.engine_resident_bytes() / _GIB
+        out["colocated/graph_recaptures"] = float(self.engine.graph_recaptures)
+        out["colocated/kv_cache_gib"] = self.engine.cache.nbytes / _GIB
+        return out
+
+    def engine_resident_bytes(self) -> int:
+        """Engine memory held through the train phase (weights unless released; not the KV cache)."""
+        if self.release_weights:
+            return 0
+        return sum(p.numel() * p.element_size() for p in self.engine.model.params.values())
+
+    def to_rollout(self, version: int | None) -> PushStats | None:
+        """Train → rollout: restore the engine's memory and, with ``version``, hand the trainer's weights
+        over as that version. Without one the engine serves its old weights again (a step with no push
+        after it), unless they were released: then the trainer's are written back under the old
+        version (only after a failed step, whose update was skipped). In rollout mode it is the
+        in-place push alone (between two decode steps)."""
+        if self.mode == "rollout":
+            return self.handover.write(self.engine, version) if version is not None else None
+        self._sync()
+        start = time.perf_counter()
+        self._reset_peak()  # the rollout phase's peak includes the restore and the hand-over
+        released_weights = self.engine.weights_released
+        self.engine.restore_memory()
+        stats = None
+        if version is not None:
+            stats = self.handover.write(self.engine, version)
+        elif released_weights:
+            self.handover.write(self.engine, self.engine.version)
+        self._sync()
+        self._carry["colocated/switch_to_rollout_s"] = time.perf_counter() - start
+        self.mode = "rollout"
+        self.switches += 1
+        return stats
+
+
+class _Gate:
+    """Rollout calls run while it is open; closing it waits for the calls in flight (event-loop only)."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.open = asyncio.Event()
+        self.open.set()
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.in_flight = 0
+
+    @contextlib.asynccontextmanager
+    async def rollout(self, what: str) -> AsyncIterator[None]:
+        try:
+            # waits for: rollout mode; unblocked by: the hand-over after a train step (or the step alone)
+            await asyncio.wait_for(self.open.wait(), self.timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"{what} waited {self.timeout_s:g}s (colocated.switch_timeout_s) for the colocated "
+                               "worker to return to rollout mode (its train step and the weight hand-over)") from None
+        self.in_flight += 1
+        self.idle.clear()
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+            if not self.in_flight:
+                self.idle.set()
+
+    async def close(self) -> None:
+        self.open.clear()
+        try:
+            # waits for: the generate calls in flight; unblocked by: their completion in the engine
+            await asyncio.wait_for(self.idle.wait(), self.timeout_s)
+        except asyncio.TimeoutError:
+            self.open.set()
+            raise TimeoutError(f"train_step waited {self.timeout_s:g}s (colocated.switch_timeout_s) for {self.in_flight} "
+                               "generate calls in flight to finish before switching to training") from None
+
+
+class HybridWorker(Actor):
+    """One rank of the colocated mesh: the ``Trainer`` and ``RolloutWorker`` endpoints the controller
+    uses, over one process and one device (module docstring)."""
+
+    def __init__(self, model_path: str, trainer: TrainerConfig, algo: AlgoConfig, engine: TorchEngineConfig,
+                 colocated: ColocatedConfig, *, rollout_threads: int = 1, temperature: float, max_new_tokens: int,
+                 total_steps: int, environment: EnvFactory | None = None,
+                 episode: EpisodeConfig = EpisodeConfig()) -> None:  # fmt: skip
+        if colocated.release_weights and trainer.sync_interval != 1:
+            raise ValueError("colocated.release_weights needs trainer.sync_interval=1 (a push after every step)")
+        # the trainer's persistent memory first (parameters, optimiser state), then the engine's
+        self.trainer = Trainer(model_path, trainer, algo, temperature=temperature, max_new_tokens=max_new_tokens,
+                               total_steps=total_steps)  # fmt: skip
+        for opt in (self.trainer.core.optimizer, self.trainer.core.critic_optimizer):
+            if opt is not None:
+                init_optimizer_state(opt)
+        engine = msgspec.structs.replace(engine, contiguous_weights=engine.contiguous_weights or colocated.release_weights)
+        self.rollout = RolloutWorker(model_path, engine, rollout_threads, environment=environment, episode=episode)
+        torch.set_num_threads(max(trainer.threads, rollout_threads))
+        self.colo = Colocated(self.trainer.core, self.rollout.engine, release_weights=colocated.release_weights)
+        self.sync_interval = trainer.sync_interval
+        self._gate = _Gate(colocated.switch_timeout_s)
+        self._switch = asyncio.Lock()  # one train step or hand-over at a time
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="trainer")  # every trainer call, in order
+
+    async def _on_trainer(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    # ---- rollout side ---------------------------------------------------------------------------
+
+    @endpoint
+    async def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
+        async with self._gate.rollout("generate"):
+            return await self.rollout.generate(requests)
+
+    @endpoint
+    async def run_episodes(self, requests: Sequence[EpisodeRequest]) -> list[list[Episode]]:
+        async with self._gate.rollout("run_episodes"):
+            return await self.rollout.run_episodes(requests)
+
+    @endpoint
+    async def version(self) -> int:
+        return self.rollout.engine.version
+
+    @endpoint
+    async def pause(self, mode: str = "keep") -> None:
+        await self.rollout.pause(mode)
+
+    @endpoint
+    async def resume(self) -> None:
+        await self.rollout.resume()
+
+    # ---- train side -----------------------------------------------------------------------------
+
+    @endpoint
+    async def train_step(self, encoded_samples: bytes, version: int) -> dict[str, float]:
+        """Switch to training, run one step; switch back now unless a push follows (module docstring)."""
+        async with self._switch:
+            if self.colo.mode == "rollout":
+                await self._gate.close()
+                self.colo.to_train()
+            try:
+                metrics = await self._on_trainer(self.trainer.train_step, encoded_samples, version)
+            except BaseException:
+                self.colo.to_rollout(None)
+                self._gate.open.set()
+                raise
+            metrics = self.colo.finish_train(metrics)
+            if self.trainer.core.steps % self.sync_interval:  # no push after this step: back to rollout
+                self.colo.to_rollout(None)
+                self._gate.open.set()
+            return metrics
+
+    @endpoint
+    async def reshard_send(self, version: int) -> PushStats:
+        """The trainer's half of ``meshrl.reshard.meshes.push``: nothing to send, ``reshard_receive``
+        reads the parameters in this process."""
+        return PushStats(version=version, seconds=0.0, bytes=0)
+
+    @endpoint
+    async def reshard_receive(self, version: int) -> PushStats:
+        """The hand-over: the trainer's weights into the engine as ``version``, and back to rollout mode."""
+        async with self._switch:
+            try:
+                return self.colo.to_rollout(version)
+            finally:
+                self._gate.open.set()
+
+    @endpoint
+    async def gather_weights(self) -> int:
+        return await self._on_trainer(self.trainer.gather_weights)
+
+    @endpoint
+    async def export_weights(self) -> dict[str, torch.Tensor]:
+        return await self._on_trainer(self.trainer.export_weights)
+
+    @endpoint
+    async def save_hf(self, path: str) -> str:
+        return await self._on_trainer(self.trainer.save_hf, path)
+
+    @endpoint
+    async def save_checkpoint(self, path: str) -> str:
+        return await self._on_trainer(self.trainer.save_checkpoint, path)
+
+    @endpoint
+    async def load_checkpoint(self, path: str) -> int:
+        return await self._on_trainer(self.trainer.load_checkpoint, path)
+
+    @endpoint
+    async def colocated_state(self) -> dict[str, Any]:
+        """Mode, switches done, in-flight rollout calls, KV cache released or not, graph re-captures."""
+        return {"mode": self.colo.mode, "switches": self.colo.switches, "in_flight": self._gate.in_flight,
+                "kv_released": self.rollout.engine.memory_released, "graph_recaptures": self.rollout.engine.graph_recaptures,
+                "version": self.rollout.engine.version}  # fmt: skip
