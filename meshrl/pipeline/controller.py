@@ -270,12 +270,14 @@ class Pipeline:
             log.close()
             self._shutdown()
         from meshrl.pipeline.plots import plot_run
+        from meshrl.pipeline.timeline import run_summary
 
         plot = plot_run(self.out_dir)
         summary = {
             "accuracy_before": train.accuracy_before, "accuracy_after": after, "steps": train.step,
             "version": train.version, "seconds": time.perf_counter() - started, "checkpoint": final_dir,
-            "plot": str(plot), "metrics": str(self.out_dir / "metrics.jsonl"), "stopped": stopped,
+            "plot": str(plot), "timeline": str(self.out_dir / "timeline.png"), "metrics": str(self.out_dir / "metrics.jsonl"),
+            "stopped": stopped, "steady_state": run_summary(self.out_dir),  # idle per role, phase times (meshrl.pipeline.timeline)
             "last_checkpoint": str(ckpt.latest_checkpoint(self.out_dir)),
         }  # fmt: skip
         with (self.out_dir / "metrics.jsonl").open("a") as f:

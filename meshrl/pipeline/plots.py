@@ -1,7 +1,9 @@
 """PNG plots of a run: learning (reward, accuracy), throughput, staleness and the role timeline.
 
 Reads only ``metrics.jsonl`` and ``timeline.jsonl``, so ``python -m meshrl.pipeline.plots DIR``
-redraws any finished (or running) run.
+redraws any finished (or running) run: ``plots.png`` (four panels) and ``timeline.png`` (one lane
+per rollout worker, reward, trainer and eval, coloured by activity, weight pushes marked, the
+warm-up shaded, each lane's idle fraction over the steady-state window in its label).
 """
 
 from __future__ import annotations
@@ -9,10 +11,75 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any, Sequence
 
-__all__ = ["plot_run"]
+from meshrl.pipeline.timeline import lane_of, merge, steady_window, timeline_summary
 
-_ROLE_COLORS = {"rollout": "tab:blue", "reward": "tab:orange", "trainer": "tab:green", "sync": "tab:red", "eval": "tab:purple"}
+__all__ = ["plot_run", "draw_timeline", "plot_timeline"]
+
+_ACTIVITY_COLORS = {"generate": "tab:blue", "score": "tab:orange", "train_step": "tab:green", "push_weights": "tab:red",
+                    "checkpoint": "tab:brown", "held-out": "tab:purple"}  # fmt: skip
+
+
+def _lane_order(lane: str) -> tuple[int, int]:
+    head, _, tail = lane.partition("/")
+    rank = {"rollout": 0, "reward": 1, "trainer": 2, "eval": 3}.get(head, 4)
+    return rank, int(tail) if tail.isdigit() else 0
+
+
+def draw_timeline(ax: Any, spans: Sequence[dict[str, Any]], *, warmup_steps: int = 1, xlim: tuple[float, float] | None = None,
+                  title: str = "What each role was doing", legend_outside: bool = True) -> dict[str, Any]:  # fmt: skip
+    """Draw the lanes of ``spans`` on ``ax``; returns their ``timeline_summary``."""
+    summary = timeline_summary(spans, warmup_steps)
+    lanes = sorted({lane_of(s) for s in spans}, key=_lane_order)
+    seen: set[str] = set()
+    for row, lane in enumerate(lanes):
+        mine = [s for s in spans if lane_of(s) == lane]
+        for what in sorted({s["what"] for s in mine}, key=lambda w: w == "push_weights"):  # pushes on top
+            bars = merge((s["start"], s["end"]) for s in mine if s["what"] == what)
+            height = 0.8 if what != "push_weights" else 1.0
+            ax.broken_barh([(a, b - a) for a, b in bars], (row - height / 2, height), color=_ACTIVITY_COLORS.get(what, "tab:gray"),
+                           label=None if what in seen else what, linewidth=0)  # fmt: skip
+            seen.add(what)
+    for s in spans:  # a weight push stops everything that depends on it: mark it across every lane
+        if s["role"] == "sync":
+            ax.axvline(s["end"], color="tab:red", linewidth=0.6, alpha=0.5)
+    window, _ = steady_window(spans, warmup_steps)
+    if window and summary["steps"]:
+        ax.axvspan(min(s["start"] for s in spans), window[0][0], color="0.85", zorder=0, label="warm-up (not measured)")
+    idle = summary.get("idle", {})
+    labels = [f"{lane}\nidle {idle[lane]:.0%}" if lane in idle else lane for lane in lanes]
+    ax.set(yticks=range(len(lanes)), yticklabels=labels, xlabel="seconds since start", title=title, ylim=(-0.7, len(lanes) - 0.3))
+    if xlim is not None:
+        ax.set_xlim(*xlim)
+    if legend_outside:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
+    else:
+        ax.legend(loc="upper right", fontsize="x-small", ncol=2)
+    return summary
+
+
+def plot_timeline(run_dir: str | Path, *, warmup_steps: int = 1, out: str | Path | None = None,
+                  xlim: tuple[float, float] | None = None) -> Path:  # fmt: skip
+    """Write the role timeline of ``run_dir`` as a PNG (default ``run_dir/timeline.png``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    spans = _load(run_dir / "timeline.jsonl")
+    lanes = {lane_of(s) for s in spans}
+    fig, ax = plt.subplots(figsize=(14, 1.2 + 0.7 * max(1, len(lanes))))
+    s = draw_timeline(ax, spans, warmup_steps=warmup_steps, xlim=xlim)
+    if s["steps"]:
+        ax.set_title(f"What each role was doing — steady state: {s['steps']} steps in {s['window_s']:.1f}s; per step "
+                     f"generate {s['t_gen_s']:.2f}s, train {s['t_train_s']:.2f}s, push {s['t_sync_s'] * 1e3:.0f} ms")  # fmt: skip
+    fig.tight_layout()
+    out = Path(out) if out is not None else run_dir / "timeline.png"
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
 
 
 def _load(path: Path) -> list[dict]:
@@ -22,7 +89,7 @@ def _load(path: Path) -> list[dict]:
 
 
 def plot_run(run_dir: str | Path) -> Path:
-    """Write ``run_dir/plots.png`` and return its path."""
+    """Write ``run_dir/plots.png`` (and ``timeline.png``); return the first's path."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -57,16 +124,12 @@ def plot_run(run_dir: str | Path) -> Path:
     ax.set(xlabel="train step", ylabel="versions behind", title="Staleness of trained samples")
     ax.legend()
 
-    ax = axes[1][1]
-    roles = sorted({s["role"] for s in spans}, key=lambda r: list(_ROLE_COLORS).index(r) if r in _ROLE_COLORS else 99)
-    for row, role in enumerate(roles):
-        bars = [(s["start"], s["end"] - s["start"]) for s in spans if s["role"] == role]
-        ax.broken_barh(bars, (row - 0.4, 0.8), color=_ROLE_COLORS.get(role, "tab:gray"))
-    ax.set(yticks=range(len(roles)), yticklabels=roles, xlabel="seconds since start", title="What each role was doing")
+    draw_timeline(axes[1][1], spans, legend_outside=False)
     fig.tight_layout()
     out = run_dir / "plots.png"
     fig.savefig(out, dpi=90)
     plt.close(fig)
+    plot_timeline(run_dir)
     return out
 
 
