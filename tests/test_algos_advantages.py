@@ -222,3 +222,17 @@ def test_bad_inputs_name_the_argument():
         rloo_advantages(torch.zeros(3), torch.zeros(4, dtype=torch.long))
     with pytest.raises(ValueError, match="`rewards`"):
         grpo_advantages(torch.zeros(3, 1), torch.zeros(3, 1, dtype=torch.long))
+
+
+def test_informative_groups_marks_only_groups_whose_rewards_differ():
+    from meshrl.algos import informative_groups
+
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.5, 0.5 + 1e-9, 2.0])
+    groups = torch.tensor([7, 7, -3, -3, 40, 40, 5, 5, 9])  # arbitrary ids; 9 is a group of one
+    keep = informative_groups(rewards, groups)
+    assert keep.tolist() == [False, False, True, True, False, False, False, False, False]
+    # interleaved ids: membership, not position, decides
+    keep = informative_groups(torch.tensor([0.0, 1.0, 0.0, 0.0]), torch.tensor([1, 2, 2, 1]))
+    assert keep.tolist() == [False, True, True, False]
+    with pytest.raises(ValueError, match="group_ids"):
+        informative_groups(rewards, groups[:3])

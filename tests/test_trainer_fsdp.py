@@ -13,6 +13,7 @@ import random
 import socket
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -222,3 +223,24 @@ def test_nan_loss_skips_the_update_and_repeated_ones_stop(tmp_path):
     assert max((moved[k] - before[k]).abs().max().item() for k in before) > 0
     with pytest.raises(NonFiniteStepsError, match="2 train steps in a row.*max_skipped_steps=2"):
         t.train_step(make_samples(2, 8, group=2, reward=float("nan")), 2)
+
+
+def test_dropping_uniform_groups_equals_training_without_them(tmp_path):
+    """drop_uniform_groups: a batch with all-right and all-wrong groups trains exactly like the
+    batch of its informative groups alone (same loss, same parameters after the step)."""
+    model_dir = tiny_model_dir(tmp_path / "model", layers=1)
+    algo = AlgoConfig(advantage="grpo", samples_per_prompt=2, drop_uniform_groups=True)
+    cfg = TrainerConfig(samples_per_step=8, tokens_per_microbatch=64, lr=3e-3)
+    samples = make_samples(0, 8, group=2)
+    for s, r in zip(samples, [1, 1, 0, 1, 0, 0, 1, 0]):  # groups: uniform, mixed, uniform, mixed
+        s.reward = float(r)
+    mixed = [s for s in samples if s.group_id in (1, 3)]
+    full = PolicyTrainer(model_dir, cfg, algo, dp=DataParallel(None), temperature=1.0, max_new_tokens=8, total_steps=2)
+    part = PolicyTrainer(model_dir, msgspec.structs.replace(cfg, samples_per_step=4), algo, dp=DataParallel(None),
+                         temperature=1.0, max_new_tokens=8, total_steps=2)  # fmt: skip
+    m_full, m_part = full.train_step(samples, 0), part.train_step(mixed, 0)
+    assert m_full["uniform_group_frac"] == 0.5 and m_part["uniform_group_frac"] == 0.0
+    assert m_full["loss"] == pytest.approx(m_part["loss"], rel=1e-5, abs=1e-7) and m_full["loss"] != 0.0
+    _close(_params(full), _params(part), atol=1e-6)
+    with pytest.raises(ValueError, match="drop_uniform_groups"):
+        AlgoConfig(advantage="gae", drop_uniform_groups=True)

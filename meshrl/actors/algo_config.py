@@ -48,6 +48,9 @@ class AlgoConfig(msgspec.Struct, frozen=True, kw_only=True):
     """GAE λ."""
     normalize_advantages: bool = True
     """Whiten GAE advantages over the step's valid tokens."""
+    drop_uniform_groups: bool = False
+    """grpo/rloo: leave groups whose samples all got the same reward out of the loss and its
+    normaliser (they have zero advantage; DAPO's dynamic-sampling filter without the refill)."""
     grpo_scale_by_std: bool = True
     """GRPO: divide by the group's std (Dr. GRPO sets False to remove the difficulty bias)."""
     value_clip: float | None = None
@@ -75,6 +78,9 @@ class AlgoConfig(msgspec.Struct, frozen=True, kw_only=True):
                 f"algo.advantage={self.advantage} compares samples of one prompt: "
                 f"set algo.samples_per_prompt >= 2 (got {self.samples_per_prompt})"
             )
+        if self.drop_uniform_groups and self.advantage not in ("grpo", "rloo"):
+            raise ValueError(f"algo.drop_uniform_groups filters groups: it needs advantage grpo or rloo, "
+                             f"not {self.advantage}")
         if self.kl_coef < 0:
             raise ValueError(f"algo.kl_coef must be >= 0, got {self.kl_coef}")
 

@@ -231,6 +231,13 @@ class PolicyUpdater:
             proximal = self._forward_all(batch, lambda p: self._logprobs(p)[0], "proximal log-probs")
         adv, returns = self.advantages(batch, old_values)
         old_logprobs = proximal if proximal is not None else batch.behavior_logprobs
+        uniform_frac = None
+        if algo.drop_uniform_groups:
+            keep = algos.informative_groups(batch.rewards, batch.group_ids)  # [B]
+            uniform_frac = 1.0 - float(keep.float().mean())
+            p = batch.packed
+            batch.packed = Packed(p.input_ids, p.attention_mask, p.predict_index,
+                                  p.response_mask * keep[:, None].to(p.response_mask.dtype), p.response_ids)
 
         num_rows = len(batch.lengths)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.dp.device)
@@ -264,6 +271,8 @@ class PolicyUpdater:
         reduced.update(extra)
         reduced["loss"] = float(loss_sum) / (self.ppo_epochs * self.minibatches)
         reduced["advantage_mean"] = float(adv[mask].mean()) if mask.any() else 0.0
+        if uniform_frac is not None:
+            reduced["uniform_group_frac"] = uniform_frac
         if returns is not None and mask.any():
             reduced["value_mean"] = float(old_values[mask].mean())
         return reduced

@@ -10,6 +10,7 @@ from meshrl.algos.advantages import (
     discounted_returns,
     gae,
     grpo_advantages,
+    informative_groups,
     reinforce_pp_advantages,
     rloo_advantages,
 )
@@ -59,6 +60,7 @@ __all__ = [
     "entropy_from_logits",
     "gae",
     "grpo_advantages",
+    "informative_groups",
     "gspo_policy_loss",
     "kl_estimator",
     "kl_in_reward",

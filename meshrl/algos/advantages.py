@@ -188,6 +188,30 @@ def _groups(fn: str, rewards: torch.Tensor, group_ids: torch.Tensor):
 
 
 @torch.no_grad()
+def informative_groups(rewards: torch.Tensor, group_ids: torch.Tensor, *, tol: float = 1e-6) -> torch.Tensor:
+    """Which samples belong to a group whose rewards differ (DAPO's dynamic-sampling filter).
+
+    A group whose samples all got the same reward (all right or all wrong) has zero group-relative
+    advantage: it teaches nothing, yet its tokens still count in a token-mean normaliser and dilute
+    the step as accuracy rises. Masking them out keeps the step's scale on the informative groups.
+
+    Args:
+        rewards: ``[B]`` float, one scalar reward per sample.
+        group_ids: ``[B]`` integer, samples of one prompt share an id.
+        tol: rewards closer than this count as equal.
+
+    Returns:
+        ``[B]`` bool, True where the sample's group has max - min reward > ``tol``.
+    """
+    fn = "informative_groups"
+    check_coef(fn, "tol", tol)
+    index, count, _ = _groups(fn, rewards, group_ids)
+    hi = rewards.new_full(count.shape, float("-inf")).scatter_reduce_(0, index, rewards, "amax")
+    lo = rewards.new_full(count.shape, float("inf")).scatter_reduce_(0, index, rewards, "amin")
+    return (hi - lo)[index] > tol
+
+
+@torch.no_grad()
 def grpo_advantages(
     rewards: torch.Tensor,
     group_ids: torch.Tensor,
