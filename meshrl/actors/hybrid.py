@@ -324,7 +324,9 @@ class HybridWorker(Actor):
 
     @endpoint
     async def load_checkpoint(self, path: str) -> int:
-        return await self._on_trainer(self.trainer.load_checkpoint, path)
+        steps = await self._on_trainer(self.trainer.load_checkpoint, path)
+        self.colo.handover.refresh()  # in case loading replaced parameter tensors instead of writing them
+        return steps
 
     @endpoint
     async def colocated_state(self) -> dict[str, Any]:

@@ -1,0 +1,180 @@
+"""placement=colocated: the trainer and a TorchEngine in one process, taking turns (meshrl.actors.hybrid).
+
+Invariant: at max_staleness=0 with fixed seeds, a colocated run trains exactly like a
+disaggregated one (same samples, losses, final weights). Also: one-step overlap (η = 1) with the
+engine's weights released while training; the mode gate (a train step waits for the generate
+calls in flight, generate calls wait for the hand-over); memory release/restore of the engine;
+the configuration errors; and the GPU benchmark's CPU smoke run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+
+from meshrl.config import ConfigError, load_config
+from meshrl.engines import GenerateRequest, SamplingParams, TorchEngine, TorchEngineConfig
+from meshrl.pipeline import Pipeline, PipelineConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+OVERRIDES = [
+    "model.embedded.hidden_size=32", "model.embedded.num_hidden_layers=2", "model.embedded.intermediate_size=64",
+    "model.embedded.num_attention_heads=2", "model.embedded.num_key_value_heads=1",
+    "warmstart.max_steps=40", "warmstart.target_accuracy=null", "warmstart.batch_size=32", "warmstart.lr=3e-3",
+    "task.digits=1", "task.num_test=16", "trainer.samples_per_step=16",
+    "rollout.prompts_per_request=4", "rollout.requests_in_flight=2", "rollout.max_new_tokens=4",
+    "run.total_steps=3", "run.eval_every=0", "run.progress=false", "trainer.lr=1e-3",
+]  # fmt: skip
+
+
+def _run(tmp_path: Path, name: str, *extra: str) -> tuple[list[dict], Path]:
+    cfg = load_config(PipelineConfig, None, [*OVERRIDES, f"warmstart.cache_dir={tmp_path / 'cache'}",
+                                             f"run.output_dir={tmp_path / name}", *extra])  # fmt: skip
+    summary = asyncio.run(Pipeline(cfg).run())
+    records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r["kind"] == "step"], Path(summary["checkpoint"])
+
+
+@pytest.mark.slow
+def test_colocated_at_staleness_zero_equals_disaggregated(ray_cluster, tmp_path):
+    colocated, colocated_final = _run(tmp_path, "colocated", "queue.max_staleness=0", "placement=colocated")
+    disaggregated, disaggregated_final = _run(tmp_path, "disaggregated", "queue.max_staleness=0")
+    assert [r["staleness_max"] for r in colocated] == [0.0, 0.0, 0.0]
+    for got, want in zip(colocated, disaggregated, strict=True):
+        for key in ("reward_mean", "response_tokens_mean", "samples", "version"):
+            assert got[key] == want[key], key  # the very same samples
+        for key in ("loss", "grad_norm", "ratio_mean"):
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key  # test_sync_equivalence's bounds
+        assert got["colocated/switch_to_train_s"] >= 0 and got["colocated/graph_recaptures"] == 0
+    assert all("colocated/switch_to_rollout_s" in r for r in colocated[1:])  # the previous cycle's hand-over
+    ours = AutoModelForCausalLM.from_pretrained(colocated_final).state_dict()
+    for name, tensor in AutoModelForCausalLM.from_pretrained(disaggregated_final).state_dict().items():
+        torch.testing.assert_close(ours[name], tensor, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.slow
+def test_colocated_one_step_overlap_with_released_weights_trains(ray_cluster, tmp_path):
+    steps, final = _run(tmp_path, "overlap", "queue.max_staleness=1", "placement=colocated",
+                        "colocated.release_weights=true", "run.total_steps=4")  # fmt: skip
+    assert [r["step"] for r in steps] == [1, 2, 3, 4] and [r["version"] for r in steps] == [1, 2, 3, 4]
+    assert max(r["staleness_max"] for r in steps) <= 1
+    assert all(r["loss"] == r["loss"] and r["grad_norm"] > 0 for r in steps)
+    base = AutoModelForCausalLM.from_pretrained(next((tmp_path / "cache" / "warmstart").iterdir())).state_dict()
+    trained = AutoModelForCausalLM.from_pretrained(final).state_dict()
+    assert any(not torch.equal(trained[k], base[k]) for k in base)  # the policy moved
+
+
+def _tiny_model_dir(path: Path) -> str:
+    from meshrl.embedded import build_char_tokenizer
+
+    cfg = Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, tie_word_embeddings=True, pad_token_id=0, eos_token_id=None)  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    build_char_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+def _requests(n: int, tokens: int, seed: int) -> list[GenerateRequest]:
+    sp = SamplingParams(max_new_tokens=tokens, temperature=1.0, ignore_eos=True, seed=seed)
+    return [GenerateRequest(input_ids=[3 + i, 5, 7], sampling=sp) for i in range(n)]
+
+
+def test_engine_release_and_restore_memory_keeps_generation_identical(tmp_path):
+    model_dir = _tiny_model_dir(tmp_path / "m")
+    engine = TorchEngine.from_pretrained(model_dir, TorchEngineConfig(device="cpu", max_batch_size=4, max_seq_len=32,
+                                                                       contiguous_weights=True))  # fmt: skip
+    from meshrl.reshard.colocated import LocalHandover
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir)
+    handover = LocalHandover(hf.named_parameters, engine)
+    before = asyncio.run(engine.generate(_requests(3, 6, seed=1)))
+    engine.release_memory(weights=True)
+    assert engine.memory_released and engine.weights_released
+    assert engine.cache.kv.untyped_storage().nbytes() == 0 and engine.model.embed.untyped_storage().nbytes() == 0
+    engine.restore_memory()
+    handover.write(engine, 1)  # restored weights are undefined until a whole version is written
+    after = asyncio.run(engine.generate(_requests(3, 6, seed=1)))
+    assert engine.version == 1 and not engine.memory_released
+    assert [c.output_ids for r in after for c in r.completions] == [c.output_ids for r in before for c in r.completions]
+    for a, b in zip([c.logprobs for r in after for c in r.completions], [c.logprobs for r in before for c in r.completions]):
+        assert a == pytest.approx(b, abs=1e-6)
+    with pytest.raises(RuntimeError, match="contiguous_weights"):
+        TorchEngine.from_pretrained(model_dir, TorchEngineConfig(device="cpu", max_batch_size=2, max_seq_len=16)
+                                    ).release_memory(weights=True)  # fmt: skip
+
+
+def test_mode_gate_orders_generation_train_steps_and_the_hand_over(ray_cluster, tmp_path):
+    from meshrl.actors import AlgoConfig, TrainerConfig
+    from meshrl.actors.hybrid import ColocatedConfig, HybridWorker
+    from meshrl.actors.reward import RolloutJob, score_job
+    from meshrl.mesh import spawn_procs
+    from meshrl.tasks import Problem, TaskConfig, build_task
+
+    model_dir = _tiny_model_dir(tmp_path / "m")
+    procs = spawn_procs({"procs": 1}, cpus_per_proc=0.01, name="hybrid_gate")
+    try:
+        w = procs.spawn("hybrid", HybridWorker, model_dir, TrainerConfig(samples_per_step=4), AlgoConfig(samples_per_prompt=4),
+                        TorchEngineConfig(device="cpu", max_batch_size=8, max_seq_len=512), ColocatedConfig(switch_timeout_s=60),
+                        temperature=1.0, max_new_tokens=4, total_steps=10)  # fmt: skip
+        one = w.slice(procs=0)
+
+        async def scenario():
+            # a training batch from the engine itself, scored by the arithmetic task
+            task, tok = build_task(TaskConfig(digits=1, num_test=16)), AutoTokenizer.from_pretrained(model_dir)
+            problems = [Problem(id=0, prompt="1+2=", answer="3")]
+            reqs = [GenerateRequest(input_ids=tok.encode("1+2="), sampling=SamplingParams(max_new_tokens=4, n=4, seed=3))]
+            results = await one.generate.call_one(reqs).within(60)
+            batch = score_job(task, tok, RolloutJob(problems=problems, prompt_ids=[reqs[0].input_ids], results=results,
+                                                    group_ids=[0])).encoded  # fmt: skip
+            # a long generate is in flight: the train step waits for it, then frees the KV cache
+            long = asyncio.ensure_future(one.generate.call_one(_requests(2, 400, seed=5)).within(60))
+            await asyncio.sleep(0.3)
+            assert (await one.colocated_state.call_one().within(30))["in_flight"] == 1
+            metrics = await one.train_step.call_one(batch, 0).within(60)
+            assert long.done() and len((await long)[0].completions[0].output_ids) == 400
+            state = await one.colocated_state.call_one().within(30)
+            assert state["mode"] == "train" and state["kv_released"] and metrics["colocated/switch_to_train_s"] >= 0
+            # a generate now waits for the hand-over, and then runs on the new version
+            waiting = asyncio.ensure_future(one.generate.call_one(_requests(1, 3, seed=7)).within(60))
+            await asyncio.sleep(0.3)
+            assert not waiting.done()
+            stats = await one.reshard_receive.call_one(1).within(60)
+            assert stats.version == 1 and stats.bytes > 0
+            out = await waiting
+            assert out[0].completions[0].versions == [1, 1, 1]
+            state = await one.colocated_state.call_one().within(30)
+            assert state["mode"] == "rollout" and not state["kv_released"] and state["switches"] == 1
+
+        asyncio.run(scenario())
+    finally:
+        procs.stop()
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["placement=colocated", "rollout.num_workers=2"], "rollout.num_workers"),
+    (["placement=colocated", "reshard.transport=object_store"], "reshard.transport"),
+    (["placement=colocated", "trainer.device=cuda", "rollout.engine.device=cpu"], "rollout.engine.device"),
+    (["placement=colocated", "colocated.release_weights=true", "trainer.sync_interval=2"], "colocated.release_weights"),
+    (["colocated.release_weights=true"], "colocated.release_weights"),
+])  # fmt: skip
+def test_bad_colocated_configs_fail_naming_the_key(overrides, key):
+    with pytest.raises(ConfigError, match=f"`{key}`"):
+        load_config(PipelineConfig, None, overrides).validate()
+    with pytest.raises(ValueError, match="placement"):
+        load_config(PipelineConfig, None, ["placement=hybrid"])
+
+
+def test_gpu_bench_runs_tiny_on_cpu():
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_colocated.py"), "--tiny"], capture_output=True,
+                         text=True, timeout=240, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}, cwd=ROOT)  # fmt: skip
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| tiny |")]
+    assert len(rows) == 2 and "False" in rows[0] and "True" in rows[1]
