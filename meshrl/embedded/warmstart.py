@@ -74,7 +74,7 @@ def greedy_accuracy(model, tokenizer, task: Task, problems, max_new_tokens: int 
     model.eval()
     side, tokenizer.padding_side = tokenizer.padding_side, "left"
     try:
-        enc = tokenizer([p.prompt for p in problems], return_tensors="pt", padding=True)
+        enc = tokenizer([p.prompt for p in problems], return_tensors="pt", padding=True).to(model.device)
         out = model.generate(
             **enc, max_new_tokens=max_new_tokens, do_sample=False,
             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
@@ -98,7 +98,8 @@ def warm_start(
         return out
 
     torch.manual_seed(cfg.seed)
-    model = AutoModelForCausalLM.from_config(build_model_config(model_cfg, tokenizer))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # a GPU makes a bigger model's warm start seconds
+    model = AutoModelForCausalLM.from_config(build_model_config(model_cfg, tokenizer)).to(device)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     rng = random.Random(cfg.seed)
@@ -110,7 +111,7 @@ def warm_start(
         batch = [train[rng.randrange(len(train))] for _ in range(cfg.batch_size)]
         prompts = [tokenizer.encode(p.prompt) for p in batch]
         answers = [tokenizer.encode(p.answer) + [eos] for p in batch]
-        packed = pack(prompts, answers, pad_id=tokenizer.pad_token_id)
+        packed = pack(prompts, answers, pad_id=tokenizer.pad_token_id).to(device)
         logits = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask).logits
         logp = response_logprobs(logits, packed)
         loss = -(logp * packed.response_mask).sum() / packed.response_mask.sum()
