@@ -179,6 +179,12 @@ class Colocated:
         return stats
 
 
+def _warm_up_matmuls(device: torch.device) -> None:
+    for dtype in (torch.bfloat16, torch.float32):
+        a = torch.ones(64, 64, device=device, dtype=dtype)
+        (a @ a).sum().item()
+
+
 class _Gate:
     """Rollout calls run while it is open; closing it waits for the calls in flight (event-loop only)."""
 
@@ -234,6 +240,12 @@ class HybridWorker(Actor):
         for opt in (self.trainer.core.optimizer, self.trainer.core.critic_optimizer):
             if opt is not None:
                 init_optimizer_state(opt)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="trainer")  # every trainer call, in order
+        device = self.trainer.core.dp.device
+        if device.type == "cuda":
+            # the trainer thread's cuBLAS workspace is persistent: allocate it now, not inside the KV
+            # cache's freed segment during the first step (which would move the cache for good)
+            self._pool.submit(_warm_up_matmuls, device).result(timeout=colocated.switch_timeout_s)
         engine = msgspec.structs.replace(engine, contiguous_weights=engine.contiguous_weights or colocated.release_weights)
         self.rollout = RolloutWorker(model_path, engine, rollout_threads, environment=environment, episode=episode)
         torch.set_num_threads(max(trainer.threads, rollout_threads))
@@ -241,7 +253,6 @@ class HybridWorker(Actor):
         self.sync_interval = trainer.sync_interval
         self._gate = _Gate(colocated.switch_timeout_s)
         self._switch = asyncio.Lock()  # one train step or hand-over at a time
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="trainer")  # every trainer call, in order
 
     async def _on_trainer(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)

@@ -65,6 +65,8 @@ class TrainLoop:
             metrics = (await self.roles.trainer.train_step.call(encoded, self.version).within(timeout)).values()[0]
             t2 = self.log.now()
             self.log.span("trainer", "train_step", t1, t2)
+            if "colocated/switch_to_train_s" in metrics:  # placement=colocated: the step began by freeing the KV cache
+                self.log.span("colocated", "switch_to_train", t1, t1 + metrics["colocated/switch_to_train_s"])
             self.step += 1
             sync_s, pushed = 0.0, self.step % cfg.trainer.sync_interval == 0
             every = cfg.run.checkpoint_every
