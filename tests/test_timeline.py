@@ -113,7 +113,7 @@ def test_e2e_bench_tiny_cpu_mode(tmp_path):
     runs = {r["eta"]: r for r in result["models"][0]["runs"]}
     assert set(runs) == {0, 1}
     for r in runs.values():
-        assert r["steps"] == 4 and r["samples_per_s"] > 0 and r["t_train_s"] > 0 and r["t_gen_s"] > 0
+        assert r["steps"] == 5 and r["measured_steps"] == 4 and r["samples_per_s"] > 0 and r["t_train_s"] > 0 and r["t_gen_s"] > 0
         assert 0 <= r["idle"]["trainer"] < 1 and r["pushes"] >= 3
         assert r["response_tokens_mean"] == result["models"][0]["config"]["response_len"]  # fixed lengths (ignore_eos)
     assert runs[0]["staleness_mean"] == 0.0
