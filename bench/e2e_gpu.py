@@ -51,6 +51,7 @@ import string
 import sys
 import tempfile
 import time
+import traceback
 import zlib
 from pathlib import Path
 
@@ -317,8 +318,17 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"skipping {shape} η={eta}: {elapsed:.0f}s used, the next run would take about {estimate:.0f}s, "
                           f"--budget-s {args.budget_s:.0f}", flush=True)  # fmt: skip
                     continue
-                run = run_one(args, shape, eta, model_dir, out / shape / f"eta{eta}", task)
-                last_wall = run["wall_s"]
+                t0 = time.perf_counter()
+                try:
+                    run = run_one(args, shape, eta, model_dir, out / shape / f"eta{eta}", task)
+                except Exception as exc:  # one failed run (say, out of memory at 1.5B) keeps the others' results
+                    traceback.print_exc()
+                    model.setdefault("failed", []).append({"eta": eta, "error": f"{type(exc).__name__}: {exc}"[:2000]})
+                    print(f"FAILED {shape} η={eta}: {type(exc).__name__}: {str(exc)[:500]}", flush=True)
+                    write_outputs(out, result, skipped)
+                    continue
+                finally:
+                    last_wall = time.perf_counter() - t0
                 model["runs"].append(run)
                 model["reference"] = evaluate(model["runs"])
                 plot_overlap(out / shape, model["runs"], args.warmup)
@@ -333,7 +343,7 @@ def write_outputs(out: Path, result: dict, skipped: list[str]) -> list[str]:
     (out / "e2e.json").write_text(json.dumps(result, indent=1, default=str))
     lines = []
     for model in result["models"]:
-        lines += table(model) + [""]
+        lines += table(model) + [f"FAILED η={f['eta']}: {f['error'][:300]}" for f in model.get("failed", [])] + [""]
     if skipped:
         lines.append(f"skipped (time budget): {', '.join(skipped)}")
     (out / "e2e.md").write_text("\n".join(lines) + "\n")
