@@ -18,7 +18,7 @@ from meshrl.pipeline.timeline import lane_of, merge, steady_window, timeline_sum
 __all__ = ["plot_run", "draw_timeline", "plot_timeline"]
 
 _ACTIVITY_COLORS = {"generate": "tab:blue", "score": "tab:orange", "train_step": "tab:green", "push_weights": "tab:red",
-                    "checkpoint": "tab:brown", "held-out": "tab:purple"}  # fmt: skip
+                    "checkpoint": "tab:brown", "held-out": "tab:purple", "switch_to_train": "tab:gray"}  # fmt: skip
 
 
 def _lane_order(lane: str) -> tuple[int, int]:
@@ -35,7 +35,8 @@ def draw_timeline(ax: Any, spans: Sequence[dict[str, Any]], *, warmup_steps: int
     seen: set[str] = set()
     for row, lane in enumerate(lanes):
         mine = [s for s in spans if lane_of(s) == lane]
-        for what in sorted({s["what"] for s in mine}, key=lambda w: w == "push_weights"):  # pushes on top
+        # the long activities first, what happens inside or between them on top
+        for what in sorted({s["what"] for s in mine}, key=lambda w: (w not in ("train_step", "generate"), w == "push_weights", w)):
             bars = merge((s["start"], s["end"]) for s in mine if s["what"] == what)
             height = 0.8 if what != "push_weights" else 1.0
             ax.broken_barh([(a, b - a) for a, b in bars], (row - height / 2, height), color=_ACTIVITY_COLORS.get(what, "tab:gray"),

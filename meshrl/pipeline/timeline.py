@@ -86,11 +86,12 @@ def subtract(intervals: Sequence[Interval], holes: Sequence[Interval]) -> list[I
 
 
 def lane_of(span: dict[str, Any]) -> str:
-    """The lane a span occupies (module docstring): weight pushes belong to the trainer's lane."""
+    """The lane a span occupies (module docstring): weight pushes (and the colocated mode's switch
+    to training) belong to the trainer's lane."""
     role = span["role"]
     if role == "rollout":
         return f"rollout/{span.get('worker', 0)}"
-    if role in ("trainer", "sync"):
+    if role in ("trainer", "sync", "colocated"):  # colocated: the switch to training, inside a train step
         return "trainer"
     return role
 
