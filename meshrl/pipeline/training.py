@@ -49,6 +49,8 @@ class TrainLoop:
         self.accuracy_before: float | None = None
         self.evals: list[asyncio.Task] = []
         """Held-out evaluations started every run.eval_every steps."""
+        self.push_phases: dict[str, float] = {}
+        """The last distributed push's parts (sync/send_s, sync/transfer_s, ...), logged with its step."""
 
     async def run(self) -> None:
         """Train until ``run.total_steps`` or until the rollout side's ``stopping`` is set."""
@@ -84,6 +86,7 @@ class TrainLoop:
             self.log.step({
                 "step": self.step, "version": self.version, **metrics,
                 "step_time_s": now - last_end, "batch_wait_s": t1 - t0, "sync_time_s": sync_s,
+                **(self.push_phases if pushed else {}),
                 "tokens_per_s": (generated - last_tokens) / max(now - last_end, 1e-9), "generated_tokens": generated,
                 **{f"queue/{k}": v for k, v in queue_m.items() if isinstance(v, (int, float))},
             })  # fmt: skip
@@ -102,6 +105,7 @@ class TrainLoop:
         if self.cfg.reshard.transport == "distributed":
             # every trainer rank sends its own shards, every engine receives and flips atomically
             stats = await reshard_meshes.push(trainer, rollouts, version, timeout_s=timeout)
+            self.push_phases = {f"sync/{k}": v for k, v in stats.phases.items()}
             return stats.version
         if self.cfg.trainer.dp > 1 or self.cfg.trainer.device == "cuda":
             # a collective over the dp ranks: rank 0 then holds the full tensors push_weights exports

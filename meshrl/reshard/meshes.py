@@ -124,5 +124,9 @@ async def push(trainer: Any, engines: Any, version: int, *, timeout_s: float = 3
     stale = [s.version for s in got.values() if s.version != version]
     if stale:
         raise ReshardError(f"push of v{version}: engines report versions {stale}")
+    phases = {"send_s": max(s.seconds for s in sent.values()), "receive_s": max(s.seconds for s in got.values())}
+    for s in (*sent.values(), *got.values()):
+        for k, v in s.phases.items():
+            phases[k] = max(phases.get(k, 0.0), v)
     return PushStats(version=version, seconds=time.perf_counter() - start,
-                     bytes=sum(s.bytes for s in got.values()))
+                     bytes=sum(s.bytes for s in got.values()), phases=phases)

@@ -38,6 +38,7 @@ import torch
 
 from meshrl.reshard.layout import DestLayout, SourceLayout, to_slices
 from meshrl.reshard.plan import Plan, plan_transfers
+from meshrl.reshard import transport
 from meshrl.reshard.transport import GroupRanks, run_plan
 
 
@@ -80,6 +81,9 @@ class PushStats(msgspec.Struct):
     """Wall time of the push."""
     bytes: int
     """Bytes this process sent or received (summed over engines by the controller)."""
+    phases: dict[str, float] = {}
+    """Seconds of the push's parts as this process saw them (e.g. transfer_s, apply_s; the
+    controller keeps the slowest process's value of each, plus send_s and receive_s)."""
 
 
 class ReshardError(RuntimeError):
@@ -178,13 +182,17 @@ class Resharder:
         """The trainer side: this rank's local tensors (``layout.local_tensors``) to the engines. Blocks."""
         if self.src_rank is None:
             raise ReshardError(f"group rank {self.group_rank} holds no source rank")
-        self._check_sources(sources)
         start = time.perf_counter()
+        self._check_sources(sources)
+        checked = time.perf_counter()
         try:
             sent, _ = self._run(sources, None)
         except Exception as exc:
             raise ReshardError(f"push of v{version} failed on source rank {self.src_rank}: {exc}") from exc
-        return PushStats(version=version, seconds=time.perf_counter() - start, bytes=sent)
+        end = time.perf_counter()
+        return PushStats(version=version, seconds=end - start, bytes=sent,
+                         phases={"send_check_s": checked - start, "send_transfer_s": end - checked,
+                                 **{f"send_{k}": v for k, v in transport.LAST_RUN.items()}})
 
     async def receive(self, target: ReshardTarget, version: int, *, sources: Mapping[str, torch.Tensor] | None = None
                       ) -> PushStats:
@@ -200,15 +208,17 @@ class Resharder:
             self._check_sources(sources)
         old, start = target.version, time.perf_counter()
         if self.config.apply == "in_place":
-            received = await self._receive_in_place(target, version, sources)
-            return PushStats(version=version, seconds=time.perf_counter() - start, bytes=received)
+            received, phases = await self._receive_in_place(target, version, sources)
+            return PushStats(version=version, seconds=time.perf_counter() - start, bytes=received, phases=phases)
         await target.begin_weight_update()
         try:
             buffers = target.staged_params()
             self._check_buffers(buffers)
             # The transfer blocks on the group: run it off the event loop, which keeps generating on v.
+            t0 = time.perf_counter()
             _, received = await asyncio.wait_for(asyncio.to_thread(self._run, sources, buffers),
                                                  self.config.timeout_s + 5.0)
+            t1 = time.perf_counter()
         except asyncio.CancelledError:
             await target.abort_weight_update()
             raise
@@ -218,12 +228,15 @@ class Resharder:
             raise ReshardError(f"push of v{version} failed on destination rank {self.dst_rank}: {why}; "
                                f"the engine stays on v{old}") from exc
         await target.end_weight_update(version)
-        return PushStats(version=version, seconds=time.perf_counter() - start, bytes=received)
+        t2 = time.perf_counter()
+        return PushStats(version=version, seconds=t2 - start, bytes=received,
+                         phases={"stage_s": t0 - start, "transfer_s": t1 - t0, "apply_s": t2 - t1,
+                                 **{f"recv_{k}": v for k, v in transport.LAST_RUN.items()}})
 
     async def _receive_in_place(self, target: ReshardTarget, version: int,
-                                sources: Mapping[str, torch.Tensor] | None) -> int:
+                                sources: Mapping[str, torch.Tensor] | None) -> tuple[int, dict[str, float]]:
         """Pause (keeping sequences), receive into the live weights, label them ``version``, resume."""
-        old = target.version
+        old, t0 = target.version, time.perf_counter()
         await target.pause("keep")  # from here no step runs until resume: none can read a half-written model
         try:
             buffers = target.live_params()
@@ -231,6 +244,7 @@ class Resharder:
         except BaseException:
             await target.resume()  # nothing written yet: still exactly v
             raise
+        t1 = time.perf_counter()
         try:
             _, received = await asyncio.wait_for(asyncio.to_thread(self._run, sources, buffers),
                                                  self.config.timeout_s + 5.0)
@@ -243,9 +257,10 @@ class Resharder:
                                "(push a whole version again, or restart it)") from exc
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the next step reads complete weights
+        t2 = time.perf_counter()
         target.set_version(version)
         await target.resume()
-        return received
+        return received, {"pause_s": t1 - t0, "transfer_s": t2 - t1}
 
     def _check_buffers(self, buffers: Mapping[str, torch.Tensor]) -> None:
         want = self.dest.ranks[self.dst_rank].params
