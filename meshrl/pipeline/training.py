@@ -20,6 +20,7 @@ resume: trainer.load_checkpoint → push its weights as the saved version → qu
 from __future__ import annotations
 
 import asyncio
+import collections
 import shutil
 import time
 from pathlib import Path
@@ -33,6 +34,9 @@ from meshrl.reshard import meshes as reshard_meshes
 from meshrl.reshard import push_weights
 
 __all__ = ["TrainLoop"]
+
+TOKENS_WINDOW_STEPS = 8
+"""The tokens_per_s of a step record is the generation rate over the last this many steps."""
 
 
 class TrainLoop:
@@ -55,7 +59,9 @@ class TrainLoop:
     async def run(self) -> None:
         """Train until ``run.total_steps`` or until the rollout side's ``stopping`` is set."""
         cfg, timeout, queue = self.cfg, self.cfg.run.step_timeout_s, self.roles.queue
-        last_end, last_tokens = time.perf_counter(), self.rollout.generated_tokens
+        last_end = time.perf_counter()
+        # generated tokens arrive a whole request at a time: rate them over the last few steps, not one
+        window = collections.deque([(last_end, self.rollout.generated_tokens)], maxlen=TOKENS_WINDOW_STEPS + 1)
         while self.step < cfg.run.total_steps and not self.rollout.stopping.is_set():
             t0 = self.log.now()
             # waits for: samples_per_step samples within max_staleness of `version`;
@@ -87,10 +93,11 @@ class TrainLoop:
                 "step": self.step, "version": self.version, **metrics,
                 "step_time_s": now - last_end, "batch_wait_s": t1 - t0, "sync_time_s": sync_s,
                 **(self.push_phases if pushed else {}),
-                "tokens_per_s": (generated - last_tokens) / max(now - last_end, 1e-9), "generated_tokens": generated,
+                "tokens_per_s": (generated - window[0][1]) / max(now - window[0][0], 1e-9), "generated_tokens": generated,
                 **{f"queue/{k}": v for k, v in queue_m.items() if isinstance(v, (int, float))},
             })  # fmt: skip
-            last_end, last_tokens = now, generated
+            last_end = now
+            window.append((now, generated))
             if checkpoint:
                 # before set_version: at max_staleness=0 no rollout is in flight now
                 await self.checkpoint()
