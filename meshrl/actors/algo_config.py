@@ -89,9 +89,10 @@ class AlgoConfig(msgspec.Struct, frozen=True, kw_only=True):
         """Named starting points for ``algo=<name>`` on the command line."""
         return {
             "ppo": {"advantage": "gae", "samples_per_prompt": 1},
-            # 4 samples of 64 prompts learned faster than 8 of 32 on the embedded default; dropping
-            # uniform groups: +31.6 points in 300 steps against +30.0 without (same warm start)
-            "grpo": {"advantage": "grpo", "samples_per_prompt": 4, "drop_uniform_groups": True},
+            # DAPO's recipe on top of GRPO: drop uniform groups, clip-higher. On the embedded default
+            # (300 steps from the same warm start) +28.6..31.6 points without clip-higher, +36.0 with
+            # it; 4 samples of 64 prompts learned faster than 8 of 32.
+            "grpo": {"advantage": "grpo", "samples_per_prompt": 4, "drop_uniform_groups": True, "clip_high": 0.28},
             "dr_grpo": {"advantage": "grpo", "samples_per_prompt": 4, "grpo_scale_by_std": False,
                         "aggregation": "seq_mean_token_sum", "drop_uniform_groups": True},
             "rloo": {"advantage": "rloo", "samples_per_prompt": 4, "drop_uniform_groups": True},
