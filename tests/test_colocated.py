@@ -135,11 +135,17 @@ def test_mode_gate_orders_generation_train_steps_and_the_hand_over(ray_cluster, 
             batch = score_job(task, tok, RolloutJob(problems=problems, prompt_ids=[reqs[0].input_ids], results=results,
                                                     group_ids=[0])).encoded  # fmt: skip
             # a long generate is in flight: the train step waits for it, then frees the KV cache
-            long = asyncio.ensure_future(one.generate.call_one(_requests(2, 400, seed=5)).within(60))
-            await asyncio.sleep(0.3)
-            assert (await one.colocated_state.call_one().within(30))["in_flight"] == 1
+            long = asyncio.ensure_future(one.generate.call_one(_requests(2, 500, seed=5)).within(60))
+            # the train step goes in as soon as the generate is seen in flight (it runs ~500 steps)
+            for _ in range(3000):
+                if (await one.colocated_state.call_one().within(30))["in_flight"] == 1:
+                    break
+                await asyncio.sleep(0.01)
+            else:
+                raise AssertionError("the long generate never showed up in flight")
+            assert not long.done()
             metrics = await one.train_step.call_one(batch, 0).within(60)
-            assert long.done() and len((await long)[0].completions[0].output_ids) == 400
+            assert long.done() and len((await long)[0].completions[0].output_ids) == 500
             state = await one.colocated_state.call_one().within(30)
             assert state["mode"] == "train" and state["kv_released"] and metrics["colocated/switch_to_train_s"] >= 0
             # a generate now waits for the hand-over, and then runs on the new version
