@@ -184,3 +184,31 @@ def test_gpu_bench_runs_tiny_on_cpu():
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("| tiny |")]
     assert len(rows) == 2 and "False" in rows[0] and "True" in rows[1]
+
+
+def test_gate_close_waits_for_a_call_that_passed_the_open_check_in_the_same_iteration():
+    """A generate whose wait for the open gate completed just before close() cleared it must be
+    counted and waited for (wait_for resumes its caller an iteration later: the old gate let it
+    into the engine after close() returned, and the KV cache was released under it)."""
+    from meshrl.actors.hybrid import _Gate
+
+    async def scenario(iterations: int):
+        gate, inside = _Gate(5.0), []
+
+        async def call():
+            async with gate.rollout("generate"):
+                inside.append(1)
+                await asyncio.sleep(0.05)
+                inside.append(-1)
+
+        task = asyncio.ensure_future(call())
+        for _ in range(iterations):  # the call gets that far into its wait for the (open) gate
+            await asyncio.sleep(0)
+        await gate.close()
+        assert sum(inside) == 0, f"a generate call is inside after close() returned ({iterations} iterations)"
+        gate.open.set()
+        await task
+        assert inside and sum(inside) == 0
+
+    for iterations in (0, 1, 2, 3):  # the old gate failed at 2
+        asyncio.run(scenario(iterations))

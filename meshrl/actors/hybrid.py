@@ -188,8 +188,9 @@ def _warm_up_matmuls(device: torch.device) -> None:
 class _Gate:
     """Rollout calls run while it is open; closing it waits for the calls in flight (event-loop only)."""
 
-    def __init__(self, timeout_s: float):
+    def __init__(self, timeout_s: float, describe: Callable[[], str] = lambda: ""):
         self.timeout_s = timeout_s
+        self.describe = describe  # the engine's state, for the timeout's message
         self.open = asyncio.Event()
         self.open.set()
         self.idle = asyncio.Event()
@@ -198,12 +199,16 @@ class _Gate:
 
     @contextlib.asynccontextmanager
     async def rollout(self, what: str) -> AsyncIterator[None]:
-        try:
-            # waits for: rollout mode; unblocked by: the hand-over after a train step (or the step alone)
-            await asyncio.wait_for(self.open.wait(), self.timeout_s)
-        except asyncio.TimeoutError:
-            raise TimeoutError(f"{what} waited {self.timeout_s:g}s (colocated.switch_timeout_s) for the colocated "
-                               "worker to return to rollout mode (its train step and the weight hand-over)") from None
+        deadline = time.monotonic() + self.timeout_s
+        # The check and the count happen with no await between them: a close() that cleared the
+        # gate after wait() returned here is seen (wait_for resumes us an iteration later).
+        while not self.open.is_set():
+            try:
+                # waits for: rollout mode; unblocked by: the hand-over after a train step (or the step alone)
+                await asyncio.wait_for(self.open.wait(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"{what} waited {self.timeout_s:g}s (colocated.switch_timeout_s) for the colocated "
+                                   "worker to return to rollout mode (its train step and the weight hand-over)") from None
         self.in_flight += 1
         self.idle.clear()
         try:
@@ -215,13 +220,15 @@ class _Gate:
 
     async def close(self) -> None:
         self.open.clear()
+        deadline = time.monotonic() + self.timeout_s
         try:
-            # waits for: the generate calls in flight; unblocked by: their completion in the engine
-            await asyncio.wait_for(self.idle.wait(), self.timeout_s)
+            while self.in_flight:  # (re-checked: a call may have entered while wait_for handed back)
+                # waits for: the generate calls in flight; unblocked by: their completion in the engine
+                await asyncio.wait_for(self.idle.wait(), max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError:
             self.open.set()
             raise TimeoutError(f"train_step waited {self.timeout_s:g}s (colocated.switch_timeout_s) for {self.in_flight} "
-                               "generate calls in flight to finish before switching to training") from None
+                               f"generate calls in flight to finish before switching to training ({self.describe()})") from None
 
 
 class HybridWorker(Actor):
@@ -251,7 +258,9 @@ class HybridWorker(Actor):
         torch.set_num_threads(max(trainer.threads, rollout_threads))
         self.colo = Colocated(self.trainer.core, self.rollout.engine, release_weights=colocated.release_weights)
         self.sync_interval = trainer.sync_interval
-        self._gate = _Gate(colocated.switch_timeout_s)
+        eng = self.rollout.engine
+        self._gate = _Gate(colocated.switch_timeout_s, lambda: f"engine: paused={eng.is_paused}, running={eng.num_running}, "
+                                                              f"waiting={eng.num_waiting}, version={eng.version}")
         self._switch = asyncio.Lock()  # one train step or hand-over at a time
 
     async def _on_trainer(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -289,7 +298,11 @@ class HybridWorker(Actor):
         async with self._switch:
             if self.colo.mode == "rollout":
                 await self._gate.close()
-                self.colo.to_train()
+                try:
+                    self.colo.to_train()
+                except BaseException:
+                    self._gate.open.set()  # still in rollout mode: let generation go on
+                    raise
             try:
                 metrics = await self._on_trainer(self.trainer.train_step, encoded_samples, version)
             except BaseException:

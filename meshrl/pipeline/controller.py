@@ -252,9 +252,11 @@ class Pipeline:
                 self._stopping.set()
                 await roles.queue.close.call_one().within(60)  # wakes get_batch and every reserve/put
                 await training
-                if stopped:
+                if stopped or self._failure is not None:
+                    # stopped: a request still generating stays in the ledger (re-issued on resume);
+                    # failed: a loop may be blocked in a role that will not answer (the run ends anyway)
                     for t in loops:
-                        t.cancel()  # a request still generating stays in the ledger (re-issued on resume)
+                        t.cancel()
                 await asyncio.gather(*loops, return_exceptions=True)
             if self._failure is not None:
                 raise self._failure
