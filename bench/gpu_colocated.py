@@ -47,14 +47,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-SHAPES = {  # the config.json of each Qwen2.5 model, and a tiny one for the CPU check
-    "1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                 num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6),
-    "7b": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-               num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False, rope_theta=1e6),
-    "tiny": dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
-}
+from random_models import SHAPES, make_batch, write_model  # noqa: E402
+
 _GIB = 2**30
 
 
@@ -79,36 +73,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def write_model(path: Path, shape: str) -> None:
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    from meshrl.embedded import build_char_tokenizer
-
-    cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=32768, rms_norm_eps=1e-6, pad_token_id=0,
-                      bos_token_id=None, eos_token_id=None)  # fmt: skip
-    torch.manual_seed(0)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # random init on the GPU: seconds, not minutes
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    model.save_pretrained(path)
-    build_char_tokenizer().save_pretrained(path)  # save_hf copies a tokenizer; any one will do
-    del model
 
 
-def make_batch(step: int, args: argparse.Namespace, vocab: int):
-    import math
-
-    from meshrl.queues import Sample
-
-    rng = random.Random(step)
-    uniform = -math.log(vocab)  # what a random model gives any token: importance ratios near 1
-    return [
-        Sample(prompt_id=i // 8, group_id=step * 100_000 + i // 8, group_size=8,
-               prompt_ids=[rng.randrange(vocab) for _ in range(args.prompt_len)],
-               response_ids=[rng.randrange(vocab) for _ in range(args.response_len)],
-               behavior_logprobs=[uniform + rng.uniform(-0.1, 0.1) for _ in range(args.response_len)],
-               behavior_version=step, reward=float(rng.random() < 0.5))
-        for i in range(args.samples)
-    ]  # fmt: skip
 
 
 def requests(args: argparse.Namespace, vocab: int, seed: int):

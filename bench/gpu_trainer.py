@@ -25,9 +25,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
-import random
 import resource
 import socket
 import statistics
@@ -40,12 +38,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-SHAPES = {  # Qwen2.5-0.5B's config.json, and a tiny one for the CPU check
-    "0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                 num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6),
-    "tiny": dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
-}
+from random_models import SHAPES, make_batch, write_model  # noqa: E402
+
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -69,32 +63,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def make_batch(step: int, args: argparse.Namespace, vocab: int):
-    from meshrl.queues import Sample
-
-    rng = random.Random(step)
-    group = 8 if args.samples % 8 == 0 else 2
-    uniform = -math.log(vocab)  # what a random model gives any token: importance ratios near 1
-    return [
-        Sample(prompt_id=i // group, group_id=step * 100_000 + i // group, group_size=group,
-               prompt_ids=[rng.randrange(vocab) for _ in range(args.prompt_len)],
-               response_ids=[rng.randrange(vocab) for _ in range(args.response_len)],
-               behavior_logprobs=[uniform + rng.uniform(-0.1, 0.1) for _ in range(args.response_len)],
-               behavior_version=step, reward=float(rng.random() < 0.5))
-        for i in range(args.samples)
-    ]  # fmt: skip
-
-
-def write_model(path: Path, shape: str) -> None:
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    from meshrl.embedded import build_char_tokenizer
-
-    cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=32768, rms_norm_eps=1e-6, pad_token_id=0,
-                      bos_token_id=None, eos_token_id=None)  # fmt: skip
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(path)
-    build_char_tokenizer().save_pretrained(path)  # save_hf copies a tokenizer; any one will do
 
 
 def peak_memory_gib(device: torch.device) -> float:
