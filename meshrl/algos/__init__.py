@@ -6,7 +6,7 @@ every loss takes its normaliser from an explicit ``aggregate`` built once per st
 Formulas, papers and the config names that select each piece: ``docs/algorithms.md``.
 """
 
-from meshrl.algos.advantages import (
+from .advantages import (
     discounted_returns,
     gae,
     grpo_advantages,
@@ -14,7 +14,7 @@ from meshrl.algos.advantages import (
     reinforce_pp_advantages,
     rloo_advantages,
 )
-from meshrl.algos.aggregation import (
+from .aggregation import (
     AGGREGATION_MODES,
     Aggregator,
     SeqMeanTokenMean,
@@ -22,8 +22,8 @@ from meshrl.algos.aggregation import (
     TokenMean,
     make_aggregator,
 )
-from meshrl.algos.entropy import entropy_from_logits
-from meshrl.algos.importance import (
+from .entropy import entropy_from_logits
+from .importance import (
     IMPORTANCE_SAMPLING_MODES,
     ImportanceSampling,
     ISWeights,
@@ -33,11 +33,11 @@ from meshrl.algos.importance import (
     TruncatedTokenIS,
     make_importance_sampling,
 )
-from meshrl.algos.kl import KL_ESTIMATORS, kl_estimator, kl_in_reward, kl_k1, kl_k2, kl_k3, kl_loss
-from meshrl.algos.metrics import masked_mean, metric_reduction, reduce_metrics
-from meshrl.algos.policy_loss_factory import POLICY_LOSSES, PolicyLoss, make_policy_loss
-from meshrl.algos.policy_losses import decoupled_ppo_loss, gspo_policy_loss, ppo_policy_loss
-from meshrl.algos.value import value_loss
+from .kl import KL_ESTIMATORS, kl_estimator, kl_in_reward, kl_k1, kl_k2, kl_k3, kl_loss
+from .metrics import masked_mean, metric_reduction, reduce_metrics
+from .policy_loss_factory import POLICY_LOSSES, PolicyLoss, make_policy_loss
+from .policy_losses import decoupled_ppo_loss, gspo_policy_loss, ppo_policy_loss
+from .value import value_loss
 
 __all__ = [
     "AGGREGATION_MODES",

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from meshrl.algos._common import check_coef, check_like, check_mask, check_tensor, zero_masked
+from ._common import check_coef, check_like, check_mask, check_tensor, zero_masked
 
 
 def _check_tokens(fn: str, token_rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from typing import Protocol
 
 import torch
 
-from meshrl.algos._common import check_mask, check_tensor, zero_masked
+from ._common import check_mask, check_tensor, zero_masked
 
 AGGREGATION_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 

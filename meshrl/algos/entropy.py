@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from meshrl.algos._common import check_tensor
+from ._common import check_tensor
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from meshrl.algos._common import (
+from ._common import (
     MAX_LOG_RATIO,
     check_coef,
     check_like,
@@ -37,7 +37,7 @@ from meshrl.algos._common import (
     check_tensor,
     safe_log_ratio,
 )
-from meshrl.algos.metrics import masked_max, masked_mean
+from .metrics import masked_max, masked_mean
 
 IMPORTANCE_SAMPLING_MODES = (
     "none",

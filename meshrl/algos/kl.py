@@ -21,9 +21,9 @@ from collections.abc import Callable
 
 import torch
 
-from meshrl.algos._common import check_coef, check_like, check_mask, check_tensor, safe_log_ratio
-from meshrl.algos.aggregation import Aggregator
-from meshrl.algos.metrics import NUM_TOKENS, masked_max, masked_mean
+from ._common import check_coef, check_like, check_mask, check_tensor, safe_log_ratio
+from .aggregation import Aggregator
+from .metrics import NUM_TOKENS, masked_max, masked_mean
 
 KLEstimator = Callable[..., torch.Tensor]
 

@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 import torch
 
-from meshrl.algos.aggregation import Aggregator
-from meshrl.algos.importance import ImportanceSampling
-from meshrl.algos.policy_losses import (
+from .aggregation import Aggregator
+from .importance import ImportanceSampling
+from .policy_losses import (
     Metrics,
     check_clip,
     decoupled_ppo_loss,

@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from meshrl.algos._common import (
+from ._common import (
     MAX_LOG_RATIO,
     check_advantages,
     check_coef,
@@ -35,9 +35,9 @@ from meshrl.algos._common import (
     safe_log_ratio,
     zero_masked,
 )
-from meshrl.algos.aggregation import Aggregator
-from meshrl.algos.importance import ImportanceSampling, MaskedTokenIS
-from meshrl.algos.metrics import NUM_TOKENS, masked_max, masked_mean
+from .aggregation import Aggregator
+from .importance import ImportanceSampling, MaskedTokenIS
+from .metrics import NUM_TOKENS, masked_max, masked_mean
 
 Metrics = dict[str, torch.Tensor]
 

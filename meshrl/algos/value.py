@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from meshrl.algos._common import check_coef, check_like, check_mask, check_tensor, zero_masked
-from meshrl.algos.aggregation import Aggregator
-from meshrl.algos.metrics import NUM_TOKENS, masked_max, masked_mean
+from ._common import check_coef, check_like, check_mask, check_tensor, zero_masked
+from .aggregation import Aggregator
+from .metrics import NUM_TOKENS, masked_max, masked_mean
 
 
 def value_loss(

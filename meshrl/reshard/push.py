@@ -38,7 +38,6 @@ import torch
 
 from meshrl.reshard.layout import DestLayout, SourceLayout, to_slices
 from meshrl.reshard.plan import Plan, plan_transfers
-from meshrl.reshard import transport
 from meshrl.reshard.transport import GroupRanks, run_plan
 
 
@@ -173,10 +172,10 @@ class Resharder:
             raise ReshardError(f"source rank {self.src_rank}: local tensors differ from the layout (name, got, "
                                f"expected): {bad[:3]}")
 
-    def _run(self, sources: Mapping[str, torch.Tensor] | None, buffers: Mapping[str, torch.Tensor] | None
-             ) -> tuple[int, int]:
+    def _run(self, sources: Mapping[str, torch.Tensor] | None, buffers: Mapping[str, torch.Tensor] | None,
+             timings: dict[str, float] | None = None) -> tuple[int, int]:
         return run_plan(self.plan, self.ranks, self.group_rank, self.group, sources=sources, buffers=buffers,
-                        device=self.device, timeout_s=self.config.timeout_s, depth=self.config.depth)
+                        device=self.device, timeout_s=self.config.timeout_s, depth=self.config.depth, timings=timings)
 
     def send(self, sources: Mapping[str, torch.Tensor], version: int = -1) -> PushStats:
         """The trainer side: this rank's local tensors (``layout.local_tensors``) to the engines. Blocks."""
@@ -186,13 +185,14 @@ class Resharder:
         self._check_sources(sources)
         checked = time.perf_counter()
         try:
-            sent, _ = self._run(sources, None)
+            timings: dict[str, float] = {}
+            sent, _ = self._run(sources, None, timings)
         except Exception as exc:
             raise ReshardError(f"push of v{version} failed on source rank {self.src_rank}: {exc}") from exc
         end = time.perf_counter()
         return PushStats(version=version, seconds=end - start, bytes=sent,
                          phases={"send_check_s": checked - start, "send_transfer_s": end - checked,
-                                 **{f"send_{k}": v for k, v in transport.LAST_RUN.items()}})
+                                 **{f"send_{k}": v for k, v in timings.items()}})
 
     async def receive(self, target: ReshardTarget, version: int, *, sources: Mapping[str, torch.Tensor] | None = None
                       ) -> PushStats:
@@ -216,7 +216,8 @@ class Resharder:
             self._check_buffers(buffers)
             # The transfer blocks on the group: run it off the event loop, which keeps generating on v.
             t0 = time.perf_counter()
-            _, received = await asyncio.wait_for(asyncio.to_thread(self._run, sources, buffers),
+            timings: dict[str, float] = {}
+            _, received = await asyncio.wait_for(asyncio.to_thread(self._run, sources, buffers, timings),
                                                  self.config.timeout_s + 5.0)
             t1 = time.perf_counter()
         except asyncio.CancelledError:
@@ -231,7 +232,7 @@ class Resharder:
         t2 = time.perf_counter()
         return PushStats(version=version, seconds=t2 - start, bytes=received,
                          phases={"stage_s": t0 - start, "transfer_s": t1 - t0, "apply_s": t2 - t1,
-                                 **{f"recv_{k}": v for k, v in transport.LAST_RUN.items()}})
+                                 **{f"recv_{k}": v for k, v in timings.items()}})
 
     async def _receive_in_place(self, target: ReshardTarget, version: int,
                                 sources: Mapping[str, torch.Tensor] | None) -> tuple[int, dict[str, float]]:

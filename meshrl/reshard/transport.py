@@ -265,12 +265,14 @@ class _Runner:
 
 def run_plan(plan: Plan, ranks: GroupRanks, me: int, group: Any, *, sources: Mapping[str, torch.Tensor] | None = None,
              buffers: Mapping[str, torch.Tensor] | None = None, device: torch.device | str = "cpu",
-             timeout_s: float = 300.0, depth: int = 2) -> tuple[int, int]:
+             timeout_s: float = 300.0, depth: int = 2, timings: dict[str, float] | None = None) -> tuple[int, int]:
     """This process's share of ``plan``; returns (bytes sent, bytes received).
 
     ``me``: this process's group rank. ``sources``: the local tensors of its source rank, by HF
     name (``layout.local_tensors``). ``buffers``: the local parameters (or their staging copies)
     of its destination rank, by engine name. Blocks until its part is done or ``timeout_s``.
+    ``timings``, when given, receives its parts: seconds posting (packing and enqueueing), seconds
+    waiting for completion, and the number of works waited on (``post_s``, ``wait_s``, ``works``).
     """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -294,11 +296,6 @@ def run_plan(plan: Plan, ranks: GroupRanks, me: int, group: Any, *, sources: Map
         runner.complete(post, deadline)
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()  # copies and unpacks are done when we return
-    LAST_RUN.clear()
-    LAST_RUN.update(post_s=post_s, wait_s=wait_s + clock() - t1, works=float(works))
+    if timings is not None:
+        timings.update(post_s=post_s, wait_s=wait_s + clock() - t1, works=float(works))
     return runner.sent, runner.received
-
-
-LAST_RUN: dict[str, float] = {}
-"""The last ``run_plan``'s parts in this process: seconds posting (packing and
-enqueueing), seconds waiting for completion, and the number of works waited on."""
