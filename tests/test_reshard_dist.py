@@ -134,7 +134,11 @@ def _run_case(proc: int, dp: int, tp: int, dtype: str, tied: bool, ports: list[i
         sources = None if model is None else local_tensors(model.named_parameters())
         # v1 staged (the default), v2 straight into the live weights while paused (apply=in_place)
         res.config = msgspec.structs.replace(res.config, apply="staged" if version == 1 else "in_place")
-        asyncio.run(res.receive(engine, version, sources=sources))  # sends this process's shards as well
+        if sources is None and version == 1:  # a pure engine rank: its receive posted before the trainer sends
+            stats = asyncio.run(_armed_receive(res, engine, version))
+            assert "recv_signal_wait_s" in stats.phases and stats.bytes > 0, stats
+        else:
+            asyncio.run(res.receive(engine, version, sources=sources))  # sends this process's shards as well
         assert engine.version == version and not engine.is_updating and not engine.is_paused
         full_v = {n: p.detach().to(getattr(torch, dtype)) for n, p in _trainer_model(cfg, version).state_dict().items()}
         for pl in engine.model.layout.params.values():
@@ -146,6 +150,12 @@ def _run_case(proc: int, dp: int, tp: int, dtype: str, tied: bool, ports: list[i
         dist.destroy_process_group(tp_group)
     if model is not None:
         dist.destroy_process_group()
+
+
+async def _armed_receive(res, engine, version: int):
+    await res.arm(engine, version, timeout_s=TIMEOUT_S)
+    assert engine.is_updating and engine.version == version - 1  # staged: still serving the old version
+    return await res.receive(engine, version)
 
 
 def _failed_push(proc: int, port: int) -> None:
@@ -173,6 +183,19 @@ def _failed_push(proc: int, port: int) -> None:
 
     out = asyncio.run(engine.generate([GenerateRequest(input_ids=[1, 2], sampling=SamplingParams(max_new_tokens=2))]))
     assert out[0].completions[0].versions == [0, 0]
+
+    async def armed_but_never_sent():
+        await res.arm(engine, 1, timeout_s=1.0)
+        with pytest.raises(ReshardError, match=r"stays on v0") as info:
+            await res.receive(engine, 1)
+        assert "did not start sending v1" in str(info.value), info.value
+        assert engine.version == 0 and not engine.is_updating
+        await res.arm(engine, 1, timeout_s=60.0)  # withdrawn before the trainer sends: promptly, nothing applied
+        start = time.monotonic()
+        await res.disarm(engine)
+        assert time.monotonic() - start < 2.0 and engine.version == 0 and not engine.is_updating
+
+    asyncio.run(armed_but_never_sent())
     # In place, a failed push may have written part of v1: the engine stays paused and says so.
     res.config = msgspec.structs.replace(conf, apply="in_place")
     with pytest.raises(ReshardError, match=r"mix of v0 and v1, so the engine stays paused"):

@@ -116,3 +116,12 @@ class RolloutWorker(Actor):
     async def reshard_receive(self, version: int) -> PushStats:
         """Receive a whole version from the trainer ranks and serve it from the next step on."""
         return await self.reshard.receive(version)
+
+    @endpoint
+    async def reshard_arm(self, version: int, timeout_s: float) -> None:
+        """Post the receive of ``version`` now, before the trainer sends it (``Resharder.arm``)."""
+        await self.reshard.arm(version, timeout_s)
+
+    @endpoint
+    async def reshard_disarm(self) -> None:
+        await self.reshard.disarm()

@@ -6,12 +6,16 @@ train loop, until run.total_steps or the run stops:
                                   of the current version
                        unblocked by: rollout loop put_encoded (or queue.close when stopping)
   trainer.train_step   (every dp rank, the same batch; each trains its share)
-  every sync_interval steps: version += 1; trainer.gather_weights (dp > 1: full tensors onto
-  rank 0) → reshard.push_weights → engines
+  every sync_interval steps: version += 1 and a push to every engine. distributed transport:
+  the engines' receives are armed while the step computes the version (reshard.meshes.arm), the
+  trainer sends after it; at max_staleness ≥ 1 (staged apply, separate engines) the train loop
+  goes on once the trainer has sent, and the engines flip on their own time (awaited before the
+  next push, a checkpoint or an evaluation). object_store: trainer.gather_weights (dp > 1: full
+  tensors onto rank 0) → reshard.push_weights → engines
   every checkpoint_every steps and at the end: checkpoint (trainer state, queue snapshot, prompt
   position, requests in flight) — before set_version, so at max_staleness = 0 nothing is in
   flight (meshrl.pipeline.checkpoint)
-  queue.set_version(version)  (only after every engine applied it)
+  queue.set_version(version)  (at max_staleness = 0 only after every engine applied it)
 resume: trainer.load_checkpoint → push its weights as the saved version → queue.restore
         → re-issue the requests that were in flight (or cancel unknown reservations)
 ```
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import shutil
 import time
 from pathlib import Path
@@ -54,10 +59,28 @@ class TrainLoop:
         self.evals: list[asyncio.Task] = []
         """Held-out evaluations started every run.eval_every steps."""
         self.push_phases: dict[str, float] = {}
-        """The last distributed push's parts (sync/send_s, sync/transfer_s, ...), logged with its step."""
+        """The last finished distributed push's parts (sync/send_s, sync/transfer_s, ...), logged with
+        the step that finished it."""
+        reshard = cfg.reshard
+        self._arms = reshard.transport == "distributed" and reshard.apply == "staged" and cfg.placement != "colocated"
+        """The engines' receives are posted during the step (reshard.meshes.arm)."""
+        self._detach = self._arms and cfg.queue.max_staleness >= 1
+        """The loop goes on once the trainer has sent; the engines flip within the staleness bound."""
+        self._armed: asyncio.Task | None = None
+        self._flipping: asyncio.Task | None = None
+        """A detached push whose engines may not all serve its version yet."""
 
     async def run(self) -> None:
         """Train until ``run.total_steps`` or until the rollout side's ``stopping`` is set."""
+        try:
+            await self._run()
+        finally:
+            if self._armed is not None:  # a step failed between arming and its push
+                self._armed.cancel()
+                with contextlib.suppress(Exception):
+                    await self.roles.rollouts.reshard_disarm.call().within(10)
+
+    async def _run(self) -> None:
         cfg, timeout, queue = self.cfg, self.cfg.run.step_timeout_s, self.roles.queue
         last_end = time.perf_counter()
         # generated tokens arrive a whole request at a time: rate them over the last few steps, not one
@@ -69,6 +92,8 @@ class TrainLoop:
             encoded = await bounded(queue.get_batch_encoded.call_one(cfg.trainer.samples_per_step, self.version, timeout=timeout),
                                     timeout + 30, "a batch from the queue")  # fmt: skip
             t1 = self.log.now()
+            if self._arms and (self.step + 1) % cfg.trainer.sync_interval == 0:
+                self._armed = asyncio.create_task(self._arm(self.version + 1))
             # every dp rank trains its share of the same batch; the metrics are global (rank 0's)
             metrics = (await self.roles.trainer.train_step.call(encoded, self.version).within(timeout)).values()[0]
             t2 = self.log.now()
@@ -100,18 +125,46 @@ class TrainLoop:
             window.append((now, generated))
             if checkpoint:
                 # before set_version: at max_staleness=0 no rollout is in flight now
+                await self.settle()
                 await self.checkpoint()
                 if pushed:
                     await bounded(queue.set_version.call_one(self.version), timeout, "the queue to take the new version")
             if cfg.run.eval_every and self.step % cfg.run.eval_every == 0 and self.step < cfg.run.total_steps:
+                await self.settle()  # evaluated at the version the step record names
                 self.evals.append(asyncio.create_task(self._evaluate()))
+        await self.settle()
+
+    async def _arm(self, version: int) -> None:
+        await self.settle()  # the engines take one version at a time
+        await reshard_meshes.arm(self.roles.rollouts, version,
+                                 timeout_s=self.cfg.run.step_timeout_s + self.cfg.reshard.timeout_s)
+
+    async def settle(self) -> None:
+        """Until every engine serves the newest pushed version (a detached push's second half);
+        a failed one raises here."""
+        if self._flipping is not None:
+            flipping = self._flipping
+            try:
+                stats = await flipping
+            finally:
+                if self._flipping is flipping:
+                    self._flipping = None
+            self.push_phases = {f"sync/{k}": v for k, v in stats.phases.items()}
 
     async def push(self, version: int) -> int:
         """Publish the trainer's weights to every engine as ``version``; returns it."""
         timeout, trainer, rollouts = self.cfg.run.step_timeout_s, self.roles.trainer, self.roles.rollouts
         if self.cfg.reshard.transport == "distributed":
+            if self._armed is not None:
+                armed, self._armed = self._armed, None
+                await armed  # long done: it ran during the train step
             # every trainer rank sends its own shards, every engine receives and flips atomically
-            stats = await reshard_meshes.push(trainer, rollouts, version, timeout_s=timeout)
+            push = reshard_meshes.Push(trainer, rollouts, version, timeout_s=timeout)
+            if self._detach:
+                await push.sent()
+                self._flipping = asyncio.ensure_future(push.finish())
+                return version
+            stats = await push.finish()
             self.push_phases = {f"sync/{k}": v for k, v in stats.phases.items()}
             return stats.version
         if self.cfg.trainer.dp > 1 or self.cfg.trainer.device == "cuda":
@@ -155,6 +208,7 @@ class TrainLoop:
         self.rollout.generated_tokens, self.accuracy_before = state.generated_tokens, state.accuracy_before
         if state.step > 0:
             await self.push(state.version)  # the engines serve the restored policy as its version
+            await self.settle()
         outstanding = await bounded(queue.restore.call_one(state.queue_snapshot), timeout, "the queue to restore its snapshot")
         # the checkpoint was taken between the push and set_version: announce that version now
         await bounded(queue.set_version.call_one(state.version), timeout, "the queue to take the restored version")

@@ -8,13 +8,16 @@ trainer actor (SourceSide)                    rollout actor (DestSide)
   reshard_layout() -> SourceLayout              reshard_dest_layout(num_ranks) -> DestLayout
   reshard_join(dest, ranks, addr, port, cfg)    reshard_join(source, dest, ranks, addr, port, cfg)
   reshard_send(version) -> PushStats            reshard_receive(version) -> PushStats
+                                                reshard_arm(version, timeout_s), reshard_disarm()
 ```
 
 The controller, once: ``ranks = await connect(trainer, rollouts, cfg)`` (layouts from rank 0 of
 each mesh, group rank 0 = trainer rank 0, which hosts the group's store; every actor joins at
 once); then per version: ``stats = await push(trainer, rollouts, version)`` — every trainer rank
 sends its own shards while every engine receives and flips (``Resharder``), all bounded by
-``timeout_s``. Trainer rank r is source rank r; engine actor r (flat rank in its mesh, tp-major
+``timeout_s``. The pipeline splits that in three: ``arm`` while the trainer computes the version
+(the engines' receives are posted early), ``Push(...)`` after the step, whose ``sent()`` frees
+the trainer, and ``finish()`` once the engines have flipped. Trainer rank r is source rank r; engine actor r (flat rank in its mesh, tp-major
 within a replica) is destination rank r.
 """
 
@@ -82,9 +85,19 @@ class DestSide:
                                                  config, device)
 
     async def receive(self, version: int) -> PushStats:
+        return await self._joined("reshard_receive").receive(self.engine, version)
+
+    async def arm(self, version: int, timeout_s: float) -> None:
+        """Post the receive of ``version`` before the trainer sends it (``Resharder.arm``)."""
+        await self._joined("reshard_arm").arm(self.engine, version, timeout_s=timeout_s)
+
+    async def disarm(self) -> None:
+        await self._joined("reshard_disarm").disarm(self.engine)
+
+    def _joined(self, what: str) -> Resharder:
         if self.resharder is None:
-            raise ReshardError("reshard_receive before reshard_join: call meshrl.reshard.meshes.connect first")
-        return await self.resharder.receive(self.engine, version)
+            raise ReshardError(f"{what} before reshard_join: call meshrl.reshard.meshes.connect first")
+        return self.resharder
 
     def close(self) -> None:
         if self.resharder is not None:
@@ -112,21 +125,44 @@ async def connect(trainer: Any, engines: Any, config: ReshardConfig = ReshardCon
     return ranks
 
 
+async def arm(engines: Any, version: int, *, timeout_s: float) -> None:
+    """Every engine posts its receive of ``version`` now; a later ``push`` of it completes at once."""
+    await engines.reshard_arm.call(version, timeout_s).within(timeout_s)
+
+
+class Push:
+    """One version on its way: the trainer's send and the engines' receive, started together."""
+
+    def __init__(self, trainer: Any, engines: Any, version: int, *, timeout_s: float = 300.0):
+        self.version, self.start = version, time.perf_counter()
+        self.sending = asyncio.ensure_future(trainer.reshard_send.call(version).within(timeout_s))
+        self.receiving = asyncio.ensure_future(engines.reshard_receive.call(version).within(timeout_s))
+
+    async def sent(self) -> None:
+        """Until every trainer rank has sent: its weights may change again from here on. A failed
+        send raises (with the receive's error, if any) as ``finish`` does."""
+        await asyncio.wait([self.sending])
+        if self.sending.exception() is not None:
+            await self.finish()
+
+    async def finish(self) -> PushStats:
+        """Until every engine serves ``version``; the push's parts, the slowest process's of each."""
+        sent, got = await asyncio.gather(self.sending, self.receiving, return_exceptions=True)
+        errors = [e for e in (sent, got) if isinstance(e, BaseException)]
+        if errors:
+            raise ReshardError(f"push of v{self.version} failed: " + "; ".join(f"{type(e).__name__}: {e}"
+                                                                             for e in errors)) from errors[0]
+        stale = [s.version for s in got.values() if s.version != self.version]
+        if stale:
+            raise ReshardError(f"push of v{self.version}: engines report versions {stale}")
+        phases = {"send_s": max(s.seconds for s in sent.values()), "receive_s": max(s.seconds for s in got.values())}
+        for s in (*sent.values(), *got.values()):
+            for k, v in s.phases.items():
+                phases[k] = max(phases.get(k, 0.0), v)
+        return PushStats(version=self.version, seconds=time.perf_counter() - self.start,
+                         bytes=sum(s.bytes for s in got.values()), phases=phases)
+
+
 async def push(trainer: Any, engines: Any, version: int, *, timeout_s: float = 300.0) -> PushStats:
     """Move ``version`` from every trainer rank into every engine; each engine flips atomically."""
-    start = time.perf_counter()
-    sent, got = await asyncio.gather(trainer.reshard_send.call(version).within(timeout_s),
-                                     engines.reshard_receive.call(version).within(timeout_s), return_exceptions=True)
-    errors = [e for e in (sent, got) if isinstance(e, BaseException)]
-    if errors:
-        raise ReshardError(f"push of v{version} failed: " + "; ".join(f"{type(e).__name__}: {e}" for e in errors)
-                           ) from errors[0]
-    stale = [s.version for s in got.values() if s.version != version]
-    if stale:
-        raise ReshardError(f"push of v{version}: engines report versions {stale}")
-    phases = {"send_s": max(s.seconds for s in sent.values()), "receive_s": max(s.seconds for s in got.values())}
-    for s in (*sent.values(), *got.values()):
-        for k, v in s.phases.items():
-            phases[k] = max(phases.get(k, 0.0), v)
-    return PushStats(version=version, seconds=time.perf_counter() - start,
-                     bytes=sum(s.bytes for s in got.values()), phases=phases)
+    return await Push(trainer, engines, version, timeout_s=timeout_s).finish()
