@@ -13,7 +13,8 @@ made by ``encode_samples`` from real ``Sample``s are always valid.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import gc
+import struct
 
 import msgspec
 
@@ -28,8 +29,12 @@ _one_decoder = msgspec.msgpack.Decoder(Sample)
 _raw_list_decoder = msgspec.msgpack.Decoder(list[msgspec.Raw])
 
 
-class SampleMeta(NamedTuple):
-    """What the queue needs from a sample to schedule it."""
+class SampleMeta(msgspec.Struct, frozen=True, gc=False):
+    """What the queue needs from a sample to schedule it.
+
+    A Struct, not a NamedTuple: one is built per sample on every ``put``, and a Struct is built in
+    C (a NamedTuple's ``__new__`` is Python) and never tracked by the cyclic GC (plain scalars).
+    """
 
     group_id: int
     group_size: int
@@ -60,8 +65,22 @@ def encode_samples(samples: list[Sample | msgspec.Raw]) -> bytes:
 
 
 def decode_samples(blob: bytes) -> list[Sample]:
-    """Inverse of ``encode_samples``; a malformed blob raises a ``msgspec.MsgspecError``."""
-    return _decoder.decode(blob)
+    """Inverse of ``encode_samples``; a malformed blob raises a ``msgspec.MsgspecError``.
+
+    Decodes with the cyclic GC paused. A 256-sample batch allocates about 1,000 GC-tracked
+    lists, enough to start a collection or two mid-decode; none can free anything (the new tree
+    is alive and acyclic), yet every tenth young collection escalates, and a full one walks the
+    consumer's whole heap. Paused, the batch costs one young collection, after the decode, and
+    full collections come about 40% less often (``bench/RESULTS.md``). Thread-safe enough:
+    msgspec holds the GIL while it decodes, and a GC someone else disabled stays off.
+    """
+    if not gc.isenabled():
+        return _decoder.decode(blob)
+    gc.disable()
+    try:
+        return _decoder.decode(blob)
+    finally:
+        gc.enable()
 
 
 def decode_one(item: Sample | msgspec.Raw) -> Sample:
@@ -91,14 +110,22 @@ def split_encoded(blob: bytes) -> tuple[list[msgspec.Raw], list[SampleMeta]]:
     return raws, metas
 
 
+_u8 = struct.Struct(">B").unpack_from
+_u16 = struct.Struct(">H").unpack_from
+_u32 = struct.Struct(">I").unpack_from
+
+
 def _array_len(raw: msgspec.Raw) -> int:
-    """Length from a msgpack array header, without decoding the elements."""
-    b = memoryview(raw)
-    head = b[0]
+    """Length from a msgpack array header, without decoding the elements.
+
+    ``struct`` reads the Raw's buffer in place: twice as fast as slicing a memoryview, and this
+    runs twice per sample on every ``put_encoded``.
+    """
+    (head,) = _u8(raw)
     if 0x90 <= head <= 0x9F:  # fixarray
         return head & 0x0F
     if head == 0xDC:  # array 16
-        return int.from_bytes(b[1:3], "big")
+        return _u16(raw, 1)[0]
     if head == 0xDD:  # array 32
-        return int.from_bytes(b[1:5], "big")
+        return _u32(raw, 1)[0]
     raise ValueError("put_encoded: a sample's prompt_ids or response_ids is not an array")
