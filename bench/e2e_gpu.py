@@ -174,11 +174,17 @@ def run_one(args: argparse.Namespace, shape: str, eta: int, model_dir: Path, run
           + ", ".join(f"{k} {v:.1%}" for k, v in s["idle"].items()) + f"; run wall {wall:.0f}s", flush=True)  # fmt: skip
     steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"kind": "step"' in x]
     measured = steps[-s["steps"] :]
+    # the push's parts (meshrl.reshard PushStats.phases, logged as sync/*), mean over the measured steps
+    phases = sorted({k for r in measured for k in r if k.startswith("sync/")})
+    sync_phases = {k: sum(r.get(k, 0.0) for r in measured) / max(1, sum(k in r for r in measured)) for k in phases}
+    if sync_phases:
+        print(f"{shape} η={eta} push parts (ms, mean): "
+              + ", ".join(f"{k[5:]} {v * 1e3:.1f}" for k, v in sync_phases.items() if k.endswith("_s")), flush=True)
     return {
         "eta": eta, "wall_s": wall, "steps": summary["steps"], "measured_steps": s["steps"],
         "response_tokens_mean": sum(r["response_tokens_mean"] for r in measured) / len(measured),
         "trainer_train_time_s": sum(r["train_time_s"] for r in measured) / len(measured),
-        **{k: v for k, v in s.items() if k != "steps"},
+        **{k: v for k, v in s.items() if k != "steps"}, "sync_phases": sync_phases,
     }  # fmt: skip
 
 

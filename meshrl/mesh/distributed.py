@@ -181,8 +181,12 @@ def join_process_group(
     master_port: int,
     backend: str = "gloo",
     timeout: float = 120.0,
+    high_priority: bool = False,
 ) -> ProcessGroup:
     """Join an extra process group (SGLang's construction); rank 0 hosts the store on ``master_port``.
+
+    ``high_priority`` (NCCL): the group's kernels run on high-priority CUDA streams, so their
+    thread blocks are scheduled ahead of those of kernels already queued on the device.
 
     Use it as ``dist.broadcast(t, src=0, group=pg)`` (group ranks equal the ``rank`` given here)
     and ``dist.destroy_process_group(pg)`` when done.
@@ -200,8 +204,15 @@ def join_process_group(
         store, rank, world_size = next(rendezvous(f"tcp://{master_addr}:{master_port}", rank, world_size, timeout=td))
         store.set_timeout(td)
         store = PrefixStore(group_name, store)
+        options = None
+        if backend == "nccl" and high_priority:
+            from torch.distributed import ProcessGroupNCCL
+
+            options = ProcessGroupNCCL.Options()
+            options.is_high_priority_stream = True
         pg, _ = _new_process_group_helper(
-            world_size, rank, [], Backend(backend), store, group_name=group_name, timeout=td  # type: ignore[arg-type]
+            world_size, rank, [], Backend(backend), store, group_name=group_name, timeout=td,  # type: ignore[arg-type]
+            backend_options=options,
         )
     except Exception as exc:
         exc.add_note(

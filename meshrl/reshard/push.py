@@ -76,6 +76,11 @@ class ReshardConfig(msgspec.Struct, frozen=True, kw_only=True):
     extra memory, but generation waits for the transfer, and a push that fails midway leaves the
     engine paused on a mix of versions, never generating from it)."""
 
+    high_priority_stream: bool = True
+    """NCCL: the group's kernels run on high-priority CUDA streams, so a transfer into a busy engine
+    gets SMs ahead of its queued kernels (1.5B on two H200s at max_staleness=1: the transfer's wait
+    fell from 57-66 ms to 36-38 ms; 6 ms into an idle engine)."""
+
     def __post_init__(self) -> None:
         if self.bucket_bytes < 1 or self.timeout_s <= 0 or self.depth < 1:
             raise ValueError("reshard: bucket_bytes and depth must be >= 1 and timeout_s > 0")
@@ -174,7 +179,7 @@ class Resharder:
         device = torch.device(device)
         backend = config.backend if config.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
         pg = join_process_group(config.group_name, group_rank, ranks.world_size, master_addr, master_port,
-                                backend=backend, timeout=config.timeout_s)
+                                backend=backend, timeout=config.timeout_s, high_priority=config.high_priority_stream)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         probe = torch.ones(1, device=device)
