@@ -93,7 +93,11 @@ def test_user_script_with_custom_reward_and_environment_stops_without_losing_sam
     from test_trainer_fsdp import tiny_model_dir
 
     model_dir = tiny_model_dir(tmp_path / "model", layers=1)
-    out = asyncio.run(user_script(make_config(model_dir, tmp_path / "run"), stop_after_steps=3))
+    # 3 requests of 4 samples in flight against 8 per step: after the stop the trainer may still
+    # take one batch of what was in flight and queued, so at least 4 samples stay for the snapshot
+    # (with 2 in flight, exactly one batch, an empty snapshot was a matter of timing)
+    in_flight = "rollout.requests_in_flight=3"
+    out = asyncio.run(user_script(make_config(model_dir, tmp_path / "run", in_flight), stop_after_steps=3))
     summary, steps = out["summary"], out["steps"]
     assert summary["stopped"] is True and 3 <= summary["steps"] < 40 and summary["accuracy_after"] is None
     assert out["beats_at_stop"] > 20  # the user's task kept running beside the pipeline
@@ -117,7 +121,7 @@ def test_user_script_with_custom_reward_and_environment_stops_without_losing_sam
 
     # a resumed run continues from that snapshot: one more step, nothing dropped, the log goes on
     records_before = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    cfg = make_config(model_dir, tmp_path / "run", "run.resume=latest", f"run.total_steps={summary['steps'] + 1}")
+    cfg = make_config(model_dir, tmp_path / "run", in_flight, "run.resume=latest", f"run.total_steps={summary['steps'] + 1}")
     resumed = asyncio.run(meshrl.Pipeline(cfg, reward=digit_reward, environment=HintEnv).run())
     assert resumed["steps"] == summary["steps"] + 1 and resumed["stopped"] is False
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
