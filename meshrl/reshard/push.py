@@ -68,6 +68,12 @@ class ReshardConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Name of the transfer group (its store prefix); unique per concurrent group."""
     depth: int = 2
     """Buckets in flight per process (2: pack the next while the last sends)."""
+    receive_depth: int = 0
+    """Buckets in flight on a rank that only receives; 0: all of them, posted at once. Its thread
+    then needs the GIL only to post and to unpack, not between buckets, where the sender would wait
+    for it while the engine's event loop holds the GIL (result pickling in one long C call, which no
+    switch interval interrupts). Costs the temporaries of every packed message at once (the small
+    tensors: large ones land in place)."""
     apply: Literal["staged", "in_place"] = "staged"
     """How an engine takes a version. staged: received into a staging copy while it keeps generating
     on v, then one copy into the live weights between two steps (a failed push leaves v intact;
@@ -82,8 +88,8 @@ class ReshardConfig(msgspec.Struct, frozen=True, kw_only=True):
     fell from 57-66 ms to 36-38 ms; 6 ms into an idle engine)."""
 
     def __post_init__(self) -> None:
-        if self.bucket_bytes < 1 or self.timeout_s <= 0 or self.depth < 1:
-            raise ValueError("reshard: bucket_bytes and depth must be >= 1 and timeout_s > 0")
+        if self.bucket_bytes < 1 or self.timeout_s <= 0 or self.depth < 1 or self.receive_depth < 0:
+            raise ValueError("reshard: bucket_bytes and depth must be >= 1, receive_depth >= 0 and timeout_s > 0")
 
 
 class PushStats(msgspec.Struct):
@@ -214,7 +220,12 @@ class Resharder:
     def _run(self, sources: Mapping[str, torch.Tensor] | None, buffers: Mapping[str, torch.Tensor] | None,
              timings: dict[str, float] | None = None) -> tuple[int, int]:
         return run_plan(self.plan, self.ranks, self.group_rank, self.group, sources=sources, buffers=buffers,
-                        device=self.device, timeout_s=self.config.timeout_s, depth=self.config.depth, timings=timings)
+                        device=self.device, timeout_s=self.config.timeout_s, depth=self._depth(sources), timings=timings)
+
+    def _depth(self, sources: Mapping[str, torch.Tensor] | None) -> int:
+        if sources is not None or self.src_rank is not None:
+            return self.config.depth  # a sender packs every bucket in flight: keep that memory bounded
+        return self.config.receive_depth or max(1, len(self.plan.buckets))
 
     def send(self, sources: Mapping[str, torch.Tensor], version: int = -1) -> PushStats:
         """The trainer side: this rank's local tensors (``layout.local_tensors``) to the engines. Blocks."""
