@@ -43,6 +43,9 @@ def test_example_runs_end_to_end_and_writes_its_outputs(tmp_path, algo):
     for key in ("reward_mean", "staleness_mean", "staleness_max", "tokens_per_s", "step_time_s", "loss", "reward_info/correct"):
         assert all(key in r for r in steps), key
     assert [r["step"] for r in records if r["kind"] == "eval"] == [0, 2, 3]
+    # max_staleness=1: pushes went through receives armed during the step (meshrl.reshard.push)
+    pushed = [r for r in steps if "sync/recv_signal_wait_s" in r]
+    assert pushed and all(r["sync/armed_s"] >= 0 and r["sync/send_s"] > 0 for r in pushed)
     assert records[-1]["kind"] == "summary"
     if algo == "grpo_kl":
         assert "kl" in steps[-1]  # the reference worker's log-probs reached the loss
