@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import threading
 import time
 from typing import Any, Callable, Literal, Mapping, Protocol
@@ -136,14 +137,15 @@ class ReshardTarget(Protocol):
 
 
 @dataclasses.dataclass
-class _Armed:
-    """A receive posted by ``arm``: its version, transfer thread, stop flag and timings."""
+class _Receive:
+    """A staged receive under way (started by ``receive`` or by ``arm``): its transfer thread."""
 
     version: int
     task: asyncio.Future  # of run_plan's (sent, received)
     stop: threading.Event
     timings: dict[str, float]
-    armed_at: float
+    started_at: float
+    armed: bool
 
 
 _SIGNAL_POLL_S = 0.002
@@ -165,7 +167,7 @@ class Resharder:
         self.plan: Plan = plan_transfers(source, dest, config.bucket_bytes, ranks.same_process())
         self.src_rank = next((s for s, g in enumerate(ranks.src) if g == group_rank), None)
         self.dst_rank = next((d for d, g in enumerate(ranks.dst) if g == group_rank), None)
-        self._armed: _Armed | None = None
+        self._receiving: _Receive | None = None
         self._signals: Any = None  # the group's store, under "push/": "v<N>" means "sending v<N> now"
         if group is not None:
             import torch.distributed as dist
@@ -199,8 +201,8 @@ class Resharder:
         """Leave the transfer group (an armed receive still waiting for its signal gives up)."""
         import torch.distributed as dist
 
-        if self._armed is not None:
-            self._armed.stop.set()
+        if self._receiving is not None:
+            self._receiving.stop.set()
         if self.group is not None:
             dist.destroy_process_group(self.group)
             self.group = None
@@ -257,36 +259,14 @@ class Resharder:
             if self.src_rank is None:
                 raise ReshardError(f"group rank {self.group_rank} holds no source rank: receive(sources=None)")
             self._check_sources(sources)
-        old, start = target.version, time.perf_counter()
-        if self._armed is not None:
-            received, phases = await self._finish_armed(target, version)
-            return PushStats(version=version, seconds=time.perf_counter() - start, bytes=received, phases=phases)
-        if self.config.apply == "in_place":
+        start = time.perf_counter()
+        if self._receiving is None and self.config.apply == "in_place":
             received, phases = await self._receive_in_place(target, version, sources)
-            return PushStats(version=version, seconds=time.perf_counter() - start, bytes=received, phases=phases)
-        await target.begin_weight_update()
-        try:
-            buffers = target.staged_params()
-            self._check_buffers(buffers)
-            # The transfer blocks on the group: run it off the event loop, which keeps generating on v.
-            t0 = time.perf_counter()
-            timings: dict[str, float] = {}
-            _, received = await asyncio.wait_for(asyncio.to_thread(self._run, sources, buffers, timings),
-                                                 self.config.timeout_s + 5.0)
-            t1 = time.perf_counter()
-        except asyncio.CancelledError:
-            await target.abort_weight_update()
-            raise
-        except Exception as exc:
-            await target.abort_weight_update()
-            why = self._why(exc)
-            raise ReshardError(f"push of v{version} failed on destination rank {self.dst_rank}: {why}; "
-                               f"the engine stays on v{old}") from exc
-        await target.end_weight_update(version)
-        t2 = time.perf_counter()
-        return PushStats(version=version, seconds=t2 - start, bytes=received,
-                         phases={"stage_s": t0 - start, "transfer_s": t1 - t0, "apply_s": t2 - t1,
-                                 **{f"recv_{k}": v for k, v in timings.items()}})
+        else:
+            if self._receiving is None:  # not armed: start it now
+                self._receiving = await self._start_receive(target, version, sources=sources)
+            received, phases = await self._finish_receive(target, version)
+        return PushStats(version=version, seconds=time.perf_counter() - start, bytes=received, phases=phases)
 
     async def arm(self, target: ReshardTarget, version: int, *, timeout_s: float) -> None:
         """Post this engine's receive of ``version`` now, for a ``send`` that comes later (module docstring).
@@ -302,25 +282,14 @@ class Resharder:
         if self.dst_rank is None or self.src_rank is not None or self._signals is None:
             raise ReshardError(f"arm: group rank {self.group_rank} must be a destination rank only, in a group of "
                                "several processes")
-        if self._armed is not None:
-            raise ReshardError(f"arm v{version}: already armed for v{self._armed.version}")
-        await target.begin_weight_update()
-        try:
-            buffers = target.staged_params()
-            self._check_buffers(buffers)
-        except BaseException:
-            await target.abort_weight_update()
-            raise
-        stop, timings, armed_at = threading.Event(), {}, time.perf_counter()
-        deadline = time.monotonic() + timeout_s
-        task = asyncio.ensure_future(asyncio.to_thread(self._run_when_signalled, version, buffers, timings, stop,
-                                                       deadline))
-        self._armed = _Armed(version, task, stop, timings, armed_at)
+        if self._receiving is not None:
+            raise ReshardError(f"arm v{version}: already armed for v{self._receiving.version}")
+        self._receiving = await self._start_receive(target, version, signal_deadline=time.monotonic() + timeout_s)
 
     async def disarm(self, target: ReshardTarget) -> None:
         """Withdraw an armed receive whose signal has not come (a transfer already running finishes or
         times out first); the engine keeps its version. No-op when nothing is armed."""
-        armed, self._armed = self._armed, None
+        armed, self._receiving = self._receiving, None
         if armed is None:
             return
         armed.stop.set()
@@ -352,32 +321,56 @@ class Resharder:
         timings["signal_wait_s"] = time.perf_counter() - t0
         return self._run(None, buffers, timings)
 
-    async def _finish_armed(self, target: ReshardTarget, version: int) -> tuple[int, dict[str, float]]:
-        """The ``receive`` of an armed version: wait for its thread, then flip between two steps."""
-        armed, self._armed, old = self._armed, None, target.version
-        if armed.version != version:
-            self._armed = armed
+    async def _start_receive(self, target: ReshardTarget, version: int, *,
+                             sources: Mapping[str, torch.Tensor] | None = None,
+                             signal_deadline: float | None = None) -> _Receive:
+        """Stage the engine's copy and start the transfer thread: at once, or (armed) when the trainer's
+        signal comes, waiting for it until ``signal_deadline``. Generation goes on meanwhile."""
+        t0 = time.perf_counter()
+        await target.begin_weight_update()
+        try:
+            buffers = target.staged_params()
+            self._check_buffers(buffers)
+        except BaseException:
+            await target.abort_weight_update()
+            raise
+        stop, timings = threading.Event(), {"stage_s": time.perf_counter() - t0}
+        if signal_deadline is None:
+            run = functools.partial(self._run, sources, buffers, timings)
+        else:
+            run = functools.partial(self._run_when_signalled, version, buffers, timings, stop, signal_deadline)
+        # The transfer blocks on the group: run it off the event loop, which keeps generating on v.
+        return _Receive(version, asyncio.ensure_future(asyncio.to_thread(run)), stop, timings,
+                        time.perf_counter(), signal_deadline is not None)
+
+    async def _finish_receive(self, target: ReshardTarget, version: int) -> tuple[int, dict[str, float]]:
+        """Wait for the started receive's thread, then flip between two steps; on any failure the
+        staging copy is dropped and the engine stays on its version."""
+        rec, self._receiving, old = self._receiving, None, target.version
+        if rec.version != version:
+            self._receiving = rec
             await self.disarm(target)
-            raise ReshardError(f"receive v{version}: this engine was armed for v{armed.version}; disarmed it, the "
+            raise ReshardError(f"receive v{version}: this engine was armed for v{rec.version}; disarmed it, the "
                                f"engine stays on v{old}")
         t0 = time.perf_counter()
         try:
-            _, received = await asyncio.wait_for(asyncio.shield(armed.task), self.config.timeout_s + 5.0)
+            _, received = await asyncio.wait_for(asyncio.shield(rec.task), self.config.timeout_s + 5.0)
         except BaseException as exc:
-            armed.stop.set()
+            rec.stop.set()
             await target.abort_weight_update()
             if isinstance(exc, asyncio.CancelledError):
                 raise
-            why = self._why(exc)
-            raise ReshardError(f"armed push of v{version} failed on destination rank {self.dst_rank}: {why}; "
+            raise ReshardError(f"push of v{version} failed on destination rank {self.dst_rank}: {self._why(exc)}; "
                                f"the engine stays on v{old}") from exc
         t1 = time.perf_counter()
         await target.end_weight_update(version)
         t2 = time.perf_counter()
-        # armed_s: arming to this call (the trainer computing the version); armed_wait_s: this call
-        # waiting for the transfer thread; recv_signal_wait_s: the thread waiting for the trainer
-        return received, {"armed_s": t0 - armed.armed_at, "armed_wait_s": t1 - t0, "apply_s": t2 - t1,
-                          **{f"recv_{k}": v for k, v in armed.timings.items()}}
+        stage = rec.timings.pop("stage_s")
+        # armed_s: from arming to this call (the trainer computing the version); recv_signal_wait_s:
+        # the thread waiting for the trainer's signal
+        return received, {"stage_s": stage, **({"armed_s": t0 - rec.started_at} if rec.armed else {}),
+                          "transfer_s": t1 - t0, "apply_s": t2 - t1,
+                          **{f"recv_{k}": v for k, v in rec.timings.items()}}
 
     async def _receive_in_place(self, target: ReshardTarget, version: int,
                                 sources: Mapping[str, torch.Tensor] | None) -> tuple[int, dict[str, float]]:
