@@ -21,7 +21,9 @@ while the trainer is still computing it. A worker thread stages the copy and wai
 group's store for the trainer's "sending v" key (``send`` sets it first), then runs the plan at
 once, so the trainer's send no longer waits for the engine's event loop to get round to a
 ``receive`` call between decode steps and result handling (≈ 50 ms at 1.5B under load); the
-``receive`` that follows only waits for that thread and flips.
+``receive`` that follows only waits for that thread and flips. On CUDA a staged receive runs on
+a stream of its own, ordered only after its staging copy: NCCL orders a collective after the
+caller's current stream, and the engine's stream holds every decode step its host loop has queued.
 
 Versioned and atomic: a version becomes visible only in ``end_weight_update``, which runs on the
 engine's event loop between two decode steps, so no step mixes versions; a failed push leaves
@@ -168,6 +170,7 @@ class Resharder:
         self.src_rank = next((s for s, g in enumerate(ranks.src) if g == group_rank), None)
         self.dst_rank = next((d for d, g in enumerate(ranks.dst) if g == group_rank), None)
         self._receiving: _Receive | None = None
+        self._stream: Any = None  # staged receives' CUDA stream (_run)
         self._signals: Any = None  # the group's store, under "push/": "v<N>" means "sending v<N> now"
         if group is not None:
             import torch.distributed as dist
@@ -220,9 +223,23 @@ class Resharder:
                                f"expected): {bad[:3]}")
 
     def _run(self, sources: Mapping[str, torch.Tensor] | None, buffers: Mapping[str, torch.Tensor] | None,
-             timings: dict[str, float] | None = None) -> tuple[int, int]:
-        return run_plan(self.plan, self.ranks, self.group_rank, self.group, sources=sources, buffers=buffers,
-                        device=self.device, timeout_s=self.config.timeout_s, depth=self._depth(sources), timings=timings)
+             timings: dict[str, float] | None = None, after: Any = None) -> tuple[int, int]:
+        """Run this process's share of the plan. ``after``: a CUDA event recorded when the staging copy
+        was made; the transfer then runs on a stream of its own that waits only for that event."""
+        run = functools.partial(run_plan, self.plan, self.ranks, self.group_rank, self.group, sources=sources,
+                                buffers=buffers, device=self.device, timeout_s=self.config.timeout_s,
+                                depth=self._depth(sources), timings=timings)
+        if after is None:
+            return run()
+        # NCCL orders each collective after the current stream's queued work. On the engine's stream
+        # that is every decode step its host loop has queued (15-40 ms at 1.5B with fixed-length
+        # outputs, when the loop never waits on the device): the first bucket waited for all of
+        # them. The staging copy needs nothing from that stream beyond what `after` marks.
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(after)
+            return run()
 
     def _depth(self, sources: Mapping[str, torch.Tensor] | None) -> int:
         if sources is not None or self.src_rank is not None:
@@ -303,12 +320,12 @@ class Resharder:
     def _signal(self, version: int) -> None:
         """Tell armed receivers that ``version`` is being sent now (every source rank sets the same key)."""
         if self._signals is not None:
-            self._signals.set(f"v{version}", b"1")
+            self._signals.set(f"v{version}", repr(time.time()).encode())  # when: the receivers' signal_lag_s
             with contextlib.suppress(Exception):
                 self._signals.delete_key(f"v{version - 1}")  # read by every engine before v was armed
 
     def _run_when_signalled(self, version: int, buffers: Mapping[str, torch.Tensor], timings: dict[str, float],
-                            stop: threading.Event, deadline: float) -> tuple[int, int]:
+                            stop: threading.Event, deadline: float, after: Any) -> tuple[int, int]:
         """The armed receive's thread: wait for the trainer's "sending v" key, then run the plan at once."""
         t0 = time.perf_counter()
         # check() polls without blocking: a timed-out store wait logs a warning each time
@@ -319,7 +336,9 @@ class Resharder:
                 raise TimeoutError(f"the trainer did not start sending v{version} within the armed receive's "
                                    "timeout")
         timings["signal_wait_s"] = time.perf_counter() - t0
-        return self._run(None, buffers, timings)
+        with contextlib.suppress(Exception):  # the trainer's clock: the same host, or near enough to show a lag
+            timings["signal_lag_s"] = max(0.0, time.time() - float(self._signals.get(f"v{version}")))
+        return self._run(None, buffers, timings, after)
 
     async def _start_receive(self, target: ReshardTarget, version: int, *,
                              sources: Mapping[str, torch.Tensor] | None = None,
@@ -334,11 +353,15 @@ class Resharder:
         except BaseException:
             await target.abort_weight_update()
             raise
+        after = None
+        if self.device.type == "cuda":  # the staging copy (and any sources) are ready as of now
+            after = torch.cuda.Event()
+            after.record(torch.cuda.current_stream(self.device))
         stop, timings = threading.Event(), {"stage_s": time.perf_counter() - t0}
         if signal_deadline is None:
-            run = functools.partial(self._run, sources, buffers, timings)
+            run = functools.partial(self._run, sources, buffers, timings, after)
         else:
-            run = functools.partial(self._run_when_signalled, version, buffers, timings, stop, signal_deadline)
+            run = functools.partial(self._run_when_signalled, version, buffers, timings, stop, signal_deadline, after)
         # The transfer blocks on the group: run it off the event loop, which keeps generating on v.
         return _Receive(version, asyncio.ensure_future(asyncio.to_thread(run)), stop, timings,
                         time.perf_counter(), signal_deadline is not None)
