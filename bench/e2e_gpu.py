@@ -180,8 +180,12 @@ def run_one(args: argparse.Namespace, shape: str, eta: int, model_dir: Path, run
     if sync_phases:
         print(f"{shape} η={eta} push parts (ms, mean): "
               + ", ".join(f"{k[5:]} {v * 1e3:.1f}" for k, v in sync_phases.items() if k.endswith("_s")), flush=True)
+    # generated but never trained (meshrl.queues admission should make these zero), over the whole run
+    wasted = {k: steps[-1].get(f"queue/{k}", 0) for k in ("dropped_stale", "kept_stale", "dropped_incomplete")}
+    if any(wasted.values()):
+        print(f"{shape} η={eta} samples past the staleness bound or incomplete: {wasted}", flush=True)
     return {
-        "eta": eta, "wall_s": wall, "steps": summary["steps"], "measured_steps": s["steps"],
+        "eta": eta, "wall_s": wall, "steps": summary["steps"], "measured_steps": s["steps"], "queue": wasted,
         "response_tokens_mean": sum(r["response_tokens_mean"] for r in measured) / len(measured),
         "trainer_train_time_s": sum(r["train_time_s"] for r in measured) / len(measured),
         **{k: v for k, v in s.items() if k != "steps"}, "sync_phases": sync_phases,

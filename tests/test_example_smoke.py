@@ -46,6 +46,8 @@ def test_example_runs_end_to_end_and_writes_its_outputs(tmp_path, algo):
     # max_staleness=1: pushes went through receives armed during the step (meshrl.reshard.push)
     pushed = [r for r in steps if "sync/recv_signal_wait_s" in r]
     assert pushed and all(r["sync/armed_s"] >= 0 and r["sync/send_s"] > 0 for r in pushed)
+    # admission: nothing generated past the bound (the queue hears of a version only once every engine serves it)
+    assert steps[-1]["queue/dropped_stale"] == 0 and steps[-1]["queue/kept_stale"] == 0, steps[-1]
     assert records[-1]["kind"] == "summary"
     if algo == "grpo_kl":
         assert "kl" in steps[-1]  # the reference worker's log-probs reached the loss

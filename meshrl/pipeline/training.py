@@ -15,7 +15,8 @@ train loop, until run.total_steps or the run stops:
   every checkpoint_every steps and at the end: checkpoint (trainer state, queue snapshot, prompt
   position, requests in flight) — before set_version, so at max_staleness = 0 nothing is in
   flight (meshrl.pipeline.checkpoint)
-  queue.set_version(version)  (at max_staleness = 0 only after every engine applied it)
+  queue.set_version(version)  only once every engine serves it (a detached push: when its flip
+                              lands), so admission never grants a batch that starts on v - 1
 resume: trainer.load_checkpoint → push its weights as the saved version → queue.restore
         → re-issue the requests that were in flight (or cancel unknown reservations)
 ```
@@ -36,7 +37,7 @@ from meshrl.pipeline.config import PipelineConfig
 from meshrl.pipeline.metrics import RunLog
 from meshrl.pipeline.rollout_loop import Roles, RolloutDriver, bounded
 from meshrl.reshard import meshes as reshard_meshes
-from meshrl.reshard import push_weights
+from meshrl.reshard import PushStats, push_weights
 
 __all__ = ["TrainLoop"]
 
@@ -106,9 +107,7 @@ class TrainLoop:
             last = self.step == cfg.run.total_steps and cfg.run.checkpoint_at_end
             checkpoint = (every > 0 and self.step % every == 0) or last
             if pushed:
-                self.version = await self.push(self.version + 1)
-                if not checkpoint:
-                    await bounded(queue.set_version.call_one(self.version), timeout, "the queue to take the new version")
+                self.version = await self.push(self.version + 1, publish=not checkpoint)
                 sync_s = self.log.now() - t2
                 self.log.span("sync", "push_weights", t2, t2 + sync_s, version=self.version)
             now = time.perf_counter()
@@ -140,8 +139,8 @@ class TrainLoop:
                                  timeout_s=self.cfg.run.step_timeout_s + self.cfg.reshard.timeout_s)
 
     async def settle(self) -> None:
-        """Until every engine serves the newest pushed version (a detached push's second half);
-        a failed one raises here."""
+        """Until every engine serves the newest pushed version and the queue has it (a detached
+        push's second half); a failed one raises here."""
         if self._flipping is not None:
             flipping = self._flipping
             try:
@@ -151,8 +150,11 @@ class TrainLoop:
                     self._flipping = None
             self.push_phases = {f"sync/{k}": v for k, v in stats.phases.items()}
 
-    async def push(self, version: int) -> int:
-        """Publish the trainer's weights to every engine as ``version``; returns it."""
+    async def push(self, version: int, *, publish: bool = False) -> int:
+        """Send the trainer's weights to every engine as ``version``; returns it. ``publish``: then
+        tell the queue (``set_version``), once every engine serves it: admission assumes that new
+        reservations generate on ``version`` or later, so publishing before a detached flip lands
+        would let a batch start on ``version - 1`` and miss the staleness bound by one."""
         timeout, trainer, rollouts = self.cfg.run.step_timeout_s, self.roles.trainer, self.roles.rollouts
         if self.cfg.reshard.transport == "distributed":
             if self._armed is not None:
@@ -162,16 +164,28 @@ class TrainLoop:
             push = reshard_meshes.Push(trainer, rollouts, version, timeout_s=timeout)
             if self._detach:
                 await push.sent()
-                self._flipping = asyncio.ensure_future(push.finish())
+                self._flipping = asyncio.ensure_future(self._flip(push, publish))
                 return version
-            stats = await push.finish()
+            stats = await self._flip(push, publish)
             self.push_phases = {f"sync/{k}": v for k, v in stats.phases.items()}
             return stats.version
         if self.cfg.trainer.dp > 1 or self.cfg.trainer.device == "cuda":
             # a collective over the dp ranks: rank 0 then holds the full tensors push_weights exports
             await trainer.gather_weights.call().within(timeout)
-        push = await push_weights(trainer, rollouts, version, timeout_s=timeout)
-        return push.version
+        pushed = await push_weights(trainer, rollouts, version, timeout_s=timeout)
+        if publish:
+            await self._publish(pushed.version)
+        return pushed.version
+
+    async def _flip(self, push: reshard_meshes.Push, publish: bool) -> PushStats:
+        stats = await push.finish()
+        if publish:
+            await self._publish(stats.version)
+        return stats
+
+    async def _publish(self, version: int) -> None:
+        await bounded(self.roles.queue.set_version.call_one(version), self.cfg.run.step_timeout_s,
+                      "the queue to take the new version")
 
     async def checkpoint(self) -> Path:
         """Trainer state, queue snapshot and controller state of this step (module docstring)."""
