@@ -2,8 +2,9 @@
 
 Run: ``OMP_NUM_THREADS=1 pytest bench/bench_queue.py --benchmark-only``. Each case moves
 ``BATCHES`` batches of 256 samples of about 1 KB (msgpack) from a producer to a consumer, both
-the driver, with calls pipelined the way a rollout worker and the trainer overlap them; the
-samples/s of each case is in ``extra_info``. Cases:
+the driver, with calls pipelined the way a rollout worker and the trainer overlap them (every put
+and get in flight; the consumer decodes each batch as it arrives); the samples/s of each case is
+in ``extra_info``. Ray is started as the pipeline starts it (``ensure_ray``). Cases:
 
 - ``queue_encoded``: ``put_encoded`` / ``get_batch_encoded`` (the pipeline's path), encoding on
   the producer and decoding on the consumer included.
@@ -57,12 +58,18 @@ def ray_mod():
 
     started = not ray.is_initialized()
     if started:
-        # MESHRL_BENCH_INLINE_BYTES raises Ray's inline-argument threshold (default 100 KB) so a
-        # 256-sample blob skips the shared-memory object store; reported as a separate run.
-        inline = int(os.environ.get("MESHRL_BENCH_INLINE_BYTES", "0"))
-        ray.init(num_cpus=2, include_dashboard=False,
-                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
-                 _system_config={"max_direct_call_object_size": inline} if inline else None)
+        # Ray as the pipeline starts it (meshrl.pipeline.controller.ensure_ray: batches up to 1 MiB
+        # travel inline in the call, not through the shared-memory store). MESHRL_BENCH_INLINE_BYTES
+        # sets another threshold for comparison; 0 is Ray's own default (100 KB).
+        inline = os.environ.get("MESHRL_BENCH_INLINE_BYTES")
+        if inline is None:
+            from meshrl.pipeline.controller import ensure_ray
+
+            ensure_ray(num_cpus=2)
+        else:
+            ray.init(num_cpus=2, include_dashboard=False,
+                     runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
+                     _system_config={"max_direct_call_object_size": int(inline)} if int(inline) else None)
     yield ray
     if started:
         ray.shutdown()
@@ -113,12 +120,11 @@ def _queue_actor(ray):
 
 
 def _move(ray, put, get, batches, encoded: bool) -> None:
-    """Pipelined like the real loops: every put and get in flight at once, then collected."""
+    """Pipelined like the real loops: every put and get in flight at once; the consumer decodes each
+    batch as it arrives (the trainer decodes batch k while the queue serves k + 1)."""
     puts = [put(encode_samples(b) if encoded else b) for b in batches]
     gets = [get() for _ in batches]
-    got = ray.get(gets)
-    if encoded:
-        got = [decode_samples(blob) for blob in got]
+    got = [decode_samples(ray.get(g)) if encoded else ray.get(g) for g in gets]
     ray.get(puts)
     assert sum(map(len, got)) == BATCH * len(batches)
 
