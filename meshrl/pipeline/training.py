@@ -127,7 +127,7 @@ class TrainLoop:
                 await self.settle()
                 await self.checkpoint()
                 if pushed:
-                    await bounded(queue.set_version.call_one(self.version), timeout, "the queue to take the new version")
+                    await self._publish(self.version)
             if cfg.run.eval_every and self.step % cfg.run.eval_every == 0 and self.step < cfg.run.total_steps:
                 await self.settle()  # evaluated at the version the step record names
                 self.evals.append(asyncio.create_task(self._evaluate()))
