@@ -212,6 +212,38 @@ def test_lagged_stops_equal_synchronous_on_gpu():
     assert [reason for _, reason in results[0]].count("stop") >= 5
 
 
+@pytest.mark.gpu
+@needs_cuda
+def test_host_runs_at_most_a_few_steps_ahead_of_the_gpu():
+    """With no stop check to read (ignore_eos), the host still waits for the GPU every few steps.
+
+    Each step gets ~1 ms of extra GPU work, so the GPU is the slow side; an event of our own after
+    every step counts the steps the GPU has not finished yet when the host moves on.
+    """
+    from meshrl.engines.batch import RUN_AHEAD_STEPS
+
+    eng = TorchEngine.from_hf_model(_hf_cuda(), config=TorchEngineConfig(
+        dtype="bfloat16", device="cuda", max_batch_size=4, max_seq_len=96))
+    batch, marks, ahead = eng._batch, [], []
+    after_decode = batch.after_decode
+
+    def slow_after_decode(tok):
+        torch.cuda._sleep(2_000_000)  # GPU cycles: about a millisecond
+        out = after_decode(tok)
+        marks.append(torch.cuda.Event())
+        marks[-1].record()
+        ahead.append(sum(not e.query() for e in marks[-64:]))
+        return out
+
+    batch.after_decode = slow_after_decode
+    reqs = [GenerateRequest(input_ids=[1, 2, 3 + i], sampling=SamplingParams(max_new_tokens=60, ignore_eos=True))
+            for i in range(4)]
+    results = asyncio.run(eng.generate(reqs))
+    assert all(len(r.completions[0].output_ids) == 60 for r in results)
+    assert len(ahead) >= 50
+    assert max(ahead) <= RUN_AHEAD_STEPS + 1, ahead
+
+
 def _patch_interpreter_scalars() -> None:
     """Triton's interpreter keeps scalars as 1-element arrays, which NumPy 2 refuses to ``int()`` (a
     loop bounded by a loaded value fails); give its module an ``int`` that accepts them."""

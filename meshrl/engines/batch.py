@@ -15,6 +15,12 @@ already finished while the next one runs, instead of leaving the GPU idle for ev
 A row that stopped at step t thus runs step t+1 too; that token is discarded (its output is cut at
 the stop token), so results equal the synchronous check's, one step later.
 
+When no row can stop on a token (``ignore_eos`` and no stop ids), nothing in a step reads the
+device, and the host would queue decode steps without bound: a pause, an abort or a weight update
+would then wait behind all of them, and the GPU would go on decoding after the engine stopped.
+So the host also waits, each step, for the step launched ``RUN_AHEAD_STEPS`` earlier: it can never
+be more than that many steps ahead of the GPU, which is still enough to hide its own Python.
+
 Simplifications, on purpose: a request is admitted only when all of its ``n`` samples fit (FIFO, no
 skipping ahead, so a large ``n`` is never starved); sequences are never preempted or swapped out.
 """
@@ -30,6 +36,9 @@ from meshrl.engines.kv_cache import KVCache
 from meshrl.engines.model import PackedPrompts, Transformer
 from meshrl.engines.sampling import mix_seed, sample, sample_and_record_fused, uniform, uniform_np
 from meshrl.engines.types import Completion, FinishReason, GenerateRequest
+
+RUN_AHEAD_STEPS = 4
+"""CUDA: most decode steps the host may have queued on the GPU beyond the one it waits for."""
 
 # istate columns
 _TOK, _POS, _OCOL, _SEED, _TOPK, _STOP = 0, 1, 2, 3, 4, 5
@@ -84,6 +93,8 @@ class RunningBatch:
         self._hit_bufs = [torch.zeros(rows, dtype=torch.bool, pin_memory=pin) for _ in range(2)]  # alternate
         self._hit_events = [torch.cuda.Event() if pin else None for _ in range(2)]
         self._pending: tuple[int, list[Seq], np.ndarray] | None = None  # (buffer, rows' Seqs, their olen)
+        self._step_events = [torch.cuda.Event() for _ in range(RUN_AHEAD_STEPS)] if pin else []
+        self._steps_launched = 0
         self.n_greedy = self.n_filtered = self.n_stoppable = 0
 
     # ---- admission (prefill) ---------------------------------------------------------------
@@ -180,11 +191,25 @@ class RunningBatch:
         self.olen[: self.size] += 1
         if not self.lagged_stops:
             return self._retire_finished(0, self.size, new_tok)
+        self._bound_run_ahead()
         prev, self._pending = self._pending, self._launch_stop_check(new_tok)
         reasons, n_out = self._read_stops(prev) if prev else ({}, {})
         for r in np.flatnonzero(self.olen[: self.size] >= self.max_new[: self.size]).tolist():
             reasons.setdefault(r, "length")  # a stop in the previous step came first
         return self._retire(reasons, n_out) if reasons else []
+
+    def _bound_run_ahead(self) -> None:
+        """Wait until the step launched ``RUN_AHEAD_STEPS`` steps ago is done; mark this one (CUDA)."""
+        if not self._step_events:
+            return
+        event = self._step_events[self._steps_launched % len(self._step_events)]
+        event.synchronize()  # recorded RUN_AHEAD_STEPS steps ago (a never-recorded event: no wait)
+        event.record()
+        self._steps_launched += 1
+
+    def steps_in_flight(self) -> int:
+        """Decode steps launched whose completion the host has not seen (CUDA; 0 on CPU). For tests."""
+        return sum(not e.query() for e in self._step_events)
 
     def _launch_stop_check(self, new_tok: torch.Tensor) -> tuple[int, list[Seq], np.ndarray] | None:
         """Start copying which rows' new token is a stop id to the host; read by ``_read_stops``."""
