@@ -7,7 +7,9 @@ config; TorchEngine: ``ignore_eos``), one thread each. Prompts are 8-16 tokens l
 gets them left-padded with an attention mask, as its batched ``generate`` needs), except in
 ``fixed`` where all have 12. HF runs first, then the engine on the same weights and prompts; the
 engine case writes ``speedup`` (HF time / engine time), both write ``tok_per_s`` into
-``extra_info``, and one line per pair is printed.
+``extra_info``, and one line per pair is printed. ``test_speedup_paired`` then alternates the two,
+one call each per round, and prints the median of the rounds' ratios (with min and max): the figure
+to quote, since a shared machine's load shifts between the separate runs of the first cases.
 
 Cases: ``small`` (hidden 64, 2 layers, 64 sequences), ``default`` (hidden 128, 4 layers, 256
 sequences), ``fixed`` (``default`` with equal prompt lengths: no padding for HF to waste),
@@ -112,3 +114,36 @@ def test_generate_cpu(benchmark, request, case, impl):
                 f"tok/s  TorchEngine {tokens / t:,.0f} tok/s  speedup {speedup:.2f}x")
         with request.config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
             print("\n" + line, flush=True)
+
+
+PAIRED_ROUNDS = 11
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.benchmark(timer=time.process_time, group="engine-cpu-paired")
+def test_speedup_paired(benchmark, request, case):
+    """HF and TorchEngine alternate, one call each per round; the speedup is the median of the rounds'
+    ratios. Load that shifts between rounds (these machines are shared) hits both sides of a pair
+    alike, so this figure is steadier than the ratio of two separate medians above."""
+    c = _case(case)
+    ratios: list[float] = []
+
+    def pair() -> None:
+        t0 = time.process_time()
+        hf_tokens = c.run_hf()
+        t1 = time.process_time()
+        engine_tokens = c.run_engine()
+        t2 = time.process_time()
+        assert hf_tokens == engine_tokens == c.sequences * c.new
+        ratios.append((t1 - t0) / (t2 - t1))
+
+    pair()  # warm-up
+    ratios.clear()
+    benchmark.pedantic(pair, rounds=PAIRED_ROUNDS, iterations=1)
+    ratios.sort()
+    median = ratios[len(ratios) // 2]
+    benchmark.extra_info.update(speedup=median, speedup_min=ratios[0], speedup_max=ratios[-1])
+    line = (f"[bench_engine_cpu paired] {case}: speedup median {median:.2f}x over {len(ratios)} rounds "
+            f"(min {ratios[0]:.2f}x, max {ratios[-1]:.2f}x)")
+    with request.config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
+        print("\n" + line, flush=True)

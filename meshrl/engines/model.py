@@ -175,6 +175,12 @@ class Transformer:
         """RMSNorm over the last dim of a 2-D ``x``."""
         if self.fused_kernels:
             return rms_norm_fused(x, weight, self.spec.rms_norm_eps)
+        if x.dtype == torch.float32:
+            # F.rms_norm is a chain of generic ops on CPU; over a prefill's rows (thousands x
+            # hidden) this is 2-4x faster (vector_norm is one reduction kernel), same float32 math
+            r = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+            r = r.square_().div_(x.shape[-1]).add_(self.spec.rms_norm_eps).rsqrt_()
+            return torch.mul(x, r).mul_(weight)
         return F.rms_norm(x, (x.shape[-1],), weight, self.spec.rms_norm_eps)
 
     def _project(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
@@ -267,11 +273,15 @@ class Transformer:
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Single-query GQA attention. q ``[B, Hkv, G, D]``, k/v ``[B, Hkv, S, D]``, mask ``[B, 1, 1, S]``.
 
-        Plain matmuls over the kv heads (no repeat of k/v); returns ``[B, Hkv, G, D]``.
+        Batched matmuls over (row, kv head) with no repeat of k/v, the mask added inside the first
+        (``baddbmm``: one op less than matmul + add); returns ``[B, Hkv, G, D]``.
         """
-        scores = torch.add(mask, torch.matmul(q, k.transpose(-1, -2)), alpha=self.scale)  # [B, Hkv, G, S]
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
-        return torch.matmul(probs, v)
+        b, hkv, g, d = q.shape
+        s = k.shape[2]
+        mask = mask.view(b, 1, 1, s).expand(b, hkv, 1, s).reshape(b * hkv, 1, s)
+        scores = torch.baddbmm(mask, q.reshape(b * hkv, g, d), k.flatten(0, 1).transpose(1, 2), alpha=self.scale)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)  # [B * Hkv, G, S]
+        return torch.bmm(probs, v.flatten(0, 1)).view(b, hkv, g, d)
 
     @torch.no_grad()
     def decode_step(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache, seq_len: int,
