@@ -207,10 +207,6 @@ class RunningBatch:
         event.record()
         self._steps_launched += 1
 
-    def steps_in_flight(self) -> int:
-        """Decode steps launched whose completion the host has not seen (CUDA; 0 on CPU). For tests."""
-        return sum(not e.query() for e in self._step_events)
-
     def _launch_stop_check(self, new_tok: torch.Tensor) -> tuple[int, list[Seq], np.ndarray] | None:
         """Start copying which rows' new token is a stop id to the host; read by ``_read_stops``."""
         if not self.n_stoppable:
