@@ -266,20 +266,23 @@ class Transformer:
                 # every position's k/v), so attention, o-projection and MLP run on N rows, not all
                 q_last = qkv[p.last, : nq * d].view(n, nkv, nq // nkv, d)  # [N, Hkv, G, D]
                 valid = cache.positions[:t] <= p.positions[p.last][:, None]  # [N, T]
-                mask = torch.where(valid, 0.0, float("-inf")).to(self.dtype)[:, None, None, :]
-                attn = self._attend(q_last, k, v, mask).view(n, nq * d)
+                attn = self._attend(q_last, k, v, self._attn_mask(valid)).view(n, nq * d)
                 x = self._out_and_mlp(layer, x[p.last], attn)  # [N, hidden]
         return self.logits(x)
 
+    def _attn_mask(self, valid: torch.Tensor) -> torch.Tensor:
+        """The additive mask ``_attend`` takes, ``[B * Hkv, 1, S]``, from ``valid`` ``[B, S]`` (built once per step)."""
+        mask = torch.where(valid, 0.0, float("-inf")).to(self.dtype)  # [B, S]
+        b, s = mask.shape
+        return mask[:, None, None, :].expand(b, self.num_kv_heads, 1, s).reshape(b * self.num_kv_heads, 1, s)
+
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Single-query GQA attention. q ``[B, Hkv, G, D]``, k/v ``[B, Hkv, S, D]``, mask ``[B, 1, 1, S]``.
+        """Single-query GQA attention. q ``[B, Hkv, G, D]``, k/v ``[B, Hkv, S, D]``, mask ``[B * Hkv, 1, S]``.
 
         Batched matmuls over (row, kv head) with no repeat of k/v, the mask added inside the first
         (``baddbmm``: one op less than matmul + add); returns ``[B, Hkv, G, D]``.
         """
         b, hkv, g, d = q.shape
-        s = k.shape[2]
-        mask = mask.view(b, 1, 1, s).expand(b, hkv, 1, s).reshape(b * hkv, 1, s)
         scores = torch.baddbmm(mask, q.reshape(b * hkv, g, d), k.flatten(0, 1).transpose(1, 2), alpha=self.scale)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)  # [B * Hkv, G, S]
         return torch.bmm(probs, v.flatten(0, 1)).view(b, hkv, g, d)
@@ -299,7 +302,7 @@ class Transformer:
         cs = self.rope_table(cache.max_seq_len)[pos]  # [B, 2, D]
         cos, sin = cs[:, 0:1], cs[:, 1:2]  # [B, 1, D]
         valid = cache.positions[:s] <= pos[:, None]  # [B, S]
-        mask = torch.where(valid, 0.0, float("-inf")).to(self.dtype)[:, None, None, :]  # [B, 1, 1, S]
+        mask = self._attn_mask(valid)  # [B * Hkv, 1, S], shared by all layers
         write_idx = cache.decode_write_index(pos)  # [B, 2, Hkv], shared by all layers
         x = F.embedding(tokens, self.embed)  # [B, hidden]
         for i, layer in enumerate(self.layers):
