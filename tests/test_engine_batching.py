@@ -257,3 +257,78 @@ def test_lagged_stop_checks_equal_synchronous_ones(hf):
             continue
         assert (ca.output_ids, ca.finish_reason, ca.versions) == (cb.output_ids, cb.finish_reason, cb.versions)
         assert ca.logprobs == pytest.approx(cb.logprobs, abs=1e-5)  # other batch sizes: other rounding
+
+
+def test_bad_values_fail_their_own_request_only(hf):
+    """Wrong types and out-of-range ids are refused before they reach the running batch (where they would
+    fail every request in flight); the request running meanwhile finishes untouched."""
+    for kw, needle in [({"top_k": 2**70}, "top_k"), ({"max_new_tokens": True}, "max_new_tokens"),
+                       ({"max_new_tokens": 2.5}, "max_new_tokens"), ({"temperature": float("nan")}, "temperature"),
+                       ({"stop_token_ids": (2**70,)}, "stop_token_ids"), ({"seed": -1}, "seed"),
+                       ({"ignore_eos": 1}, "ignore_eos")]:
+        with pytest.raises(ValueError, match=needle):
+            SamplingParams(**kw)
+
+    async def main():
+        eng = engine(hf)
+        alone = (await eng.generate([req(PROMPTS[1], max_new_tokens=30)]))[0].completions[0]
+        long = asyncio.ensure_future(eng.generate([req(PROMPTS[1], max_new_tokens=30)]))
+        await wait_steps(eng, 2)
+        for bad, needle in [(req(PROMPTS[0], stop_token_ids=(V,)), r"stop_token_ids \[80\] outside \[0, 80\)"),
+                            (GenerateRequest(input_ids=[1, True]), "input_ids must be integers")]:
+            with pytest.raises(ValueError, match=needle):
+                await eng.generate([bad])
+        assert (await long)[0].completions[0] == alone
+        eng.release_memory()
+        with pytest.raises(RuntimeError, match="memory is released"):
+            await eng.generate([req(PROMPTS[0])])
+
+    asyncio.run(main())
+
+
+def test_tiny_temperature_decodes_greedily(hf):
+    """Below 1e-6 (as in SGLang) a temperature means greedy: dividing by it would overflow to NaN log-probs."""
+    async def main():
+        eng = engine(hf)
+        g, t = await eng.generate([req(PROMPTS[2], rid="g"), req(PROMPTS[2], rid="t", temperature=1e-320)])
+        return g.completions[0], t.completions[0]
+
+    g, t = asyncio.run(main())
+    assert t.output_ids == g.output_ids and t.logprobs == g.logprobs
+    assert all(lp == lp for lp in t.logprobs)
+
+
+def test_dropping_all_requests_resets_the_batch(hf):
+    """After a failed step the engine forgets every request: the batch's counters must go with them, or a
+    later lone sampled request would be run as greedy ("all greedy" from a stale count)."""
+    async def main():
+        eng = engine(hf)
+        sampled = req(PROMPTS[3], temperature=1.0, seed=11)
+        before = (await eng.generate([sampled]))[0].completions[0]
+        eng.cache.release()  # the prefill below fails for real (no KV memory), halfway through admitting
+        with pytest.raises(RuntimeError, match="storage"):
+            eng._batch.admit([(None, req(PROMPTS[0]), 0),
+                              (None, req(PROMPTS[1], temperature=1.0, top_k=3, stop_token_ids=(5,)), 1)], 0)
+        assert eng._batch.sampling_flags() == (True, False, True)
+        eng._drop_all()  # what the step loop does when a step raises
+        eng.restore_memory()
+        b = eng._batch
+        assert b.size == 0 and (b.n_greedy, b.n_filtered, b.n_stoppable) == (0, 0, 0)
+        after = (await eng.generate([sampled]))[0].completions[0]
+        assert after == before and len(set(after.output_ids)) > 1
+
+    asyncio.run(main())
+
+
+def test_a_second_begin_weight_update_is_refused(hf):
+    async def main():
+        eng = engine(hf)
+        await eng.begin_weight_update()
+        with pytest.raises(RuntimeError, match="already staging"):
+            await eng.begin_weight_update()
+        await eng.abort_weight_update()
+        await eng.begin_weight_update()  # after an abort a new update may start
+        await eng.end_weight_update(1)
+        assert eng.version == 1
+
+    asyncio.run(main())

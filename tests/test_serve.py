@@ -217,10 +217,70 @@ def test_bad_requests_are_400_naming_the_field(hf):
                 ({"input_ids": P0, "frobnicate": 1}, "frobnicate"),
                 ({"input_ids": [500]}, "outside [0, 72)"),
                 ({"input_ids": P0, "return_logprob": True, "logprob_start_len": 0}, "logprob_start_len"),
+                # wrong types and out-of-range values: refused with their name, never run
+                ({"input_ids": P0, "sampling_params": {"top_k": 2**70}}, "top_k"),
+                ({"input_ids": P0, "sampling_params": {"max_new_tokens": True}}, "max_new_tokens"),
+                ({"input_ids": P0, "sampling_params": {"max_new_tokens": 2.5}}, "max_new_tokens"),
+                ({"input_ids": P0, "sampling_params": {"stop_token_ids": 7}}, "stop_token_ids"),
+                ({"input_ids": P0, "sampling_params": {"stop_token_ids": [2**70]}}, "stop_token_ids"),
+                ({"input_ids": P0, "sampling_params": {"sampling_seed": "x"}}, "seed"),
+                ({"input_ids": [True, False]}, "input_ids"),
+                ({"input_ids": P0, "rid": 5}, "rid"),
             ]
             for body, needle in cases:
                 st, out = await post(s, "/generate", body)
                 assert st == 400 and needle in out["error"]["message"], (body, out)
+            raw = [("/generate", b"{bad", "not valid JSON"), ("/generate", b"[1, 2]", "JSON object"),
+                   ("/pause_generation", b"{bad", "not valid JSON"), ("/abort_request", b'{"rid": ["x"]}', "rid"),
+                   ("/get_weights_by_name", b'{"name": "model.norm.weight", "truncate_size": "x"}', "truncate_size"),
+                   ("/update_weight_version", b"[]", "JSON object"),
+                   ("/update_weights_from_distributed", b"{}", "names"),
+                   ("/init_weights_update_group", b"{}", "master_address")]
+            for path, data, needle in raw:
+                async with s.post(path, data=data, headers={"Content-Type": "application/json"}) as r:
+                    out = await r.json()
+                    assert r.status == 400 and needle in out["error"]["message"] and path in out["error"]["message"], \
+                        (path, out)
+
+    asyncio.run(main())
+
+
+def test_a_bad_request_leaves_the_others_alone(hf):
+    """A refused request does not touch the one running beside it, nor what runs after it (a failure in
+    the running batch used to fail every request in flight and leave later sampled requests greedy)."""
+    async def main():
+        engine = make_engine(hf)
+        sampled = {"input_ids": P1, "sampling_params": {"max_new_tokens": 40, "temperature": 1.0, "sampling_seed": 3}}
+        async with serve(engine) as s:
+            st, alone = await post(s, "/generate", sampled)
+            running = asyncio.create_task(post(s, "/generate", sampled))
+            await until(lambda: engine.num_running == 1, "the sampled request to run")
+            st, out = await post(s, "/generate", {"input_ids": P0, "sampling_params": {"top_k": 2**70}})
+            assert st == 400 and "top_k" in out["error"]["message"]
+            st, beside = await running
+            assert st == 200 and beside["output_ids"] == alone["output_ids"]
+            assert beside["meta_info"]["finish_reason"] == {"type": "length", "length": 40}
+            st, again = await post(s, "/generate", sampled)
+            assert again["output_ids"] == alone["output_ids"] and len(set(alone["output_ids"])) > 1
+
+    asyncio.run(main())
+
+
+def test_a_client_that_disconnects_has_its_request_aborted(hf):
+    """As SGLang does: a /generate whose client went away stops running (so a retry may reuse its rid)."""
+    async def main():
+        engine = make_engine(hf)
+        async with serve(engine) as s:
+            await post(s, "/pause_generation", {"mode": "in_place"})  # keep it waiting: nothing finishes it
+            with pytest.raises(asyncio.TimeoutError):
+                async with s.post("/generate", json={"input_ids": P0, "rid": "gone", "sampling_params": {"max_new_tokens": 4}},
+                                  timeout=aiohttp.ClientTimeout(total=0.3)) as r:
+                    await r.read()
+            await until(lambda: engine.num_waiting == 0 and engine.num_running == 0, "the server to drop the request",
+                        timeout_s=10)
+            await post(s, "/continue_generation")
+            st, out = await post(s, "/generate", {"input_ids": P0, "rid": "gone", "sampling_params": {"max_new_tokens": 2}})
+            assert st == 200 and out["meta_info"]["id"] == "gone"
 
     asyncio.run(main())
 

@@ -203,3 +203,77 @@ def test_legacy_single_tensor_protocol(servers):
 
     got = asyncio.run(main())
     assert_same_generation(got, reference(v6, REQS[:1]), 6)
+
+
+def test_a_request_given_up_on_is_aborted_on_the_server(servers):
+    """A /generate that times out (or is cancelled) is aborted on the server too: nothing keeps running
+    there, and a retry may reuse its request id."""
+    retry = GenerateRequest(input_ids=[5, 9], request_id="given-up", sampling=SamplingParams(max_new_tokens=4,
+                                                                                            temperature=0))
+
+    async def main():
+        eng = SGLangEngine(servers["0.5.23"], config=SGLangEngineConfig(generate_timeout_s=0.5))
+        try:
+            await eng.pause("keep")  # the request waits: only the timeout can end it
+            try:
+                with pytest.raises(TimeoutError, match="/generate: no reply within 0.5s"):
+                    await eng.generate([retry])
+                assert await eng.flush_cache()  # nothing runs or waits on the server any more
+            finally:
+                await eng.resume()
+            return await eng.generate([retry])
+        finally:
+            await eng.close()
+
+    (res,) = asyncio.run(main())
+    assert res.request_id == "given-up" and len(res.completions[0].output_ids) == 4
+
+
+def test_a_refused_update_still_receives_its_broadcast(servers):
+    """The server must take every broadcast of the group, refused or not; else the trainer's next
+    bucket lands in the following update, which would then apply the wrong tensor as a new version."""
+    import torch.distributed as dist
+
+    from meshrl.mesh.distributed import free_port, join_process_group
+
+    url, name, group = servers["0.5.23"], "model.layers.0.self_attn.q_proj.weight", "refuse_group"
+
+    async def main():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+            async def post(path, body):
+                async with s.post(url + path, json=body) as r:
+                    return r.status, await r.json()
+
+            st, rows = await post("/get_weights_by_name", {"name": name, "truncate_size": 1000})
+            live = torch.tensor(rows)
+            port = free_port()
+            init = asyncio.ensure_future(post("/init_weights_update_group", {
+                "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+                "group_name": group, "backend": "gloo"}))
+            pg = await asyncio.to_thread(join_process_group, group, 0, 2, "127.0.0.1", port, "gloo", 60.0)
+            assert (await init)[1]["success"]
+            try:
+                async def update(tensor, weight_version):
+                    assert (await post("/begin_weight_update", {}))[1]["success"]
+                    reply = asyncio.ensure_future(post("/update_weights_from_distributed", {
+                        "names": [name], "dtypes": ["float32"], "shapes": [list(tensor.shape)], "group_name": group,
+                        "flush_cache": False, "weight_version": weight_version}))
+                    sent = asyncio.to_thread(dist.broadcast, tensor, 0, pg)
+                    await asyncio.wait_for(sent, 20)  # the server received it (or this times out)
+                    _, body = await reply
+                    _, end = await post("/end_weight_update", {})
+                    return body, end
+
+                body, end = await update(torch.ones_like(live), "step-1")  # not an integer version: refused
+                assert not body["success"] and "broadcast was received" in body["message"]
+                assert not end["success"]  # the refusal dropped the staged update
+                body, end = await update(live * 2, "8")
+                assert body["success"] and end["success"]
+                st, rows = await post("/get_weights_by_name", {"name": name, "truncate_size": 1000})
+                assert torch.equal(torch.tensor(rows), live * 2)  # this update's tensor, not the refused one's
+                await update(live, "9")  # put the checkpoint's value back
+            finally:
+                await post("/destroy_weights_update_group", {"group_name": group})
+                dist.destroy_process_group(pg)
+
+    asyncio.run(main())

@@ -127,13 +127,14 @@ class RunningBatch:
         for (owner, req, seed), n in zip(batch, counts):
             sp = req.sampling
             stops = self.stop_ids(req)
-            greedy, filtered = sp.temperature == 0, sp.temperature > 0 and (sp.top_k != -1 or sp.top_p < 1)
+            greedy = sp.greedy
+            filtered = not greedy and (sp.top_k != -1 or sp.top_p < 1)
             first_rows.append(lo + len(irows))
             for j in range(n):
                 row = lo + len(irows)
                 self.seqs[row] = Seq(owner, j, row, version, greedy, filtered, bool(stops))
                 irows.append([0, len(req.input_ids) - 1, 0, mix_seed(seed, j),  # pos: the last prompt token
-                              self.model.spec.vocab_size if sp.top_k == -1 else sp.top_k]
+                              self.model.spec.vocab_size if sp.top_k == -1 else min(sp.top_k, self.model.spec.vocab_size)]
                              + stops + [-1] * (self.max_stop_ids - len(stops)))
                 frows.append([1.0 if greedy else 1.0 / sp.temperature, sp.top_p])
                 flag_rows.append([greedy, filtered])
@@ -159,6 +160,14 @@ class RunningBatch:
         self._sample_and_record(logits, lo, hi)
         self.olen[lo:hi] = 1
         return self._retire_finished(lo, hi)
+
+    def reset(self) -> None:
+        """Forget every running sequence without reading the device (after a failed step, whose
+        admission or retirement may have stopped halfway); the next admission starts at row 0."""
+        self.seqs = [None] * self.rows
+        self.size = 0
+        self._pending = None
+        self.n_greedy = self.n_filtered = self.n_stoppable = 0
 
     # ---- decode ---------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from aiohttp import web
 
+from meshrl.engines.serve import BadRequest, error_response, read_json
 from meshrl.engines.types import GenerateRequest, SamplingParams
 
 __all__ = ["SIMPLE_CHAT_TEMPLATE", "OpenAIServer", "render_simple_chat"]
@@ -40,24 +41,8 @@ _NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "
             "stream_options": None, "parallel_tool_calls": None}  # fmt: skip
 
 
-class BadRequest(ValueError):
-    """A request answered with HTTP 400 and OpenAI's error object."""
-
-
 def render_simple_chat(messages: list[dict[str, Any]]) -> str:
     return "".join(SIMPLE_CHAT_TEMPLATE.format(role=m["role"], content=m["content"]) for m in messages) + "assistant:"
-
-
-def _error(message: str, status: int = 400) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}},
-                             status=status)  # fmt: skip
-
-
-async def _json(request: web.Request) -> Any:
-    try:
-        return await request.json()
-    except ValueError as exc:
-        raise BadRequest(f"the body is not valid JSON: {exc}") from None
 
 
 class OpenAIServer:
@@ -90,11 +75,10 @@ class OpenAIServer:
         def get(key: str, default: Any) -> Any:
             return default if body.get(key) is None else body[key]
 
-        try:
+        try:  # SamplingParams checks the types: a string or a fraction where an int belongs is a 400
             return SamplingParams(
-                max_new_tokens=int(max_tokens), temperature=float(get("temperature", 1.0)), top_p=float(get("top_p", 1.0)),
-                top_k=int(get("top_k", -1)), n=int(get("n", 1)), seed=None if body.get("seed") is None else int(body["seed"]),
-                stop_token_ids=single_token_stops,
+                max_new_tokens=max_tokens, temperature=get("temperature", 1.0), top_p=get("top_p", 1.0),
+                top_k=get("top_k", -1), n=get("n", 1), seed=body.get("seed"), stop_token_ids=single_token_stops,
             )  # fmt: skip
         except (TypeError, ValueError) as exc:
             raise BadRequest(f"bad sampling parameters: {exc}") from None
@@ -143,13 +127,26 @@ class OpenAIServer:
                 text = self._decode(ids)
                 cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
                 if cut >= 0:  # keep the tokens up to the one that completed the stop string
-                    k = next(k for k in range(1, len(ids) + 1) if any(s in self._decode(ids[:k]) for s in stops))
+                    k = self._stop_end(ids, stops)
                     ids, logprobs, versions, text, finish = ids[:k], logprobs[:k], versions[:k], text[:cut], "stop"
                 elif finish == "stop" and ids and ids[-1] in sampling.stop_token_ids:
                     text = self._decode(ids[:-1])  # a one-token stop string is not part of the text
                 choices.append({"prompt_ids": prompt, "ids": ids, "text": text, "logprobs": logprobs, "versions": versions,
                                 "finish": "length" if finish == "length" else "stop"})  # fmt: skip
         return choices
+
+    def _stop_end(self, ids: list[int], stops: list[str]) -> int:
+        """The shortest prefix length whose text holds a stop string (the whole text does): a binary
+        search, since a prefix's text only grows, so O(log n) decodes rather than n on the event loop."""
+        lo, hi = 1, len(ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            text = self._decode(ids[:mid])
+            if any(s in text for s in stops):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
@@ -168,14 +165,15 @@ class OpenAIServer:
 
     async def completions(self, request: web.Request) -> web.Response:
         try:
-            body = self._check(await _json(request), _COMPLETION, "/v1/completions")
+            body = self._check(await read_json(request), _COMPLETION, "/v1/completions")
             if "prompt" not in body:
                 raise BadRequest("/v1/completions: send a prompt")
             prompts = self._prompts(body["prompt"])
             stops, single = self._stops(body)
-            choices = await self._generate(prompts, self._sampling(body, body.get("max_tokens") or 16, single), stops)
+            max_tokens = 16 if body.get("max_tokens") is None else body["max_tokens"]  # OpenAI's default; 0 is a 400
+            choices = await self._generate(prompts, self._sampling(body, max_tokens, single), stops)
         except BadRequest as exc:
-            return _error(str(exc))
+            return error_response(400, str(exc))
         out = []
         for i, c in enumerate(choices):
             choice = {**self._choice(i, c), "text": c["text"], "logprobs": None}
@@ -191,7 +189,7 @@ class OpenAIServer:
 
     async def chat(self, request: web.Request) -> web.Response:
         try:
-            body = self._check(await _json(request), _CHAT, "/v1/chat/completions")
+            body = self._check(await read_json(request), _CHAT, "/v1/chat/completions")
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages or not all(
                     isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
@@ -204,10 +202,10 @@ class OpenAIServer:
             else:
                 prompt_ids = self.tokenizer.encode(render_simple_chat(messages))
             stops, single = self._stops(body)
-            max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 128
+            max_tokens = next((body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None), 128)
             choices = await self._generate([prompt_ids], self._sampling(body, max_tokens, single), stops)
         except BadRequest as exc:
-            return _error(str(exc))
+            return error_response(400, str(exc))
         out = []
         for i, c in enumerate(choices):
             choice = {**self._choice(i, c), "message": {"role": "assistant", "content": c["text"]}, "logprobs": None}

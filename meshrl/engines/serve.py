@@ -32,6 +32,9 @@ from aiohttp import web
 from meshrl.engines.torch_engine import TorchEngine, TorchEngineConfig
 from meshrl.engines.types import Completion, GenerateRequest, GenerateResult, SamplingParams
 
+_DISCONNECT_POLL_S = 0.5
+"""How often a waiting ``/generate`` checks whether its client is still connected."""
+
 SGLANG_COMPAT_VERSION = "0.5.23"
 """The SGLang release whose HTTP surface this server follows (reported as ``version``)."""
 
@@ -52,11 +55,41 @@ _NULL_FIELDS = {"image_data", "audio_data", "video_data", "lora_path", "custom_l
 
 
 class BadRequest(ValueError):
-    """A request the server rejects with HTTP 400."""
+    """A request the server rejects with HTTP 400 (``bad_requests`` turns it into the reply)."""
 
 
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message}}, status=status)
+def error_response(status: int, message: str) -> web.Response:
+    """The error reply of every endpoint: OpenAI's error object (SGLang's server answers the same shape)."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": None}}, status=status)
+
+
+async def read_json(request: web.Request, *, default: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The request's JSON object body; ``default`` stands in for no body (or ``null``), else one is required."""
+    if not request.can_read_body and default is not None:
+        return default
+    try:
+        body = await request.json()
+    except ValueError as exc:
+        raise BadRequest(f"{request.path}: the body is not valid JSON ({exc})") from None
+    if body is None and default is not None:
+        return default
+    if not isinstance(body, dict):
+        raise BadRequest(f"{request.path}: the body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+@web.middleware
+async def bad_requests(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Any handler's ``BadRequest`` becomes a 400 whose message names the problem."""
+    try:
+        return await handler(request)
+    except BadRequest as exc:
+        return error_response(400, str(exc))
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _sampling(d: dict[str, Any]) -> SamplingParams:
@@ -73,10 +106,12 @@ def _sampling(d: dict[str, Any]) -> SamplingParams:
         raise BadRequest(f"unknown sampling param {key!r}")
     kw = {k: d[k] for k in ("max_new_tokens", "temperature", "top_p", "top_k", "ignore_eos", "n") if d.get(k) is not None}
     kw.setdefault("max_new_tokens", 128)  # SGLang's default
-    if d.get("stop_token_ids"):
-        kw["stop_token_ids"] = tuple(int(t) for t in d["stop_token_ids"])
+    if d.get("stop_token_ids") is not None:
+        if not isinstance(d["stop_token_ids"], list):
+            raise BadRequest(f"bad sampling_params: stop_token_ids must be a list of token ids, got {d['stop_token_ids']!r}")
+        kw["stop_token_ids"] = tuple(d["stop_token_ids"])  # SamplingParams checks each is an int
     if d.get("sampling_seed") is not None:
-        kw["seed"] = int(d["sampling_seed"])
+        kw["seed"] = d["sampling_seed"]
     try:
         return SamplingParams(**kw)
     except (TypeError, ValueError) as exc:
@@ -120,13 +155,16 @@ class _Server:
             if self.tokenizer is None:
                 raise BadRequest("this server has no tokenizer (no tokenizer.json): send input_ids")
             texts = body["text"]
+            if not (isinstance(texts, str) or isinstance(texts, list) and texts and all(isinstance(t, str) for t in texts)):
+                raise BadRequest("text must be a string or a non-empty list of strings")
             ids = [e.ids for e in self.tokenizer.encode_batch(texts)] if isinstance(texts, list) \
                 else self.tokenizer.encode(texts).ids
         else:
             raise BadRequest("send input_ids (or text)")
-        single = bool(ids) and all(isinstance(t, int) for t in ids)
+        single = isinstance(ids, list) and bool(ids) and all(_is_int(t) for t in ids)
         batch = [ids] if single else ids
-        if not batch or not all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in batch):
+        if not isinstance(batch, list) or not batch \
+                or not all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in batch):
             raise BadRequest("input_ids must be a non-empty list of ints or a list of such lists")
         sp = body.get("sampling_params") or {}
         sps = sp if isinstance(sp, list) else [sp] * len(batch)
@@ -134,14 +172,14 @@ class _Server:
             raise BadRequest(f"{len(sps)} sampling_params for {len(batch)} prompts")
         rid = body.get("rid")
         rids = rid if isinstance(rid, list) else [rid] * len(batch) if single or rid is None else None
-        if rids is None or len(rids) != len(batch):
-            raise BadRequest("rid must be a string (one prompt) or a list with one id per prompt")
+        if rids is None or len(rids) != len(batch) or not all(r is None or isinstance(r, str) for r in rids):
+            raise BadRequest("rid must be a string (one prompt) or a list with one string id per prompt")
         reqs = [GenerateRequest(input_ids=p, sampling=_sampling(s), request_id=r or f"srv-{next(self._rids)}")
                 for p, s, r in zip(batch, sps, rids)]
         return reqs, single
 
     def _out(self, res: GenerateResult, j: int, c: Completion, sp: SamplingParams, return_logprob: bool,
-             latency_s: float) -> dict[str, Any]:
+             with_text: bool, latency_s: float) -> dict[str, Any]:
         if c.finish_reason == "stop":
             reason: dict[str, Any] = {"type": "stop", "matched": c.output_ids[-1]}
         elif c.finish_reason == "length":
@@ -155,7 +193,9 @@ class _Server:
             "weight_versions": _spans(c.versions), "e2e_latency": latency_s,
         }
         if return_logprob:
-            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(c.logprobs, c.output_ids)]
+            texts = [self.tokenizer.decode([t]) for t in c.output_ids] if with_text and self.tokenizer is not None \
+                else [None] * len(c.output_ids)
+            meta["output_token_logprobs"] = [[lp, t, x] for lp, t, x in zip(c.logprobs, c.output_ids, texts)]
             meta["input_token_logprobs"] = []
         out: dict[str, Any] = {"output_ids": c.output_ids, "meta_info": meta}
         if self.tokenizer is not None:
@@ -163,21 +203,40 @@ class _Server:
         return out
 
     async def generate(self, request: web.Request) -> web.Response:
+        body = await read_json(request)
+        reqs, single = self._requests(body)
+        t0 = time.perf_counter()
         try:
-            body = await request.json()
-            if not isinstance(body, dict):
-                raise BadRequest("the body must be a JSON object")
-            reqs, single = self._requests(body)
-            t0 = time.perf_counter()
-            results = await self.engine.generate(reqs)
-        except (BadRequest, ValueError) as exc:
-            return _error(400, str(exc))
+            results = await self._until_disconnect(request, self.engine.generate(reqs))
+        except ValueError as exc:  # the engine's checks (prompt length, token ids, in-flight rid...)
+            return error_response(400, str(exc))
         except TimeoutError as exc:
-            return _error(504, str(exc))
+            return error_response(504, str(exc))
+        if results is None:  # the client went away: its requests were aborted; nobody reads a reply
+            return web.Response(status=499, text="client closed the connection; its requests were aborted\n")
         latency = time.perf_counter() - t0
-        outs = [self._out(res, j, c, r.sampling, bool(body.get("return_logprob")), latency)
+        outs = [self._out(res, j, c, r.sampling, bool(body.get("return_logprob")),
+                          bool(body.get("return_text_in_logprobs")), latency)
                 for r, res in zip(reqs, results) for j, c in enumerate(res.completions)]
         return web.json_response(outs[0] if single and len(outs) == 1 else outs)
+
+    @staticmethod
+    async def _until_disconnect(request: web.Request, work: Awaitable[Any]) -> Any:
+        """``await work``, cancelled (its requests aborted, as SGLang does) when the client disconnects;
+        then None. aiohttp does not cancel handlers itself (``handler_cancellation`` is off)."""
+        task = asyncio.ensure_future(work)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+                if done:
+                    return task.result()
+                if request.transport is None or request.transport.is_closing():
+                    task.cancel()  # TorchEngine.generate aborts its unfinished requests when cancelled
+                    await asyncio.gather(task, return_exceptions=True)
+                    return None
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
 
     async def health(self, request: web.Request) -> web.Response:
         if self.engine.is_paused or self.engine.is_updating:
@@ -215,10 +274,9 @@ class _Server:
         })
 
     async def pause(self, request: web.Request) -> web.Response:
-        body = await request.json() if request.can_read_body else {}
-        mode = (body or {}).get("mode", "abort")
+        mode = (await read_json(request, default={})).get("mode", "abort")
         if mode not in ("abort", "in_place"):
-            return _error(400, f"pause mode {mode!r} is not supported by TorchEngine: use 'abort' or 'in_place'")
+            return error_response(400, f"pause mode {mode!r} is not supported by TorchEngine: use 'abort' or 'in_place'")
         await self.engine.pause("abort" if mode == "abort" else "keep")
         return web.json_response({"success": True, "status": "ok", "message": "Generation paused successfully."})
 
@@ -227,11 +285,14 @@ class _Server:
         return web.json_response({"success": True, "status": "ok", "message": "Generation continued successfully."})
 
     async def abort_request(self, request: web.Request) -> web.Response:
-        body = await request.json() if request.can_read_body else {}
-        if (body or {}).get("abort_all"):
+        body = await read_json(request, default={})
+        rid = body.get("rid")
+        if rid is not None and not isinstance(rid, str):
+            raise BadRequest(f"/abort_request: rid must be a string, got {rid!r}")
+        if body.get("abort_all"):
             self.engine.abort_all()
-        elif (body or {}).get("rid"):
-            await self.engine.abort(body["rid"])
+        elif rid:
+            await self.engine.abort(rid)  # an unknown (or finished) rid is a no-op, as in SGLang
         return web.Response(status=200)
 
     async def flush_cache(self, request: web.Request) -> web.Response:
@@ -240,12 +301,16 @@ class _Server:
         return web.Response(status=400, text="Cache not flushed: there are running or waiting requests.\n")
 
     async def get_weights_by_name(self, request: web.Request) -> web.Response:
-        body = await request.json()
+        body = await read_json(request)
+        name, rows = body.get("name"), body.get("truncate_size", 100)
+        if not isinstance(name, str):
+            raise BadRequest(f"/get_weights_by_name: name must be a weight's name (a string), got {name!r}")
+        if not _is_int(rows) or rows < 1:
+            raise BadRequest(f"/get_weights_by_name: truncate_size must be a positive integer, got {rows!r}")
         try:
-            t = self.engine.get_weights_by_name(body["name"])
+            t = self.engine.get_weights_by_name(name)
         except KeyError as exc:
-            return _error(400, str(exc.args[0]) if exc.args else "missing 'name'")
-        rows = int(body.get("truncate_size", 100))
+            raise BadRequest(f"/get_weights_by_name: {exc.args[0] if exc.args else name}") from None
         return web.json_response(t[:rows].float().tolist())
 
 
@@ -268,7 +333,7 @@ def make_app(engine: TorchEngine, *, tokenizer: Any = None, server_args: dict[st
     openai = OpenAIServer(engine, hf_tokenizer, model_name=name)
     s = _Server(engine, tokenizer, dict(server_args or {}), compat_version)
     weights = WeightSync(engine, compat_version)
-    app = web.Application(client_max_size=64 * 1024**2)
+    app = web.Application(client_max_size=64 * 1024**2, middlewares=[bad_requests])
     app[ENGINE] = engine
     routes = [
         ("POST", "/generate", s.generate), ("GET", "/health", s.health), ("GET", "/health_generate", s.health_generate),
@@ -336,4 +401,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # run the imported module's main, not this __main__ copy's: the other server modules import
+    # BadRequest from meshrl.engines.serve, and the middleware must catch that same class
+    from meshrl.engines import serve
+
+    serve.main()

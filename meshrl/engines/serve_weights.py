@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from meshrl.engines.serve import BadRequest, read_json
 from meshrl.engines.torch_engine import TorchEngine
 
 
@@ -69,8 +70,11 @@ class WeightSync:
     async def init_group(self, request: web.Request) -> web.Response:
         from meshrl.mesh.distributed import join_process_group
 
-        b = await request.json()
+        b = await read_json(request)
         name = b.get("group_name", "weight_update_group")
+        missing = [k for k in ("rank_offset", "world_size", "master_address", "master_port") if b.get(k) is None]
+        if missing:
+            raise BadRequest(f"/init_weights_update_group: missing {missing}")
         if name in self.groups:
             return _reply(False, f"group {name!r} already exists: destroy it first")
         try:
@@ -84,7 +88,7 @@ class WeightSync:
     async def destroy_group(self, request: web.Request) -> web.Response:
         import torch.distributed as dist
 
-        name = (await request.json()).get("group_name", "weight_update_group")
+        name = (await read_json(request, default={})).get("group_name", "weight_update_group")
         pg = self.groups.pop(name, None)
         if pg is None:
             return _reply(False, f"no group {name!r}")
@@ -100,6 +104,8 @@ class WeightSync:
         self.groups.clear()
 
     async def begin(self, request: web.Request) -> web.Response:
+        if self.engine.is_updating:
+            return _reply(False, "a weight update is already in progress: finish it with /end_weight_update first")
         await self.engine.begin_weight_update()
         self.pending_version = None
         return _reply(True, "Weight update started.")
@@ -113,7 +119,7 @@ class WeightSync:
         return _reply(True, f"Weight update applied as version {version}.")
 
     async def set_version(self, request: web.Request) -> web.Response:
-        b = await request.json()
+        b = await read_json(request)
         try:
             version = int(b["new_version"])
         except (KeyError, TypeError, ValueError):
@@ -126,25 +132,35 @@ class WeightSync:
     async def update(self, request: web.Request) -> web.Response:
         import torch.distributed as dist
 
-        b = await request.json()
-        if self.version < (0, 5, 0):
-            names, dtypes, shapes = [b["name"]], [b["dtype"]], [b["shape"]]
-        else:
-            names, dtypes, shapes = b["names"], b["dtypes"], b["shapes"]
+        b = await read_json(request)
+        # Until the payload is known nothing can be received, so these refusals leave the trainer's
+        # broadcast unanswered (it times out): they say so. Every later refusal receives first.
+        unsent = "; the trainer's broadcast was not received: destroy and re-create the group"
+        keys = ("name", "dtype", "shape") if self.version < (0, 5, 0) else ("names", "dtypes", "shapes")
+        if any(k not in b for k in keys):
+            raise BadRequest(f"/update_weights_from_distributed: send {list(keys)}{unsent}")
+        names, dtypes, shapes = ([b[k]] for k in keys) if self.version < (0, 5, 0) else (b[k] for k in keys)
+        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
+                and len(names) == len(dtypes) == len(shapes)
+                and all(isinstance(s, list) and all(isinstance(d, int) and d >= 0 for d in s) for s in shapes)):
+            raise BadRequest("/update_weights_from_distributed: names, dtypes and shapes must be lists of one entry "
+                             f"per tensor (shapes: lists of non-negative ints){unsent}")
         pg = self.groups.get(b.get("group_name", "weight_update_group"))
         if pg is None:
-            return _reply(False, f"no group {b.get('group_name')!r}: call /init_weights_update_group first")
-        try:
-            torch_dtypes = [getattr(torch, d) for d in dtypes]
-        except AttributeError as exc:
-            return _reply(False, f"unknown dtype: {exc}")
+            return _reply(False, f"no group {b.get('group_name')!r}: call /init_weights_update_group first{unsent}")
+        torch_dtypes = [getattr(torch, d, None) if isinstance(d, str) else None for d in dtypes]
+        if not all(isinstance(d, torch.dtype) for d in torch_dtypes):
+            bad = [d for d, t in zip(dtypes, torch_dtypes) if not isinstance(t, torch.dtype)]
+            return _reply(False, f"unknown dtypes {bad[:3]} (torch attribute names, e.g. 'bfloat16'){unsent}")
+        refuse: str | None = None  # said after the broadcast is received
         try:
             weight_version = None if b.get("weight_version") is None else int(b["weight_version"])
         except (TypeError, ValueError):
-            return _reply(False, f"weight_version must be an integer string for TorchEngine, got {b['weight_version']!r}")
+            weight_version, refuse = None, (f"weight_version must be an integer string for TorchEngine, got "
+                                            f"{b['weight_version']!r}")
         flat = b.get("load_format") == "flattened_bucket"
         if flat and self.version < (0, 5, 10):
-            return _reply(False, "load_format 'flattened_bucket' needs 0.5.10+")
+            refuse = refuse or "load_format 'flattened_bucket' needs 0.5.10+"
         if flat:
             total, sizes = 0, [torch.empty((), dtype=d).element_size() for d in torch_dtypes]
             for size, shape in zip(sizes, shapes):
@@ -162,6 +178,10 @@ class WeightSync:
         except Exception as exc:
             await self.engine.abort_weight_update()
             return _reply(False, f"receiving {names[:3]}... failed: {type(exc).__name__}: {exc}")
+        if refuse is not None:
+            await self.engine.abort_weight_update()  # the staged version would miss these tensors
+            return _reply(False, f"update refused (its broadcast was received; the staged update, if any, is "
+                                 f"dropped): {refuse}")
         tensors = _unflatten(payload[0], torch_dtypes, shapes) if flat else payload
         staged = self.version >= (0, 5, 21)
         if staged and not self.engine.is_updating:

@@ -22,6 +22,7 @@ logit processing, which matches for plain temperature sampling).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import uuid
 from typing import Any, Iterable, Sequence
@@ -32,6 +33,9 @@ from meshrl.engines.types import Completion, GenerateRequest, GenerateResult, Pa
 from meshrl.reshard.sglang import SGLangSyncConfig, SGLangWeightSender, parse_version
 
 __all__ = ["SGLangEngine", "SGLangEngineConfig"]
+
+_ABORT_TIMEOUT_S = 10.0
+"""How long an abort of a request given up on may take (best effort: a dead server must not stall the caller)."""
 
 _RETRY_SAFE = {"/get_server_info", "/server_info", "/get_model_info", "/model_info", "/health", "/health_generate",
                "/pause_generation", "/continue_generation", "/abort_request", "/flush_cache", "/get_weights_by_name"}
@@ -169,7 +173,7 @@ class SGLangEngine:
         if self._server_version is not None and self._server_version < (0, 5, 0):
             versions = [self._version] * len(ids)  # 0.4.x has no weight versions: ours is the last push
         elif spans:
-            versions = [0] * len(ids)
+            versions = [self._as_version(meta.get("weight_version"))] * len(ids)  # tokens no span covers
             for s in spans:
                 versions[int(s["start"]): int(s["end"])] = [self._as_version(s["version"])] * (int(s["end"]) - int(s["start"]))
         else:
@@ -187,7 +191,11 @@ class SGLangEngine:
         rid = req.request_id or f"meshrl-{self._prefix}-{next(self._ids)}"
         body = {"input_ids": list(req.input_ids), "sampling_params": self._sampling(req.sampling, version),
                 "return_logprob": True, "stream": False, "rid": rid}
-        status, reply = await self.request("POST", "/generate", body, timeout_s=self.config.generate_timeout_s)
+        try:
+            status, reply = await self.request("POST", "/generate", body, timeout_s=self.config.generate_timeout_s)
+        except BaseException:  # timed out, connection lost or cancelled: the server must not go on with it
+            await self._abort_quietly(rid)
+            raise
         if status == 400:
             raise ValueError(f"{self.name} rejected request {rid!r}: {reply}")
         if status != 200:
@@ -198,10 +206,26 @@ class SGLangEngine:
         return GenerateResult(request_id=rid, prompt_tokens=len(req.input_ids),
                               completions=[self._completion(o) for o in outs])
 
+    async def _abort_quietly(self, rid: str) -> None:
+        """Best effort ``/abort_request`` for a request this process gave up on (a short timeout of its own)."""
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.request("POST", "/abort_request", {"rid": rid, "abort_all": False},
+                                                timeout_s=_ABORT_TIMEOUT_S), _ABORT_TIMEOUT_S)
+
     async def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
-        """One /generate per request, all in flight at once (the server batches them); results in order."""
+        """One /generate per request, all in flight at once (the server batches them); results in order.
+
+        When one fails (or the call is cancelled) the others are cancelled and aborted on the server,
+        so no request keeps running there, and a retry may reuse the request ids."""
         version = await self.server_version()
-        return list(await asyncio.gather(*(self._generate_one(r, version) for r in requests)))
+        tasks = [asyncio.ensure_future(self._generate_one(r, version)) for r in requests]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
 
     async def pause(self, mode: PauseMode = "abort") -> None:
         if mode not in ("abort", "keep"):

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import numbers
 import random
 from typing import Any, Callable, Iterable, Sequence
 
@@ -241,11 +242,17 @@ class TorchEngine:
         sp, ids = req.sampling, req.input_ids
         if not ids:
             raise ValueError(f"request {req.request_id!r} has no input_ids")
+        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
+            raise ValueError(f"request {req.request_id!r}: input_ids must be integers")
         if min(ids) < 0 or max(ids) >= self.spec.vocab_size:
             raise ValueError(f"request {req.request_id!r} has token ids outside [0, {self.spec.vocab_size})")
         if len(ids) + sp.max_new_tokens > self.cache.max_seq_len:
             raise ValueError(f"request {req.request_id!r}: {len(ids)} prompt tokens + max_new_tokens="
                              f"{sp.max_new_tokens} exceed max_seq_len={self.cache.max_seq_len}")
+        bad_stops = [t for t in sp.stop_token_ids if not 0 <= t < self.spec.vocab_size]
+        if bad_stops:
+            raise ValueError(f"request {req.request_id!r} has stop_token_ids {bad_stops[:5]} outside "
+                             f"[0, {self.spec.vocab_size})")
         if sp.n > self.cache.rows:
             raise ValueError(f"request {req.request_id!r}: n={sp.n} exceeds max_batch_size={self.cache.rows}")
         self._batch.stop_ids(req)
@@ -256,6 +263,9 @@ class TorchEngine:
         Waits at most ``generate_timeout_s`` for the engine (which may be paused); on timeout or
         cancellation the unfinished requests are aborted.
         """
+        if self.cache.released or self.weights_released:
+            raise RuntimeError("generate on an engine whose memory is released (release_memory): call "
+                               "restore_memory (and write a whole version if the weights were released) first")
         for r in requests:
             self._validate(r)
         self._ensure_step_task()
@@ -395,10 +405,10 @@ class TorchEngine:
             self._wake.set()
 
     def _drop_all(self) -> None:
+        """Forget every request (their futures are failed, or belong to a loop that is gone)."""
         self._waiting.clear()
         self._requests.clear()
-        if self._batch.size:
-            self._batch.retire({r: "abort" for r in range(self._batch.size)})
+        self._batch.reset()  # no device reads: the step that failed may have left the batch half-updated
 
     def flush_cache(self) -> bool:
         """SGLang's flush: succeeds only while idle. There is no prefix cache, so nothing to drop."""
@@ -447,7 +457,14 @@ class TorchEngine:
     # ---- weights ----------------------------------------------------------------------------
 
     async def begin_weight_update(self) -> None:
-        """Start staging a new version; generation continues on the current weights meanwhile."""
+        """Start staging a new version; generation continues on the current weights meanwhile.
+
+        Refused while another update is staging (two writers, or a retry that did not call
+        ``abort_weight_update``): starting over would drop what was staged and publish a version
+        that is only partly written."""
+        if self._stage is not None:
+            raise RuntimeError("begin_weight_update: a weight update is already staging; end it (end_weight_update) "
+                               "or drop it (abort_weight_update) first")
         self._stage = StagedWeights(self.model)
 
     async def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -497,9 +514,14 @@ class TorchEngine:
         self._batch.mark_version(self._version)
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """``begin_weight_update`` + ``load_weights`` + ``end_weight_update`` in one call."""
+        """``begin_weight_update`` + ``load_weights`` + ``end_weight_update`` in one call; on a bad tensor
+        nothing is applied and the engine stays on its version."""
         await self.begin_weight_update()
-        await self.load_weights(named_tensors)
+        try:
+            await self.load_weights(named_tensors)
+        except BaseException:
+            await self.abort_weight_update()
+            raise
         await self.end_weight_update(version)
 
     def get_weights_by_name(self, hf_name: str) -> torch.Tensor:

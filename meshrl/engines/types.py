@@ -42,6 +42,23 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """Per-request sampling seed; None draws from the engine's generator."""
 
     def __post_init__(self) -> None:
+        # msgspec checks field types only when decoding; requests built in code (or from a JSON
+        # body's dict) get the same checks here, so a bad value fails its own request, with its name,
+        # and never reaches the running batch (where it would fail every request in flight)
+        for name in ("max_new_tokens", "top_k", "n"):
+            _check_int(name, getattr(self, name))
+        for name in ("temperature", "top_p"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+                raise ValueError(f"{name} must be a number, got {v!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        if not isinstance(self.stop_token_ids, (tuple, list)):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t)
+        if self.seed is not None:
+            _check_int("seed", self.seed)
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.temperature < 0:
@@ -52,6 +69,27 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.seed is not None and self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        """Argmax decoding: temperature 0, or below ``GREEDY_TEMPERATURE`` (as SGLang treats it)."""
+        return self.temperature < GREEDY_TEMPERATURE
+
+
+GREEDY_TEMPERATURE = 1e-6
+"""Temperatures below this decode greedily (dividing by them would overflow float32 logits to inf/NaN)."""
+
+_INT_LIMIT = 2**62
+
+
+def _check_int(name: str, v: object) -> None:
+    """An int field (not a bool, not a float) within int64 with room to spare."""
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"{name} must be an integer, got {v!r}")
+    if not -_INT_LIMIT < v < _INT_LIMIT:
+        raise ValueError(f"{name}={v} is out of range (|value| < 2**62)")
 
 
 class GenerateRequest(msgspec.Struct, kw_only=True):
