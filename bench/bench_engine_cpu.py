@@ -14,7 +14,8 @@ to quote, since a shared machine's load shifts between the separate runs of the 
 Cases: ``small`` (hidden 64, 2 layers, 64 sequences), ``default`` (hidden 128, 4 layers, 256
 sequences), ``fixed`` (``default`` with equal prompt lengths: no padding for HF to waste),
 ``grpo`` (the ``default`` model, 32 prompts x 8 samples: TorchEngine prefills each prompt once, HF's
-``num_return_sequences`` prefills every copy), ``wide`` (hidden 64, 512 sequences, 12 new tokens),
+``num_return_sequences`` prefills every copy), ``wide`` (hidden 64, 512 sequences, 12 new tokens), ``long`` (``default`` with 40 new tokens: decode
+dominates),
 ``example_ppo`` / ``example_grpo`` (the workload of examples/async_ppo.py: 4-6-token prompts,
 4 new tokens, 64 sequences in flight).
 
@@ -45,6 +46,7 @@ CASES = {  # hidden, layers, prompts, n, (min, max) prompt tokens, new_tokens
     "fixed": (128, 4, 256, 1, (12, 12), 8),
     "grpo": (128, 4, 32, 8, (8, 16), 8),
     "wide": (64, 2, 512, 1, (8, 16), 12),
+    "long": (128, 4, 256, 1, (8, 16), 40),
     # What examples/async_ppo.py asks of its engine: "37+45="-sized prompts, 4-token answers,
     # 64 requests in flight (16 prompts x 4 requests, PPO) or 16 prompts x 4 samples (GRPO).
     "example_ppo": (128, 4, 64, 1, (4, 6), 4),

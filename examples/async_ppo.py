@@ -30,7 +30,7 @@ def parse(argv: list[str] | None) -> PipelineConfig:
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML config (default: %(default)s)")
     parser.add_argument("--model", help="a local Hugging Face causal LM directory (same as model.path=DIR)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides before and after --model alike
     overrides = list(args.overrides) + ([f"model.path={args.model}"] if args.model else [])
     cfg = load_config(PipelineConfig, args.config, overrides).validate()
     if args.print_config:
@@ -52,7 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         runner = asyncio.run
     try:
-        summary = runner(Pipeline(cfg).run())
+        pipeline = Pipeline(cfg)  # reads the task's files: a bad one stops here, before any actor starts
+    except (ConfigError, ValueError, OSError) as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        summary = runner(pipeline.run())
     except NonFiniteStepsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

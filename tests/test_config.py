@@ -56,8 +56,19 @@ def test_unknown_key_in_yaml_is_named_with_its_path(tmp_path):
 
 
 def test_validate_checks_paths_and_cross_component_rules(tmp_path):
-    with pytest.raises(ConfigError, match="`model.path`"):
+    with pytest.raises(ConfigError, match="`model.path`.*does not exist"):
         load_config(PipelineConfig, None, [f"model.path={tmp_path / 'missing'}"]).validate()
+    model = tmp_path / "model"
+    model.mkdir()
+    with pytest.raises(ConfigError, match="no config.json"):
+        load_config(PipelineConfig, None, [f"model.path={model}"]).validate()
+    (model / "config.json").write_text('{"model_type": "qwen2"}')
+    with pytest.raises(ConfigError, match=r"no \*\.safetensors"):
+        load_config(PipelineConfig, None, [f"model.path={model}"]).validate()
+    (model / "model.safetensors").write_bytes(b"")
+    (model / "config.json").write_text('{"model_type": "gpt2"}')
+    with pytest.raises(ConfigError, match="model_type 'gpt2' is not supported"):
+        load_config(PipelineConfig, None, [f"model.path={model}"]).validate()
     with pytest.raises(ConfigError, match="not a multiple of algo.samples_per_prompt=4"):
         load_config(PipelineConfig, None, ["algo=grpo", "trainer.samples_per_step=14"]).validate()
     with pytest.raises(ConfigError, match="`task.train_file`"):

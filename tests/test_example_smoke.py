@@ -70,4 +70,13 @@ def test_bad_config_stops_at_start_with_one_line(tmp_path):
         "max_staleness, put_timeout_s, reserve_timeout_s, stale_policy)"
     ]
     out = run_example(tmp_path, "--model", str(tmp_path / "nowhere"), timeout=120)
-    assert out.returncode == 2 and "`model.path`" in out.stderr and "no config.json" in out.stderr
+    assert out.returncode == 2 and "`model.path`" in out.stderr and "does not exist" in out.stderr
+    # a broken prompts file is read before any actor starts, and named in one line too; overrides may
+    # come before and after --model
+    (tmp_path / "ok.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": \n')
+    out = run_example(tmp_path, "run.total_steps=2", "task.kind=file", "--config", str(ROOT / "examples" / "async_ppo.yaml"),
+                      f"task.train_file={tmp_path / 'bad.jsonl'}", f"task.test_file={tmp_path / 'ok.jsonl'}", timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [f"config error: {tmp_path / 'bad.jsonl'}:2: not valid JSON "
+                                               "(Expecting value)"], out.stderr[-2000:]

@@ -202,3 +202,28 @@ def test_reward_model_and_scorer_actors_on_a_mesh(ray_cluster, tmp_path):
     assert [o.reward for o in scores] == pytest.approx(want, abs=1e-5)  # padded batches score like single rows
     assert len(set(round(x, 6) for x in want)) == len(want)
     assert judged == [None, None, None, RewardOutput(1.0), RewardOutput(1.0), RewardOutput(1.0)]  # the refused chunk only
+
+
+class _BareTask:
+    """The least a task needs (README): ``split`` and ``reward``; no ``name``, a plain float reward."""
+
+    def __init__(self):
+        self._inner = AdditionTask()
+
+    def split(self, name):
+        return self._inner.split(name)
+
+    def reward(self, problem, text):
+        return float(text.strip() == problem.answer)
+
+
+def test_a_bare_task_with_float_rewards_is_enough():
+    from meshrl.actors.reward import call_reward
+    from meshrl.embedded import EmbeddedModelConfig, WarmStartConfig
+    from meshrl.embedded.warmstart import _cache_key
+
+    task = _BareTask()
+    p = task.split("test")[0]
+    assert call_reward(task, p, p.answer) == (RewardOutput(reward=1.0), False)
+    assert call_reward(task, p, "nope") == (RewardOutput(reward=0.0), False)
+    assert len(_cache_key(EmbeddedModelConfig(), task, WarmStartConfig(), 20)) == 16  # no `name` needed

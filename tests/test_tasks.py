@@ -64,6 +64,9 @@ def test_file_task_reads_jsonl_and_reports_bad_records(tmp_path):
     (tmp_path / "x.csv").write_text("q,a\n")
     with pytest.raises(ValueError, match=r"\.jsonl or \.parquet"):
         FileTask(tmp_path / "x.csv", test)
+    bad.write_text("[1, 2]\n")
+    with pytest.raises(ValueError, match="record 0 is not an object"):
+        FileTask(bad, test)
 
 
 def test_file_task_reads_parquet(tmp_path):
@@ -74,3 +77,7 @@ def test_file_task_reads_parquet(tmp_path):
     pq.write_table(pa.table({"prompt": ["1+1=", "2+2="], "answer": ["2", "4"]}), path)
     task = FileTask(path, path)
     assert [(p.prompt, p.answer) for p in task.split("test")] == [("1+1=", "2"), ("2+2=", "4")]
+    broken = tmp_path / "broken.parquet"
+    broken.write_bytes(b"not parquet at all")
+    with pytest.raises(ValueError, match="broken.parquet: not a readable Parquet file"):
+        FileTask(broken, path)

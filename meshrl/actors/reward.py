@@ -20,6 +20,7 @@ import msgspec
 
 from meshrl.engines import GenerateResult
 from meshrl.envs import Episode, Reward, as_reward
+from meshrl.envs.rewards import to_reward_output
 from meshrl.mesh import Actor, endpoint
 from meshrl.queues import Sample, encode_samples
 from meshrl.tasks import Problem, RewardOutput, Task
@@ -68,8 +69,7 @@ class Scored(msgspec.Struct, kw_only=True):
 def call_reward(task: Task, problem: Problem, completion: str) -> tuple[RewardOutput, bool]:
     """``task.reward`` guarded: a reward that raises gives 0 and ``failed=True`` (never raises)."""
     try:
-        out = task.reward(problem, completion)
-        return RewardOutput(reward=float(out.reward), info=dict(out.info)), False
+        return to_reward_output(task.reward(problem, completion)), False  # a number, a RewardOutput or a dict
     except Exception:  # a broken reward marks the sample; it must never stop the run
         log.warning("reward function failed on problem %s:\n%s", problem.id, traceback.format_exc())
         return RewardOutput(reward=0.0), True

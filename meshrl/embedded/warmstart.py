@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM
 
 from meshrl.embedded.model import EmbeddedModelConfig, build_model_config
 from meshrl.embedded.tokenizer import build_char_tokenizer
+from meshrl.envs.rewards import to_reward_output
 from meshrl.modeling import pack, response_logprobs
 from meshrl.tasks import Task
 
@@ -62,7 +63,7 @@ def _cache_key(model_cfg: EmbeddedModelConfig, task: Task, cfg: WarmStartConfig,
         "format": _FORMAT,
         "model": msgspec.to_builtins(model_cfg),
         "warmstart": {k: v for k, v in msgspec.to_builtins(cfg).items() if k != "cache_dir"},
-        "task": [task.name, len(train), train[0].prompt, train[-1].prompt, len(task.split("test"))],
+        "task": [getattr(task, "name", type(task).__name__), len(train), train[0].prompt, train[-1].prompt, len(task.split("test"))],
         "vocab": vocab_size,
     }
     return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
@@ -83,7 +84,7 @@ def greedy_accuracy(model, tokenizer, task: Task, problems, max_new_tokens: int 
         tokenizer.padding_side = side
         model.train()
     texts = tokenizer.batch_decode(out[:, enc.input_ids.shape[1] :], skip_special_tokens=True)
-    return sum(task.reward(p, t).reward >= 1.0 for p, t in zip(problems, texts)) / len(problems)
+    return sum(to_reward_output(task.reward(p, t)).reward >= 1.0 for p, t in zip(problems, texts)) / len(problems)
 
 
 def warm_start(

@@ -7,6 +7,7 @@ can: that the parts agree with each other, and that paths exist.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Literal
 
@@ -16,6 +17,7 @@ from meshrl.actors import AlgoConfig, RewardConfig, RolloutConfig, TrainerConfig
 from meshrl.actors.hybrid import ColocatedConfig
 from meshrl.config import ConfigError
 from meshrl.embedded import EmbeddedModelConfig, WarmStartConfig
+from meshrl.engines.layout import SUPPORTED_MODEL_TYPES
 from meshrl.queues import QueueConfig
 from meshrl.reshard import ReshardConfig
 from meshrl.tasks import TaskConfig
@@ -62,6 +64,23 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True):
     if there is none); a path: that checkpoint directory; null: start fresh."""
 
 
+def _check_model_dir(path: Path) -> None:
+    """What the trainer and TorchEngine need of ``model.path``, checked before anything starts."""
+    if not path.is_dir():
+        raise ConfigError(f"`model.path`: {path} does not exist or is not a directory")
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"`model.path`: {path} is not a Hugging Face model directory (no config.json)")
+    try:
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    except (ValueError, AttributeError) as exc:
+        raise ConfigError(f"`model.path`: {path}/config.json is not a JSON object ({exc})") from None
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(f"`model.path`: model_type {model_type!r} is not supported; TorchEngine runs "
+                          f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    if not any(path.glob("*.safetensors")):
+        raise ConfigError(f"`model.path`: {path} has no *.safetensors weights (save with save_pretrained)")
+
+
 class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig()
@@ -83,8 +102,8 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     def validate(self) -> "PipelineConfig":
         """Cross-component checks; raise ConfigError naming the key."""
-        if self.model.path is not None and not (Path(self.model.path) / "config.json").is_file():
-            raise ConfigError(f"`model.path`: {self.model.path} is not a Hugging Face model directory (no config.json)")
+        if self.model.path is not None:
+            _check_model_dir(Path(self.model.path))
         group = self.algo.samples_per_prompt
         if self.trainer.samples_per_step % group:
             raise ConfigError(

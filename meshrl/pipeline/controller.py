@@ -212,6 +212,8 @@ class Pipeline:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         ledger = ckpt.PromptLedger(self.task.split("train"), cfg.run.seed)
         resume_from = ckpt.resolve_resume(cfg.run.resume, self.out_dir)
+        if cfg.run.resume == "latest" and resume_from is None:
+            self._echo(f"run.resume=latest: no complete checkpoint under {self.out_dir / 'checkpoints'} yet, starting fresh")
         reference = cfg.algo.kl_coef > 0 and not cfg.trainer.reference_in_trainer
         self._echo(f"starting roles: queue, {cfg.rollout.num_workers} rollout, {cfg.reward.num_workers} reward, "
                    f"trainer (dp={cfg.trainer.dp})" + (", reference" if reference else ""))  # fmt: skip

@@ -31,7 +31,10 @@ def _records(path: Path) -> list[dict]:
             import pyarrow.parquet as pq
         except ImportError:
             raise ValueError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from None
-        return pq.read_table(path).to_pylist()
+        try:
+            return pq.read_table(path).to_pylist()
+        except Exception as exc:  # pyarrow's errors (e.g. ArrowInvalid: not a Parquet file) say little of the file
+            raise ValueError(f"{path}: not a readable Parquet file ({type(exc).__name__}: {exc})") from None
     raise ValueError(f"{path}: prompts must be a .jsonl or .parquet file")
 
 
@@ -42,6 +45,8 @@ def load_problems(path: str | Path, *, prompt_key: str = "prompt", answer_key: s
         raise ValueError(f"prompts file not found: {path}")
     problems = []
     for index, record in enumerate(_records(path)):
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}: record {index} is not an object with fields (got {type(record).__name__})")
         for key in (prompt_key, answer_key):
             if key not in record:
                 raise ValueError(f"{path}: record {index} has no field {key!r}")
