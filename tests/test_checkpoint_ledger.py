@@ -85,3 +85,38 @@ def test_latest_skips_partial_checkpoints_and_keep_prunes(tmp_path):
     assert names == ["step_00000004", "step_00000006", "step_00000008.partial"]
     assert resolve_resume("latest", tmp_path).name == "step_00000006"
     assert read_records(tmp_path / "checkpoints" / "step_00000006") == []
+
+
+def test_a_checkpoint_before_the_reissue_keeps_the_restored_requests():
+    """Stopped (or checkpointed) again before the rollout loops re-took the restored requests: the
+    second checkpoint must still list them, else the next resume cancels them and skips their prompts."""
+    ledger = PromptLedger(PROBLEMS, seed=3)
+    jobs = [ledger.take(r, 2)[0] for r in (0, 1)]
+    state = RunState(step=1, version=1, prompt_position=ledger.stream.position, next_group=ledger.next_group,
+                     generated_tokens=0, accuracy_before=None, in_flight=ledger.unfinished(), queue_snapshot=b"")
+    resumed = PromptLedger(PROBLEMS, seed=3)
+    assert resumed.restore(state, [0, 1]) == [] and resumed.reissue_pending == 2
+    again = RunState(**{**{f: getattr(state, f) for f in state.__struct_fields__}, "in_flight": resumed.unfinished()})
+    third = PromptLedger(PROBLEMS, seed=3)
+    assert third.restore(again, [0, 1]) == []  # nothing cancelled
+    assert [third.take_reissued()[0] for _ in range(2)] == jobs
+
+
+def test_a_train_loop_failure_while_stopping_is_the_runs_failure():
+    """After stop() a rollout loop's error is only logged, but the train loop's stays the run's failure:
+    the run must not go on to checkpoint a trainer whose step broke halfway."""
+    from meshrl.pipeline import Pipeline, PipelineConfig
+
+    async def main():
+        p = Pipeline(PipelineConfig())
+        p._stopping.set()  # what stop() does first
+
+        async def fails():
+            raise RuntimeError("train_step failed on rank 0")
+
+        await p._guard(fails())
+        assert p._failure is None  # a rollout loop: logged, its request is re-issued on resume
+        await p._guard(fails(), always_fails=True)
+        assert isinstance(p._failure, RuntimeError)
+
+    asyncio.run(main())

@@ -73,3 +73,21 @@ def test_validate_checks_paths_and_cross_component_rules(tmp_path):
         load_config(PipelineConfig, None, ["algo=grpo", "trainer.samples_per_step=14"]).validate()
     with pytest.raises(ConfigError, match="`task.train_file`"):
         load_config(PipelineConfig, None, ["task.kind=file"]).validate()
+
+
+def test_sizes_that_could_never_fill_a_batch_are_refused():
+    """Each of these used to pass validate() and then wait out its timeouts (600 s) mid-run."""
+    base = ["trainer.samples_per_step=8", "algo=grpo", "algo.samples_per_prompt=2"]
+    cases = [
+        # 3 prompts x 2 = 6-sample requests, 8 per version, no slack at max_staleness=0
+        (["queue.max_staleness=0", "rollout.prompts_per_request=3"], "not a multiple of 6"),
+        # one request (32 x 2) is larger than all that max_staleness=0 admits (8)
+        (["queue.max_staleness=0", "rollout.prompts_per_request=32"], "admits at most 8 samples"),
+        # the queue cannot hold one batch of 8 samples of up to 64 tokens
+        (["rollout.prompts_per_request=4", "queue.capacity_tokens=100"], "cannot hold one train batch"),
+    ]
+    for extra, needle in cases:
+        with pytest.raises(ConfigError, match=needle):
+            load_config(PipelineConfig, None, base + extra).validate()
+    # with one version of slack, 6-sample requests do cover every version
+    load_config(PipelineConfig, None, base + ["queue.max_staleness=1", "rollout.prompts_per_request=3"]).validate()

@@ -117,6 +117,12 @@ class PromptLedger:
     def reissue_pending(self) -> int:
         return len(self._reissue)
 
+    def unfinished(self) -> list[InFlight]:
+        """What a checkpoint must record: requests in flight and restored ones not yet re-issued (their
+        reservations are still in the queue's snapshot; left out, the next resume would cancel them
+        and skip their prompts for good)."""
+        return list(self.in_flight.values()) + list(self._reissue)
+
 
 def checkpoints_root(output_dir: str | Path) -> Path:
     return Path(output_dir) / "checkpoints"

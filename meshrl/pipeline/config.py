@@ -110,6 +110,7 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
                 f"`trainer.samples_per_step`: {self.trainer.samples_per_step} is not a multiple of "
                 f"algo.samples_per_prompt={group} (groups are trained whole)"
             )
+        self._validate_queue_fill()
         if self.run.total_steps < 1:
             raise ConfigError(f"`run.total_steps`: must be >= 1, got {self.run.total_steps}")
         every, sync = self.run.checkpoint_every, self.trainer.sync_interval
@@ -134,6 +135,31 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
             if self.task.kind == "file" and path and not Path(path).is_file():
                 raise ConfigError(f"`task.{key}`: file not found: {path}")
         return self
+
+    def _validate_queue_fill(self) -> None:
+        """Sizes with which the queue could never fill a train batch: the run would wait out its
+        timeouts and die, so they are refused here, naming the keys to change."""
+        r = self.rollout.prompts_per_request * self.algo.samples_per_prompt  # one request's reservation
+        spv = self.trainer.samples_per_step * self.trainer.sync_interval  # positions per policy version
+        eta = self.queue.max_staleness
+        sizes = (f"a request reserves rollout.prompts_per_request x algo.samples_per_prompt = {r} samples; a "
+                 f"version trains trainer.samples_per_step x trainer.sync_interval = {spv}")
+        if r > (eta + 1) * spv:
+            raise ConfigError(f"`rollout.prompts_per_request`: {sizes}, and queue.max_staleness={eta} admits at most "
+                              f"{(eta + 1) * spv} samples ahead: lower prompts_per_request or raise max_staleness")
+        if spv % r and eta * spv < r - 1:
+            # reservations are granted whole: with none of the slack η·spv, the ones that fit under the
+            # bound stop short of the version's last samples, and the bound only moves once they are trained
+            raise ConfigError(f"`rollout.prompts_per_request`: {sizes}, not a multiple of {r}, so with "
+                              f"queue.max_staleness={eta} requests can never cover a whole version (the run would "
+                              "wait forever): make it a multiple, or raise max_staleness")
+        seq = self.rollout.engine.max_seq_len or (
+            self.model.embedded.max_position_embeddings if self.model.path is None else 0)
+        need = self.trainer.samples_per_step * seq
+        if seq and self.queue.capacity_tokens < need:
+            raise ConfigError(f"`queue.capacity_tokens`: {self.queue.capacity_tokens} cannot hold one train batch of "
+                              f"trainer.samples_per_step={self.trainer.samples_per_step} samples of up to {seq} tokens "
+                              f"({need}): puts would wait for room only a train step frees; raise it")
 
     def _validate_placement(self) -> None:
         if self.placement != "colocated":

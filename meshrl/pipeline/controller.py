@@ -66,6 +66,8 @@ from meshrl.tasks import Task, build_task
 
 __all__ = ["Pipeline", "ensure_ray"]
 
+logger = logging.getLogger(__name__)
+
 _WORKER_ENV = {
     "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_WARN_BLOCKING_GET_INSIDE_ASYNC": "0",
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
@@ -238,7 +240,7 @@ class Pipeline:
                 asyncio.create_task(self._guard(rollout.loop(roles.rollouts.slice(procs=i), i)))
                 for i in range(cfg.rollout.num_workers) for _ in range(cfg.rollout.requests_in_flight)
             ]  # fmt: skip
-            training = asyncio.create_task(self._guard(train.run()))
+            training = asyncio.create_task(self._guard(train.run(), always_fails=True))
             stop = asyncio.create_task(self._stop_requested.wait())
             try:
                 # waits for: the last train step, a failure, or stop(); unblocked by: the train loop, stop()
@@ -288,15 +290,23 @@ class Pipeline:
             f.write(json.dumps({"kind": "summary", **summary}) + "\n")
         return summary
 
-    async def _guard(self, coro) -> None:
-        """Run a loop; on an unexpected error remember it and close the queue to wake the rest."""
+    async def _guard(self, coro, *, always_fails: bool = False) -> None:
+        """Run a loop; on an unexpected error remember it and close the queue to wake the rest.
+
+        Once the run winds down (stop(), or another loop failed) a rollout loop's error is only
+        logged: its request stays in the ledger and a resumed run issues it again. The train loop's
+        (``always_fails``) is the run's failure even then: a step that broke halfway must not be
+        followed by a checkpoint of a trainer that is ahead of the run's state."""
         try:
             await coro
         except (asyncio.CancelledError, QueueClosed):
             if self._failure is not None and not self._stopping.is_set():
                 raise
         except BaseException as exc:
-            if self._failure is None and not self._stopping.is_set():
+            if self._stopping.is_set() and not always_fails:
+                logger.warning("a rollout loop failed while the run was stopping (its request is re-issued on "
+                               "resume): %s: %s", type(exc).__name__, exc)
+            if self._failure is None and (always_fails or not self._stopping.is_set()):
                 self._failure = exc
                 self._stopping.set()
                 try:

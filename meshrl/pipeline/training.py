@@ -200,7 +200,7 @@ class TrainLoop:
             state = ckpt.RunState(
                 step=self.step, version=self.version, prompt_position=ledger.stream.position,
                 next_group=ledger.next_group, generated_tokens=self.rollout.generated_tokens,
-                accuracy_before=self.accuracy_before, in_flight=list(ledger.in_flight.values()),
+                accuracy_before=self.accuracy_before, in_flight=ledger.unfinished(),
                 queue_snapshot=snapshot,
             )  # fmt: skip
         finally:

@@ -123,7 +123,12 @@ class SampleQueue:
         await self._put(samples, [meta_of(s) for s in samples], reservation_id, timeout)
 
     async def put_encoded(self, blob: bytes, reservation_id: int, *, timeout: float | None = None) -> None:
-        """``put`` of an ``encode_samples`` blob: the pipeline's way through Ray (wire.py)."""
+        """``put`` of an ``encode_samples`` blob: the pipeline's way through Ray (wire.py).
+
+        Only what admission needs is read (group, size, version, token counts); the token and
+        log-prob arrays pass through undecoded (checking them element by element would cost about
+        a quarter of the queue's time), so the blob must come from ``encode_samples`` of valid
+        ``Sample``s: a malformed array surfaces when the batch holding it is decoded."""
         items, metas = split_encoded(blob)
         await self._put(items, metas, reservation_id, timeout)
 
@@ -197,7 +202,15 @@ class SampleQueue:
         ``put`` from rollout producers.
         """
         groups = await self._get_groups(n, current_version, timeout)
-        return [decode_one(item) for g in groups for item in g.items]
+        out = []
+        for g in groups:
+            try:
+                out.extend(decode_one(item) for item in g.items)
+            except msgspec.MsgspecError as exc:  # only put_encoded's blobs get here undecoded
+                raise ValueError(f"get_batch: a sample of group {g.group_id} (reservation {g.reservation_id}) is not a "
+                                 f"valid Sample ({exc}); put_encoded checks a blob's headers only, so its producer "
+                                 "sent a malformed one; this batch is lost") from None
+        return out
 
     async def get_batch_encoded(self, n: int, current_version: int, *, timeout: float | None = None) -> bytes:
         """``get_batch`` as one ``encode_samples`` blob; encoded puts pass through undecoded."""
