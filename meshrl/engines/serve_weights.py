@@ -139,7 +139,9 @@ class WeightSync:
         keys = ("name", "dtype", "shape") if self.version < (0, 5, 0) else ("names", "dtypes", "shapes")
         if any(k not in b for k in keys):
             raise BadRequest(f"/update_weights_from_distributed: send {list(keys)}{unsent}")
-        names, dtypes, shapes = ([b[k]] for k in keys) if self.version < (0, 5, 0) else (b[k] for k in keys)
+        names, dtypes, shapes = (b[k] for k in keys)
+        if self.version < (0, 5, 0):  # one tensor per call
+            names, dtypes, shapes = [names], [dtypes], [shapes]
         if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
                 and len(names) == len(dtypes) == len(shapes)
                 and all(isinstance(s, list) and all(isinstance(d, int) and d >= 0 for d in s) for s in shapes)):
