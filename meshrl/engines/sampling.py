@@ -2,7 +2,7 @@
 
 ``sample`` is one verb over ``[B, V]`` float32 logits. The log-prob returned for each token is
 ``log_softmax(logits / temperature)`` before top-k/top-p truncation (``types.py`` documents why);
-greedy rows (temperature 0) use the unscaled logits and take the argmax.
+greedy rows (temperature below 1e-6: ``SamplingParams.greedy``) use the unscaled logits and take the argmax.
 
 Randomness is counter-based: row b draws one uniform number ``u = hash(seed_b, position_b)`` and
 picks the token by inverse CDF. A sample is therefore a pure function of its seed and its logits:

@@ -104,9 +104,10 @@ class WeightSync:
         self.groups.clear()
 
     async def begin(self, request: web.Request) -> web.Response:
-        if self.engine.is_updating:
-            return _reply(False, "a weight update is already in progress: finish it with /end_weight_update first")
-        await self.engine.begin_weight_update()
+        try:
+            await self.engine.begin_weight_update()
+        except RuntimeError as exc:  # one is already staging
+            return _reply(False, str(exc))
         self.pending_version = None
         return _reply(True, "Weight update started.")
 

@@ -7,12 +7,13 @@ objects. Field names follow SGLang's `/generate` where they overlap (``max_new_t
 Log-probs: every engine returns, for each sampled token, ``log softmax(logits / temperature)``
 at that token — the temperature-scaled distribution *before* top-p / top-k truncation. The
 trainer recomputes log-probs the same way (logits divided by the same temperature), so the
-importance ratio compares like with like. With ``temperature == 0`` (greedy) the log-probs are
-those of the unscaled logits.
+importance ratio compares like with like. With a temperature below ``GREEDY_TEMPERATURE`` (1e-6:
+greedy) the log-probs are those of the unscaled logits.
 """
 
 from __future__ import annotations
 
+import numbers
 from typing import Literal, Protocol, Sequence, runtime_checkable
 
 import msgspec
@@ -49,7 +50,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             _check_int(name, getattr(self, name))
         for name in ("temperature", "top_p"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or v != v:
                 raise ValueError(f"{name} must be a number, got {v!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
@@ -86,7 +87,7 @@ _INT_LIMIT = 2**62
 
 def _check_int(name: str, v: object) -> None:
     """An int field (not a bool, not a float) within int64 with room to spare."""
-    if isinstance(v, bool) or not isinstance(v, int):
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
         raise ValueError(f"{name} must be an integer, got {v!r}")
     if not -_INT_LIMIT < v < _INT_LIMIT:
         raise ValueError(f"{name}={v} is out of range (|value| < 2**62)")

@@ -7,7 +7,6 @@ can: that the parts agree with each other, and that paths exist.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Literal
 
@@ -17,7 +16,8 @@ from meshrl.actors import AlgoConfig, RewardConfig, RolloutConfig, TrainerConfig
 from meshrl.actors.hybrid import ColocatedConfig
 from meshrl.config import ConfigError
 from meshrl.embedded import EmbeddedModelConfig, WarmStartConfig
-from meshrl.engines.layout import SUPPORTED_MODEL_TYPES
+from meshrl.engines.layout import ModelSpec
+from meshrl.engines.weights import load_hf_config
 from meshrl.queues import QueueConfig
 from meshrl.reshard import ReshardConfig
 from meshrl.tasks import TaskConfig
@@ -65,18 +65,14 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def _check_model_dir(path: Path) -> None:
-    """What the trainer and TorchEngine need of ``model.path``, checked before anything starts."""
+    """What the trainer and TorchEngine need of ``model.path``, checked before anything starts: the
+    engine's own reading of the config (``ModelSpec``: family, attention, activation) and weights."""
     if not path.is_dir():
         raise ConfigError(f"`model.path`: {path} does not exist or is not a directory")
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"`model.path`: {path} is not a Hugging Face model directory (no config.json)")
     try:
-        model_type = json.loads((path / "config.json").read_text()).get("model_type")
-    except (ValueError, AttributeError) as exc:
-        raise ConfigError(f"`model.path`: {path}/config.json is not a JSON object ({exc})") from None
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ConfigError(f"`model.path`: model_type {model_type!r} is not supported; TorchEngine runs "
-                          f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        ModelSpec.from_hf_config(load_hf_config(str(path)))
+    except (OSError, ValueError) as exc:  # no or unreadable config.json, an unsupported model
+        raise ConfigError(f"`model.path`: {exc}") from None
     if not any(path.glob("*.safetensors")):
         raise ConfigError(f"`model.path`: {path} has no *.safetensors weights (save with save_pretrained)")
 
