@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import meshrl
+from meshrl.mesh.distributed import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "embedding.md"
@@ -28,12 +28,6 @@ pytestmark = pytest.mark.slow
 
 def blocks() -> list[tuple[str, str]]:
     return re.findall(r"```(\w+)\n(.*?)```", DOC.read_text(), flags=re.DOTALL)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(port: int, server: subprocess.Popen, timeout_s: float = 120.0) -> None:

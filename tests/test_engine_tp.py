@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import datetime
 import os
-import socket
 import time
 
 import pytest
@@ -16,6 +15,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
 
 from meshrl.engines import GenerateRequest, SamplingParams, TorchEngine, TorchEngineConfig
 from meshrl.engines.layout import EngineLayout, ModelSpec
+from meshrl.mesh.distributed import free_port
 
 torch.set_num_threads(1)
 
@@ -60,12 +60,6 @@ def test_plan_covers_each_hf_tensor_once(arch):
         assert bool((h == expected).all()), name  # sharded: once over all ranks; replicated: once per rank
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 REQS = [GenerateRequest(input_ids=[5, 9, 17, 4], sampling=SamplingParams(max_new_tokens=10, temperature=0)),
         GenerateRequest(input_ids=[11, 3, 8], sampling=SamplingParams(max_new_tokens=7, temperature=0.9, n=3, seed=5)),
         GenerateRequest(input_ids=[2, 60, 33, 7, 7, 1], sampling=SamplingParams(max_new_tokens=9, temperature=1.0,
@@ -94,7 +88,7 @@ def _rank_main(rank: int, path: str, port: int, out_dir: str) -> None:
 def test_tp2_generates_what_tp1_generates(tmp_path):
     hf = hf_model()
     hf.save_pretrained(tmp_path / "ckpt")
-    ctx = mp.start_processes(_rank_main, args=(str(tmp_path / "ckpt"), _free_port(), str(tmp_path)), nprocs=2,
+    ctx = mp.start_processes(_rank_main, args=(str(tmp_path / "ckpt"), free_port(), str(tmp_path)), nprocs=2,
                              start_method="spawn", join=False)
     deadline = time.monotonic() + 120
     try:

@@ -117,3 +117,22 @@ def test_init_outside_a_whole_mesh_is_refused(trainers):
         init_torch_distributed_on(trainers.slice(dp=0))
     with pytest.raises(RuntimeError, match="not inside a mesh actor"):
         init_torch_distributed()
+
+
+def test_free_ports_are_distinct_bindable_and_outside_the_ephemeral_range(monkeypatch):
+    """A port found by binding port 0 is an ephemeral one, which any outgoing connection (a gloo
+    pair, Ray's gRPC) can take before the group's store binds it: free_ports draws from below."""
+    import socket
+
+    from meshrl.mesh import distributed, free_ports
+
+    low, _ = distributed._ephemeral_ports()
+    ports = free_ports(32)
+    assert len(set(ports)) == 32
+    assert all(distributed._FIRST_FREE_PORT <= p < low for p in ports), (ports, low)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[0]))  # still free
+    # No room below the ephemeral range: the OS picks.
+    monkeypatch.setattr(distributed, "_ephemeral_ports", lambda: (distributed._FIRST_FREE_PORT + 10, 60999))
+    ports = free_ports(4)
+    assert len(set(ports)) == 4 and all(p > distributed._FIRST_FREE_PORT + 10 for p in ports)

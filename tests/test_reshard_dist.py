@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import socket
 import time
 
 import msgspec
 import pytest
 import torch
 import torch.multiprocessing as mp
+
+from meshrl.mesh.distributed import free_ports
 
 # (dp, tp, engine dtype, tied embeddings)
 CASES = [(1, 1, "float32", True), (1, 2, "float32", False), (2, 1, "float32", True), (2, 2, "bfloat16", False),
@@ -42,16 +43,6 @@ def _trainer_model(cfg, version: int):
 
     torch.manual_seed(100 + version)
     return AutoModelForCausalLM.from_config(cfg)
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def _init_default(rank: int, world: int, port: int) -> None:
@@ -219,7 +210,8 @@ def _main(proc: int, all_ports: list[list[int]]) -> None:
 
 @pytest.mark.slow
 def test_fsdp2_to_tp_engines_bit_exact():
-    ports = [_free_ports(3) for _ in range(len(CASES) + 1)]
+    flat = free_ports(3 * (len(CASES) + 1))
+    ports = [flat[i:i + 3] for i in range(0, len(flat), 3)]
     ctx = mp.start_processes(_main, args=(ports,), nprocs=NPROCS, start_method="spawn", join=False)
     deadline = time.monotonic() + 150
     try:

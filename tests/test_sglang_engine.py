@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 from meshrl.engines import GenerateRequest, SamplingParams, TorchEngine, TorchEngineConfig
 from meshrl.engines.sglang_engine import SGLangEngine, SGLangEngineConfig
 from meshrl.reshard.sglang import SGLangPushError, SGLangSyncConfig, SGLangWeightSender
+from meshrl.mesh.distributed import free_port
 
 pytestmark = pytest.mark.slow  # two server processes start (torch + transformers imports): 10-20 s
 torch.set_num_threads(1)
@@ -56,12 +56,6 @@ def sync(**kw) -> SGLangEngineConfig:
     return SGLangEngineConfig(request_timeout_s=60.0, sync=SGLangSyncConfig(**kw))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     """``{compat version: url}``, servers started together from the version-0 checkpoint."""
@@ -72,7 +66,7 @@ def servers(tmp_path_factory):
     procs, urls = [], {}
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for compat in ("0.5.23", "0.4.6.post5"):
-        port = _free_port()
+        port = free_port()
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "meshrl.engines.serve", "--model", str(ckpt), "--port", str(port), "--device", "cpu",
              "--dtype", "float32", "--max-batch-size", "8", "--max-seq-len", "64", "--compat-version", compat],
@@ -234,7 +228,7 @@ def test_a_refused_update_still_receives_its_broadcast(servers):
     bucket lands in the following update, which would then apply the wrong tensor as a new version."""
     import torch.distributed as dist
 
-    from meshrl.mesh.distributed import free_port, join_process_group
+    from meshrl.mesh.distributed import join_process_group
 
     url, name, group = servers["0.5.23"], "model.layers.0.self_attn.q_proj.weight", "refuse_group"
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime
 import math
 import random
-import socket
 from pathlib import Path
 
 import msgspec
@@ -23,6 +22,7 @@ from meshrl.actors.data_parallel import DataParallel
 from meshrl.actors.policy_trainer import NonFiniteStepsError, PolicyTrainer
 from meshrl.actors.trainer_checkpoint import load_trainer_state, save_trainer_state
 from meshrl.queues import Sample
+from meshrl.mesh.distributed import free_port
 
 torch.set_num_threads(1)
 STEPS = 5
@@ -103,12 +103,6 @@ def _rank_main(rank: int, port: int, model_dir: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float) -> float:
     assert a.keys() == b.keys()
     worst = max((a[k] - b[k]).abs().max().item() for k in a)
@@ -121,7 +115,7 @@ def dp2_run(tmp_path_factory):
     """5 steps at dp=2 (checkpoint after 3, resumed copy of steps 4-5, HF export) in 2 processes."""
     root = tmp_path_factory.mktemp("fsdp")
     model_dir = tiny_model_dir(root / "model")
-    mp.start_processes(_rank_main, args=(_port(), model_dir, str(root)), nprocs=2, start_method="spawn", join=True)
+    mp.start_processes(_rank_main, args=(free_port(), model_dir, str(root)), nprocs=2, start_method="spawn", join=True)
     return model_dir, root, torch.load(root / "dp2.pt")
 
 

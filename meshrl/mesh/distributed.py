@@ -27,6 +27,7 @@ old group (torch cannot replace one member of a group): re-create the whole grou
 from __future__ import annotations
 
 import os
+import random
 import socket
 import time
 from datetime import timedelta
@@ -52,11 +53,56 @@ def host_ip() -> str:
     return ray.util.get_node_ip_address()
 
 
-def free_port() -> int:
-    """A TCP port that was free on this host a moment ago (the OS picks it)."""
+# Ports handed out by free_port: above Ray's worker ports (10002-19999), below the OS's ephemeral range.
+_FIRST_FREE_PORT = 20000
+_FREE_PORT_TRIES = 64
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The range the OS takes source ports of outgoing connections from (Linux default if unknown)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _bindable(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports that were free on this host a moment ago.
+
+    They are drawn outside the OS's ephemeral range when it leaves room: every outgoing connection
+    (gloo's pairs, Ray's gRPC) takes an ephemeral port, so one found by binding port 0 can be taken
+    in the moment before the group's store binds it (``EADDRINUSE``). Falls back to the OS's pick.
+    """
+    low, _ = _ephemeral_ports()
+    rng, ports = random.SystemRandom(), []
+    for _ in range(_FREE_PORT_TRIES * n):
+        if len(ports) == n or low - _FIRST_FREE_PORT < 1000:
+            break
+        port = rng.randrange(_FIRST_FREE_PORT, low)
+        if port not in ports and _bindable(port):
+            ports.append(port)
+    while len(ports) < n:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            if (port := s.getsockname()[1]) not in ports:
+                ports.append(port)
+    return ports
+
+
+def free_port() -> int:
+    """A TCP port that was free on this host a moment ago (see ``free_ports``)."""
+    return free_ports(1)[0]
 
 
 def _address() -> tuple[str, int]:
