@@ -130,3 +130,30 @@ def test_supervised_actor_restarts_and_tells_the_owner(procs):
     assert mesh.ping.call_one().get(timeout=60) == 1
     mesh.stop()
     first_failure(lambda: mesh.ping.call_one().get(timeout=60))
+
+
+def test_stop_during_on_restart_does_not_watch_the_stopped_actor_again(procs, caplog):
+    """A restart's callback runs on the supervision thread when ``spawn`` had no event loop; a
+    ``stop()`` meanwhile must not be undone when the callback returns: the killed actor would be
+    watched again and reported as "died and was not restarted" after a deliberate shutdown."""
+    in_callback, release = threading.Event(), threading.Event()
+
+    def slow_on_restart(event: RestartEvent) -> None:
+        in_callback.set()
+        release.wait(60)  # e.g. reloading the restarted actor's state
+
+    mesh = procs.slice(procs=0).spawn("interrupted", Fragile, max_restarts=2, on_restart=slow_on_restart, share=0.25)
+    mesh.ready().get(timeout=60)
+    with pytest.raises(ActorFailure, match="interrupted/0"):
+        mesh.die.call_one().get(timeout=60)
+    assert in_callback.wait(60), "on_restart was not called"
+    caplog.set_level("WARNING", logger="meshrl.mesh")
+    caplog.clear()
+    mesh.stop()
+    release.set()
+    # the thread ends once it supervises nothing: after that no report can come any more
+    for thread in [t for t in threading.enumerate() if t.name == "meshrl-supervisor"]:
+        thread.join(30)
+        assert not thread.is_alive(), "the supervision thread still watches a stopped mesh"
+    reports = [r.getMessage() for r in caplog.records if r.name == "meshrl.mesh" and "interrupted" in r.getMessage()]
+    assert reports == [], f"a deliberately stopped actor was reported: {reports}"

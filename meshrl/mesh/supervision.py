@@ -15,6 +15,9 @@ spent, the death is logged and callers get ``ActorFailure`` from Ray as usual.
 Where the callback runs: on the event loop that was running when ``spawn`` was called (via
 ``call_soon_threadsafe``; a coroutine result is scheduled there as a task), otherwise on the
 supervision thread. A callback's exception is logged, never raised.
+
+``stop()`` unwatches before it kills, and an unwatch also holds while the thread is busy with that
+actor (e.g. running its callback): a deliberately stopped actor is never reported as dead.
 """
 
 from __future__ import annotations
@@ -104,11 +107,18 @@ class _Supervisor:
                 return
             for ref in ready:
                 with self._lock:
-                    entry = self._by_ref.pop(ref, None)
-                if entry is not None:
-                    self._advance(entry, ref)
+                    entry = self._by_ref.get(ref)
+                if entry is None:  # unwatched: its mesh was stopped on purpose
+                    continue
+                # the entry stays under `ref` while it advances (which runs a loop-less on_restart
+                # here, for as long as it takes), so that an unwatch meanwhile still removes it
+                keep = self._advance(entry, ref)
+                with self._lock:
+                    if self._by_ref.pop(ref, None) is entry and keep:
+                        self._by_ref[entry.ref] = entry
 
-    def _advance(self, entry: _Watched, ref: Any) -> None:
+    def _advance(self, entry: _Watched, ref: Any) -> bool:
+        """Act on ``entry``'s ready ``ref``; re-arm ``entry.ref`` and return True to watch on."""
         try:
             ray.get(ref, timeout=0)
             if entry.cause:  # the restarted actor answered __ray_ready__
@@ -121,15 +131,14 @@ class _Supervisor:
         except ray.exceptions.RayActorError as exc:
             if entry.cause:
                 log.error("actor %s/%d died and was not restarted: %s", entry.mesh, entry.rank, exc)
-                return
+                return False
             entry.cause = str(exc)
             log.warning("actor %s/%d died (%s); waiting for its restart", entry.mesh, entry.rank, entry.cause)
             entry.ref = _revival(entry.handle)
         except Exception as exc:
             log.error("supervising actor %s/%d: %s", entry.mesh, entry.rank, exc)
-            return
-        with self._lock:
-            self._by_ref[entry.ref] = entry
+            return False
+        return True
 
     @staticmethod
     def _deliver(entry: _Watched, event: RestartEvent) -> None:

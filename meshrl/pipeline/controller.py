@@ -20,7 +20,8 @@
               snapshot, prompt position, requests in flight) — before set_version, so at
               max_staleness = 0 nothing is in flight (meshrl.pipeline.checkpoint)
               queue.set_version(version)  (only after every engine applied it)
- eval:        held-out prompts, greedy, on the rollout engines (before, every eval_every, after)
+ eval:        held-out prompts, greedy, on the rollout engines (before, every eval_every, after);
+              one every eval_every runs beside the loops and, like them, its failure stops the run
  stop():      no new requests → drain: wait for: the requests in flight to put their samples
               (unblocked by: rollout loops; at most run.stop_drain_timeout_s) → queue.close (wakes
               the train loop's get_batch) → checkpoint (the queue snapshot holds every sample not
@@ -228,7 +229,7 @@ class Pipeline:
             roles = await self._start_roles(model_dir)
             self._rollout = rollout = RolloutDriver(cfg, roles, tokenizer, ledger, log, stopping=self._stopping,
                                                     environment=self.environment is not None)  # fmt: skip
-            self._train = train = TrainLoop(cfg, roles, rollout, log, self.out_dir, evaluate=self._evaluate)
+            self._train = train = TrainLoop(cfg, roles, rollout, log, self.out_dir, evaluate=self._periodic_evaluation)
             self._roles_ready.set()
             if resume_from is not None:
                 self._echo(await train.restore(resume_from))
@@ -262,9 +263,14 @@ class Pipeline:
                     for t in loops:
                         t.cancel()
                 await asyncio.gather(*loops, return_exceptions=True)
+                if self._failure is not None:
+                    for t in train.evals:
+                        t.cancel()
+                # waits for: the periodic evaluations still running (each bounded by run.step_timeout_s;
+                # guarded: a failure becomes self._failure); unblocked by: their engines and reward workers
+                await asyncio.gather(*train.evals, return_exceptions=True)
             if self._failure is not None:
                 raise self._failure
-            await asyncio.gather(*train.evals)
             if stopped:
                 await train.checkpoint()  # after the drain: the snapshot holds every sample put and not trained
                 after = None
@@ -290,19 +296,22 @@ class Pipeline:
             f.write(json.dumps({"kind": "summary", **summary}) + "\n")
         return summary
 
-    async def _guard(self, coro, *, always_fails: bool = False) -> None:
-        """Run a loop; on an unexpected error remember it and close the queue to wake the rest.
+    async def _guard(self, coro, *, always_fails: bool = False, what: str | None = None) -> None:
+        """Run a loop (or a periodic evaluation); on an unexpected error remember it and close the
+        queue to wake the rest. ``what``: named in a note on the error.
 
         Once the run winds down (stop(), or another loop failed) a rollout loop's error is only
         logged: its request stays in the ledger and a resumed run issues it again. The train loop's
-        (``always_fails``) is the run's failure even then: a step that broke halfway must not be
-        followed by a checkpoint of a trainer that is ahead of the run's state."""
+        and an evaluation's (``always_fails``) are the run's failure even then: a step that broke
+        halfway must not be followed by a checkpoint of a trainer that is ahead of the run's state."""
         try:
             await coro
         except (asyncio.CancelledError, QueueClosed):
             if self._failure is not None and not self._stopping.is_set():
                 raise
         except BaseException as exc:
+            if what is not None and isinstance(exc, Exception):
+                exc.add_note(f"raised by {what}")
             if self._stopping.is_set() and not always_fails:
                 logger.warning("a rollout loop failed while the run was stopping (its request is re-issued on "
                                "resume): %s: %s", type(exc).__name__, exc)
@@ -316,6 +325,13 @@ class Pipeline:
 
     async def _evaluate(self) -> dict[str, Any]:
         return await evaluation.evaluate(self._rollout, self.task, self.log, step=self.step, version=self.policy_version)
+
+    async def _periodic_evaluation(self) -> None:
+        """The evaluation the train loop starts every run.eval_every steps, as a task it does not
+        await: guarded like the loops, so a failure stops the run now instead of waiting in the task
+        until the run ends. Its record is in the run log; the task's result is not used."""
+        what = f"the held-out evaluation after train step {self.step} (run.eval_every={self.cfg.run.eval_every})"
+        await self._guard(self._evaluate(), always_fails=True, what=what)
 
     def _shutdown(self) -> None:
         for mesh in self._procs:

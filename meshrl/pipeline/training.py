@@ -49,7 +49,7 @@ class TrainLoop:
     """The train loop and the run's position: step, policy version, newest checkpoint."""
 
     def __init__(self, cfg: PipelineConfig, roles: Roles, rollout: RolloutDriver, log: RunLog, out_dir: Path, *,
-                 evaluate: Callable[[], Awaitable[dict[str, Any]]]) -> None:  # fmt: skip
+                 evaluate: Callable[[], Awaitable[Any]]) -> None:  # fmt: skip
         self.cfg, self.roles, self.rollout, self.log, self.out_dir = cfg, roles, rollout, log, out_dir
         self._evaluate = evaluate
         self.step = 0
