@@ -14,13 +14,17 @@ not exist); 0.4.x takes one ``name``/``dtype``/``shape`` per call; ``load_format
 "flattened_bucket"`` (one uint8 broadcast, offsets aligned to each dtype's size) needs 0.5.10+.
 
 Unlike SGLang, the staging makes a failed update harmless: it is dropped, the engine stays on its
-version, and the reply says why (``success: false``). Simplification: the server is one rank
-(``tp_size`` 1), so it joins at ``rank_offset``.
+version, and the reply says why (``success: false``). A receive that fails or times out leaves its
+group out of step with the trainer (gloo closes its connections on a timeout), so later updates
+over it are refused at once until it is destroyed and joined again. Simplification: the server is
+one rank (``tp_size`` 1), so it joins at ``rank_offset``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -37,6 +41,25 @@ def _reply(ok: bool, message: str, status: int = 200) -> web.Response:
 def _version(text: str) -> tuple[int, int, int]:
     parts = (text.split(".") + ["0", "0"])[:3]
     return tuple(int("".join(ch for ch in p if ch.isdigit()) or 0) for p in parts)  # type: ignore[return-value]
+
+
+_MARGIN_S = 5.0
+"""How long past its deadline a receive's thread is waited for (it ends by itself at the deadline)."""
+
+
+def _receive(pg: Any, tensor: torch.Tensor, deadline: float) -> None:
+    """Receive ``tensor`` from group rank 0, given up by the backend itself at ``deadline``
+    (``time.monotonic``). ``dist.broadcast`` would use the group's timeout from its own start, so a
+    broadcast started late in a payload outlived the update's wait, and took the trainer's next
+    update into abandoned buffers (gloo aborts the process when the sizes differ)."""
+    import torch.distributed as dist
+
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the trainer's broadcasts did not all arrive within the update's timeout")
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor, opts.timeout = 0, 0, timedelta(seconds=left)
+    pg.broadcast([tensor], opts).wait()
 
 
 def _unflatten(flat: torch.Tensor, dtypes: list[torch.dtype], shapes: list[list[int]]) -> list[torch.Tensor]:
@@ -56,6 +79,7 @@ class WeightSync:
     def __init__(self, engine: TorchEngine, compat_version: str, timeout_s: float = 600.0):
         self.engine, self.version, self.timeout_s = engine, _version(compat_version), timeout_s
         self.groups: dict[str, Any] = {}
+        self.broken: dict[str, str] = {}  # group name -> why a receive over it failed (it is out of step)
         self.pending_version: int | None = None
 
     def routes(self) -> list[tuple[str, str, Any]]:
@@ -90,6 +114,7 @@ class WeightSync:
 
         name = (await read_json(request, default={})).get("group_name", "weight_update_group")
         pg = self.groups.pop(name, None)
+        self.broken.pop(name, None)
         if pg is None:
             return _reply(False, f"no group {name!r}")
         dist.destroy_process_group(pg)
@@ -102,6 +127,7 @@ class WeightSync:
         for pg in self.groups.values():
             dist.destroy_process_group(pg)
         self.groups.clear()
+        self.broken.clear()
 
     async def begin(self, request: web.Request) -> web.Response:
         try:
@@ -148,9 +174,16 @@ class WeightSync:
                 and all(isinstance(s, list) and all(isinstance(d, int) and d >= 0 for d in s) for s in shapes)):
             raise BadRequest("/update_weights_from_distributed: names, dtypes and shapes must be lists of one entry "
                              f"per tensor (shapes: lists of non-negative ints){unsent}")
-        pg = self.groups.get(b.get("group_name", "weight_update_group"))
+        group = b.get("group_name", "weight_update_group")
+        pg = self.groups.get(group)
         if pg is None:
-            return _reply(False, f"no group {b.get('group_name')!r}: call /init_weights_update_group first{unsent}")
+            return _reply(False, f"no group {group!r}: call /init_weights_update_group first{unsent}")
+        if group in self.broken:
+            await self.engine.abort_weight_update()  # the staged version would miss these tensors
+            return _reply(False, f"group {group!r} is out of step since a receive over it failed "
+                                 f"({self.broken[group]}): /destroy_weights_update_group, then "
+                                 "/init_weights_update_group again; this update's broadcast was not received and "
+                                 "the staged update, if any, is dropped")
         torch_dtypes = [getattr(torch, d, None) if isinstance(d, str) else None for d in dtypes]
         if not all(isinstance(d, torch.dtype) for d in torch_dtypes):
             bad = [d for d, t in zip(dtypes, torch_dtypes) if not isinstance(t, torch.dtype)]
@@ -164,23 +197,32 @@ class WeightSync:
         flat = b.get("load_format") == "flattened_bucket"
         if flat and self.version < (0, 5, 10):
             refuse = refuse or "load_format 'flattened_bucket' needs 0.5.10+"
+        # NCCL receives into GPU memory only; gloo into host memory (the engine copies either way)
+        device = self.engine.device if dist.get_backend(pg) == "nccl" else torch.device("cpu")
         if flat:
             total, sizes = 0, [torch.empty((), dtype=d).element_size() for d in torch_dtypes]
             for size, shape in zip(sizes, shapes):
                 total = -(-total // size) * size + size * int(torch.Size(shape).numel())
-            payload = [torch.empty(total, dtype=torch.uint8)]
+            payload = [torch.empty(total, dtype=torch.uint8, device=device)]
         else:
-            payload = [torch.empty(s, dtype=d) for s, d in zip(shapes, torch_dtypes)]
+            payload = [torch.empty(s, dtype=d, device=device) for s, d in zip(shapes, torch_dtypes)]
+
+        deadline = time.monotonic() + self.timeout_s
 
         def receive() -> None:
             for t in payload:  # the trainer broadcasts in names order
-                dist.broadcast(t, src=0, group=pg)
+                _receive(pg, t, deadline)
 
         try:  # receive every broadcast even when the update will be refused: the group stays in step
-            await asyncio.wait_for(asyncio.to_thread(receive), self.timeout_s)
-        except Exception as exc:
+            # the thread ends by the deadline: once this returns, no broadcast of this update is pending
+            await asyncio.wait_for(asyncio.to_thread(receive), self.timeout_s + _MARGIN_S)
+        except BaseException as exc:  # a timeout, a dead trainer, a cancelled request: out of step
+            self.broken[group] = f"receiving {names[:3]}... failed: {type(exc).__name__}: {exc}"
             await self.engine.abort_weight_update()
-            return _reply(False, f"receiving {names[:3]}... failed: {type(exc).__name__}: {exc}")
+            if not isinstance(exc, Exception):
+                raise
+            return _reply(False, f"{self.broken[group]}; the group is out of step now: "
+                                 "/destroy_weights_update_group, then /init_weights_update_group again")
         if refuse is not None:
             await self.engine.abort_weight_update()  # the staged version would miss these tensors
             return _reply(False, f"update refused (its broadcast was received; the staged update, if any, is "
