@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 from meshrl.engines import GenerateRequest, SamplingParams, TorchEngine, TorchEngineConfig
 from meshrl.engines.serve import SGLANG_COMPAT_VERSION, make_app
+from meshrl.mesh.distributed import free_port
 
 torch.set_num_threads(1)
 TIMEOUT = aiohttp.ClientTimeout(total=30)
@@ -311,15 +311,9 @@ def test_info_endpoints_and_weights(hf):
     asyncio.run(main())
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_cli_serves_a_checkpoint_directory(tmp_path, hf):
     hf.save_pretrained(tmp_path)
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "meshrl.engines.serve", "--model", str(tmp_path), "--port",
                              str(port), "--max-batch-size", "4", "--max-seq-len", "64"], env=env,
