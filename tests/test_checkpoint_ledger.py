@@ -5,11 +5,13 @@ whose prompts were not yet taken is cancelled), ``latest`` selection and partial
 from __future__ import annotations
 
 import asyncio
+import shutil
 
 from meshrl.pipeline.checkpoint import (
     PromptLedger,
     RunState,
     commit,
+    later_checkpoints,
     latest_checkpoint,
     partial_dir,
     read_records,
@@ -82,9 +84,63 @@ def test_latest_skips_partial_checkpoints_and_keep_prunes(tmp_path):
         commit(partial_dir(tmp_path, step), keep=2)
     write_checkpoint_files(partial_dir(tmp_path, 8), state, None)  # a crash mid-write: never picked
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
-    assert names == ["step_00000004", "step_00000006", "step_00000008.partial"]
+    assert names == ["latest", "step_00000004", "step_00000006", "step_00000008.partial"]
     assert resolve_resume("latest", tmp_path).name == "step_00000006"
     assert read_records(tmp_path / "checkpoints" / "step_00000006") == []
+
+
+def test_a_request_done_since_the_last_take_is_still_recorded():
+    """Its put may have landed just after the queue's snapshot yet answered first (Ray orders no
+    replies across calls): the checkpoint lists it, and a resume re-issues it only if the snapshot
+    still holds its reservation (tests/test_review_queue_ckpt.py). Once prompts are taken again no
+    checkpoint was capturing, so its put is in every later snapshot and it is dropped."""
+    ledger = PromptLedger(PROBLEMS, seed=3)
+    first, _ = ledger.take(0, 2)
+    ledger.done(0)
+    assert ledger.unfinished() == [first]
+    state = RunState(step=1, version=1, prompt_position=ledger.stream.position, next_group=ledger.next_group,
+                     generated_tokens=0, accuracy_before=None, in_flight=ledger.unfinished(), queue_snapshot=b"")
+    assert PromptLedger(PROBLEMS, seed=3).restore(state, []) == []  # its put is in the snapshot: nothing to redo
+    resumed = PromptLedger(PROBLEMS, seed=3)
+    assert resumed.restore(state, [0]) == [] and resumed.take_reissued()[0] == first  # it is not
+    second, _ = ledger.take(1, 2)
+    assert ledger.unfinished() == [second]
+
+
+def _commit_step(root, step: int, *, keep: int, generated_tokens: int):
+    """A complete checkpoint of ``step``; ``generated_tokens`` tells the runs that wrote them apart."""
+    state = RunState(step=step, version=step, prompt_position=0, next_group=0, generated_tokens=generated_tokens,
+                     accuracy_before=None, in_flight=[], queue_snapshot=b"")  # fmt: skip
+    write_checkpoint_files(partial_dir(root, step), state, None)
+    return commit(partial_dir(root, step), keep=keep)
+
+
+def test_a_run_resumed_from_an_earlier_step_keeps_and_skips_the_later_checkpoints(tmp_path):
+    """Resumed from step 4 while steps 6 and 8 of the first run exist: retention must not delete the
+    resumed run's own checkpoint in their favour (it counts steps up to the one committed), must not
+    delete them either (the user's models), and ``latest`` is the resumed run's newest."""
+    for step in (4, 6, 8):
+        _commit_step(tmp_path, step, keep=3, generated_tokens=1)  # the first run
+    ours = _commit_step(tmp_path, 5, keep=1, generated_tokens=2)  # resumed from 4, stopped at step 5
+    assert ours.is_dir() and resolve_resume("latest", tmp_path) == ours
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == [
+        "step_00000005", "step_00000006", "step_00000008"]  # fmt: skip
+    assert later_checkpoints(tmp_path, 5) == [tmp_path / "checkpoints" / n for n in ("step_00000006", "step_00000008")]
+    # Reaching step 6 again replaces the first run's step 6, and step 5 goes (keep=1); step 8 stays.
+    _commit_step(tmp_path, 6, keep=1, generated_tokens=2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_00000006", "step_00000008"]
+    assert read_run_state(resolve_resume("latest", tmp_path)).generated_tokens == 2
+
+
+def test_latest_without_its_file_is_the_highest_complete_step(tmp_path):
+    """An output directory written before ``checkpoints/latest`` existed, or whose latest was deleted."""
+    for step in (2, 4):
+        _commit_step(tmp_path, step, keep=0, generated_tokens=1)
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000004"
+    shutil.rmtree(tmp_path / "checkpoints" / "step_00000004")
+    assert latest_checkpoint(tmp_path).name == "step_00000002"
+    (tmp_path / "checkpoints" / "latest").unlink()
+    assert latest_checkpoint(tmp_path).name == "step_00000002"
 
 
 def test_a_checkpoint_before_the_reissue_keeps_the_restored_requests():

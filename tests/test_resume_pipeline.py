@@ -14,12 +14,14 @@ import math
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 import ray.cloudpickle
 
 from meshrl.config import load_config
 from meshrl.pipeline import Pipeline, PipelineConfig
 from meshrl.pipeline.checkpoint import latest_checkpoint, read_run_state
+from meshrl.queues.snapshot import QueueSnapshot
 from meshrl.tasks import Problem, RewardOutput, TaskConfig, build_task
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -69,11 +71,14 @@ def test_resumed_run_repeats_the_uninterrupted_one(ray_cluster, tmp_path):
     model_dir = tiny_model_dir(tmp_path / "model", layers=1)
     first = asyncio.run(Pipeline(_config(model_dir, tmp_path / "a"), task=DigitShareTask()).run())
     assert first["steps"] == 4
-    ckpts = sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir())
+    ckpts = sorted(p.name for p in (tmp_path / "a" / "checkpoints").glob("step_*"))
     assert ckpts == ["step_00000002", "step_00000004"]  # every 2 steps and at the end, none partial
     assert latest_checkpoint(tmp_path / "a").name == "step_00000004"
     state = read_run_state(tmp_path / "a" / "checkpoints" / "step_00000002")
-    assert (state.step, state.version, state.prompt_position, state.in_flight) == (2, 2, 16, [])  # η=0: nothing in flight
+    assert (state.step, state.version, state.prompt_position) == (2, 2, 16)
+    # η=0: nothing in flight, nothing queued (the step's last request may be listed as just done)
+    queue = msgspec.msgpack.decode(state.queue_snapshot, type=QueueSnapshot)
+    assert queue.reservations == [] and queue.groups == []
 
     resume = tmp_path / "a" / "checkpoints" / "step_00000002"
     second = asyncio.run(Pipeline(_config(model_dir, tmp_path / "b", f"run.resume={resume}"), task=DigitShareTask()).run())

@@ -10,19 +10,25 @@
     metrics.jsonl       the run's records up to this step (a resumed run's log starts from them)
 ```
 
-A checkpoint is written under ``step_XXXXXXXX.partial`` and renamed when complete, so ``latest``
-never picks a half-written one; older complete ones beyond ``keep`` are deleted afterwards.
+A checkpoint is written under ``step_XXXXXXXX.partial`` and renamed when complete, then named in
+``checkpoints/latest``: ``run.resume=latest`` takes the checkpoint committed last, never a
+half-written one. Retention (``keep``) counts the steps up to the one just committed: checkpoints
+of later steps are left by a run this one was resumed back from (an earlier step, or a fresh run in
+an old output directory). They are kept, not counted and not ``latest``, until this run writes
+their steps again; deleting a checkpoint the user did not ask to replace would lose their model.
 
 Exactness: the controller writes a checkpoint after a weight push and *before* the queue learns
 the new version, so at ``max_staleness = 0`` no rollout is in flight and the queue is empty; the
 resumed run then repeats the uninterrupted one (sampling is seeded by group id). With
-``max_staleness > 0`` the requests in flight are recorded (``InFlight``) and re-issued on resume
-under their restored reservations, with their original prompts and group ids.
+``max_staleness > 0`` the requests in flight are recorded (``InFlight``), with those just done whose
+put may have missed the snapshot; a resume re-issues those whose reservation the snapshot still
+holds, under it, with their original prompts and group ids.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -33,10 +39,12 @@ import msgspec
 from meshrl.tasks import Problem, PromptStream
 
 __all__ = ["InFlight", "PromptLedger", "RunState", "write_checkpoint_files", "read_run_state", "read_records",
-           "commit", "latest_checkpoint", "resolve_resume", "partial_dir"]  # fmt: skip
+           "commit", "latest_checkpoint", "later_checkpoints", "resolve_resume", "partial_dir"]  # fmt: skip
 
 FORMAT = 1
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+LATEST = "latest"
+"""File in ``checkpoints/`` naming the checkpoint committed last."""
 
 
 class InFlight(msgspec.Struct, frozen=True):
@@ -67,6 +75,8 @@ class RunState(msgspec.Struct, kw_only=True):
     accuracy_before: float | None
     """Held-out accuracy before RL (a resumed run does not measure it again)."""
     in_flight: list[InFlight]
+    """``PromptLedger.unfinished()``: requests that a resume re-issues if ``queue_snapshot`` still
+    holds their reservation (a request just done may be listed, its samples in the snapshot)."""
     queue_snapshot: bytes
     """``SampleQueue.snapshot()``."""
 
@@ -76,6 +86,7 @@ class PromptLedger:
 
     Fresh requests take the next prompts of the stream; after ``restore``, the requests that were
     in flight at the checkpoint are handed out again first (same reservation, prompts, group ids).
+    The caller never ``take``s while a checkpoint captures the queue's snapshot and this ledger.
     """
 
     def __init__(self, problems: Sequence[Problem], seed: int) -> None:
@@ -84,6 +95,8 @@ class PromptLedger:
         self.next_group = 0
         self.in_flight: dict[int, InFlight] = {}  # by reservation id
         self._reissue: list[InFlight] = []
+        self._done_since_take: list[InFlight] = []
+        """Requests done since the last ``take``: a checkpoint records them too (``unfinished``)."""
 
     def take(self, reservation_id: int, count: int) -> tuple[InFlight, list[Problem]]:
         """The next ``count`` prompts for a new reservation."""
@@ -91,6 +104,9 @@ class PromptLedger:
         problems = self.stream.take(count)
         self.next_group += count
         self.in_flight[reservation_id] = job
+        # no checkpoint is capturing now (class docstring), so every put answered so far was applied
+        # before the next snapshot is asked for: their requests need not be recorded any more
+        self._done_since_take.clear()
         return job, problems
 
     def take_reissued(self) -> tuple[InFlight, list[Problem]] | None:
@@ -102,7 +118,8 @@ class PromptLedger:
         return job, PromptStream(self._problems, self._seed, position=job.first_position).take(job.count)
 
     def done(self, reservation_id: int) -> None:
-        self.in_flight.pop(reservation_id, None)
+        if (job := self.in_flight.pop(reservation_id, None)) is not None:
+            self._done_since_take.append(job)
 
     def restore(self, state: RunState, outstanding: Sequence[int]) -> list[int]:
         """Continue from ``state``; ``outstanding``: reservation ids the restored queue still
@@ -118,10 +135,13 @@ class PromptLedger:
         return len(self._reissue)
 
     def unfinished(self) -> list[InFlight]:
-        """What a checkpoint must record: requests in flight and restored ones not yet re-issued (their
-        reservations are still in the queue's snapshot; left out, the next resume would cancel them
-        and skip their prompts for good)."""
-        return list(self.in_flight.values()) + list(self._reissue)
+        """What a checkpoint records, read after the queue's snapshot: requests in flight, restored
+        ones not yet re-issued, and those done since the last ``take``. ``restore`` re-issues those
+        whose reservation the snapshot still holds; one left out would be cancelled there and its
+        prompts skipped for good. A request done can be one: Ray does not order replies across
+        calls, so a put applied just after the snapshot may answer first (a large snapshot comes
+        through the object store, the put's empty reply inline)."""
+        return list(self.in_flight.values()) + list(self._reissue) + list(self._done_since_take)
 
 
 def checkpoints_root(output_dir: str | Path) -> Path:
@@ -170,21 +190,43 @@ def _complete(output_dir: str | Path) -> list[tuple[int, Path]]:
 
 
 def commit(partial: Path, *, keep: int) -> Path:
-    """Rename a finished ``.partial`` checkpoint to its final name; keep the newest ``keep`` (0: all)."""
+    """Rename a finished ``.partial`` checkpoint to its final name, make it ``latest``, and keep the
+    newest ``keep`` (0: all) of the steps up to it (later steps: module docstring)."""
     final = partial.with_name(partial.name.removesuffix(".partial"))
+    if (m := _STEP_DIR.match(final.name)) is None:
+        raise ValueError(f"commit: {partial} is not a partial checkpoint directory; write it at "
+                         "partial_dir(output_dir, step)")
     if final.exists():  # a run resumed from an earlier step writes this step again
         shutil.rmtree(final)
     partial.rename(final)
+    pointer = final.parent / LATEST
+    tmp = pointer.with_name(LATEST + ".tmp")
+    tmp.write_text(final.name + "\n")
+    os.replace(tmp, pointer)  # atomic: a crash leaves the previous latest, which is still complete
     if keep > 0:
-        for _, old in _complete(final.parent.parent)[:-keep]:
+        step = int(m.group(1))
+        ours = [p for s, p in _complete(final.parent.parent) if s <= step]
+        for old in ours[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     return final
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint under ``output_dir/checkpoints``, or None."""
+    """The checkpoint committed last under ``output_dir/checkpoints`` (else the highest complete
+    step: a directory written before ``latest`` existed, or whose latest was deleted), or None."""
+    root = checkpoints_root(output_dir)
+    pointer = root / LATEST
+    if pointer.is_file():
+        path = root / pointer.read_text().strip()
+        if _STEP_DIR.match(path.name) and (path / "run_state.msgpack").is_file():
+            return path
     found = _complete(output_dir)
     return found[-1][1] if found else None
+
+
+def later_checkpoints(output_dir: str | Path, step: int) -> list[Path]:
+    """Complete checkpoints of steps after ``step``: a run resumed at ``step`` leaves them be."""
+    return [p for s, p in _complete(output_dir) if s > step]
 
 
 def resolve_resume(resume: str | None, output_dir: str | Path) -> Path | None:

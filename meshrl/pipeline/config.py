@@ -55,7 +55,8 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True):
     checkpoint_at_end: bool = True
     """Checkpoint after the last step (benchmarks turn it off: a large model's save takes long)."""
     keep_checkpoints: int = 2
-    """Newest checkpoints kept on disk (older ones are deleted); 0 keeps all."""
+    """Newest checkpoints kept on disk (older ones are deleted); 0 keeps all. Checkpoints of steps
+    after the one a run resumed from are neither counted nor deleted (until it writes those steps)."""
     stop_drain_timeout_s: float = 60.0
     """Pipeline.stop: longest wait for the requests in flight to put their samples before the
     checkpoint (requests still generating then are recorded and generated again on resume)."""

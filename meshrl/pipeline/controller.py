@@ -217,6 +217,11 @@ class Pipeline:
         resume_from = ckpt.resolve_resume(cfg.run.resume, self.out_dir)
         if cfg.run.resume == "latest" and resume_from is None:
             self._echo(f"run.resume=latest: no complete checkpoint under {self.out_dir / 'checkpoints'} yet, starting fresh")
+        later = ckpt.later_checkpoints(self.out_dir, ckpt.read_run_state(resume_from).step if resume_from else 0)
+        if later:
+            self._echo(f"{len(later)} checkpoint(s) of later steps under {self.out_dir / 'checkpoints'} (up to "
+                       f"{later[-1].name}) belong to an earlier run: kept until this run writes those steps again; "
+                       "run.resume=latest follows this run")
         reference = cfg.algo.kl_coef > 0 and not cfg.trainer.reference_in_trainer
         self._echo(f"starting roles: queue, {cfg.rollout.num_workers} rollout, {cfg.reward.num_workers} reward, "
                    f"trainer (dp={cfg.trainer.dp})" + (", reference" if reference else ""))  # fmt: skip

@@ -1,0 +1,191 @@
+"""A checkpoint taken while rollout producers put: every prompt handed out is trained exactly once
+after a resume from it.
+
+At ``max_staleness > 0`` the train loop checkpoints while requests are in flight, without waiting
+for their ``put`` replies, so a put lands in the queue actor just before or just after the
+snapshot. The snapshot is atomic in the actor (a request's samples are in it and its reservation
+gone, or its reservation is in it unfilled), and a resume re-issues exactly the recorded requests
+whose reservation the snapshot still holds. What the ledger records must therefore cover every
+request whose put the snapshot missed, even when that put's reply reached the controller before
+the snapshot's: Ray orders neither replies nor their wake-ups across calls, and a large snapshot
+travels through the object store while a put's empty reply comes inline.
+
+Real queue actor on a mesh, the train loop's ``checkpoint``, the rollout side's ``next_job``
+and the ``PromptLedger``; the trainer role is reduced to the directory it writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import sys
+from pathlib import Path
+from typing import AsyncIterator
+
+import msgspec
+import ray.cloudpickle
+
+from meshrl.config import load_config
+from meshrl.mesh import Actor, endpoint, spawn_procs
+from meshrl.pipeline import PipelineConfig
+from meshrl.pipeline.checkpoint import InFlight, PromptLedger, read_run_state
+from meshrl.pipeline.metrics import RunLog
+from meshrl.pipeline.rollout_loop import Roles, RolloutDriver, bounded
+from meshrl.pipeline.training import TrainLoop
+from meshrl.queues import QueueConfig, Sample, SampleQueue, decode_samples, encode_samples
+from meshrl.queues.actor import QueueActor
+from meshrl.queues.snapshot import QueueSnapshot
+from meshrl.tasks import Problem
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+PROBLEMS = [Problem(id=i, prompt=f"{i}+1=", answer=str(i + 1)) for i in range(1000)]
+N, PROMPTS, STEP, ETA = 2, 2, 8, 2  # samples per prompt, prompts per request, samples per step, max_staleness
+RESPONSE_TOKENS = 1500  # ~15 KB a sample: a snapshot of a few dozen goes through the object store
+
+
+class CheckpointDir(Actor):
+    """The trainer role's part of a checkpoint, reduced to the directory it writes."""
+
+    @endpoint
+    def save_checkpoint(self, path: str) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+
+
+class SlowSnapshotReply(QueueActor):
+    """The queue actor with a snapshot whose reply takes a while to reach the caller, as a large
+    one's does through the object store: a put arriving meanwhile is applied after the snapshot was
+    taken, yet answered first."""
+
+    @endpoint
+    async def snapshot(self) -> bytes:
+        blob = await SampleQueue.snapshot(self)
+        await asyncio.sleep(0.5)
+        return blob
+
+
+def _samples(job: InFlight) -> list[Sample]:
+    return [Sample(prompt_id=g, group_id=g, group_size=N, prompt_ids=[1, 2], response_ids=[3] * RESPONSE_TOKENS,
+                   behavior_logprobs=[-1.0] * RESPONSE_TOKENS, behavior_version=0)
+            for g in range(job.first_group, job.first_group + job.count) for _ in range(N)]  # fmt: skip
+
+
+async def _put(rollout: RolloutDriver, job: InFlight) -> None:
+    """The end of a rollout request (rollout_loop.RolloutDriver.loop): put, then the ledger hears of it."""
+    queue = rollout.roles.queue
+    blob = encode_samples(_samples(job))
+    await bounded(queue.put_encoded.call_one(blob, job.reservation_id), 60, "the queue to accept samples")
+    rollout.ledger.done(job.reservation_id)
+
+
+@contextlib.asynccontextmanager
+async def _controller(out: Path, queue_cls: type) -> AsyncIterator[TrainLoop]:
+    """A train loop (and its rollout driver) over a real queue actor and a checkpoint-writing trainer."""
+    cfg = load_config(PipelineConfig, None, [
+        f"run.output_dir={out}", "run.keep_checkpoints=0", "run.step_timeout_s=60", "run.progress=false",
+        f"trainer.samples_per_step={STEP}", f"algo.samples_per_prompt={N}", f"rollout.prompts_per_request={PROMPTS}",
+        f"queue.max_staleness={ETA}", "queue.stale_policy=keep",
+    ])  # fmt: skip
+    procs = [spawn_procs({"procs": 1}, cpus_per_proc=0.01, name=name) for name in ("queue", "trainer")]
+    queue = procs[0].spawn("queue", queue_cls, cfg.queue, samples_per_step=STEP)
+    trainer = procs[1].spawn("trainer", CheckpointDir)
+    log = RunLog(out, total_steps=1, progress=False)
+    try:
+        await asyncio.gather(queue.ready().within(60), trainer.ready().within(60))
+        roles = Roles(queue=queue, rollouts=None, rewards=None, trainer=trainer, reference=None)
+        rollout = RolloutDriver(cfg, roles, None, PromptLedger(PROBLEMS, seed=3), log, stopping=asyncio.Event(),
+                                environment=False)  # fmt: skip
+        yield TrainLoop(cfg, roles, rollout, log, out, evaluate=None)
+    finally:
+        log.close()
+        for p in procs:
+            p.stop()
+
+
+async def _resumed(path: Path, consumed: list[int]) -> tuple[list[int], list[int]]:
+    """(the group of every sample a resume from ``path`` trains, counting those trained before it;
+    the group of every sample handed out before it), both sorted."""
+    state = read_run_state(path)
+    snap = msgspec.msgpack.decode(state.queue_snapshot, type=QueueSnapshot)
+    queued = [s.group_id for g in snap.groups for s in g.samples]
+    # what TrainLoop.restore does, with a queue of this process
+    fresh = SampleQueue(QueueConfig(max_staleness=ETA), samples_per_step=STEP)
+    outstanding = await fresh.restore(state.queue_snapshot)
+    ledger = PromptLedger(PROBLEMS, seed=3)
+    for reservation_id in ledger.restore(state, [r.id for r in outstanding]):
+        await fresh.cancel(reservation_id)
+    reissued = []
+    while (taken := ledger.take_reissued()) is not None:
+        await fresh.put(_samples(taken[0]), taken[0].reservation_id)  # refused if the snapshot had them
+        reissued += [s.group_id for s in _samples(taken[0])]
+    # one consumer of whole batches: the first consumed_position samples it got were taken before the snapshot
+    trained = consumed[:snap.consumed_position] + queued + reissued
+    return sorted(trained), sorted(g for g in range(state.next_group) for _ in range(N))
+
+
+def test_a_put_answered_before_the_snapshot_but_applied_after_it_is_reissued(ray_cluster, tmp_path):
+    """The put lands just after the snapshot was taken and its reply overtakes the snapshot's: the
+    ledger hears of it before the checkpoint reads the ledger, but the snapshot holds its
+    reservation unfilled. Its prompts must be issued again on resume, not cancelled and lost."""
+
+    async def main() -> Path:
+        async with _controller(tmp_path, SlowSnapshotReply) as train:
+            rollout = train.rollout
+            job, _ = await asyncio.wait_for(rollout.next_job(), 60)
+            train.step = 1
+            checkpoint = asyncio.create_task(train.checkpoint())
+            # waits for: the checkpoint to hold new requests back and ask for the snapshot (same loop step)
+            async with asyncio.timeout(60):
+                while rollout.taking.is_set():
+                    await asyncio.sleep(0.001)
+            await _put(rollout, job)
+            assert not checkpoint.done()  # the put's reply came first
+            return await asyncio.wait_for(checkpoint, 60)
+
+    path = asyncio.run(main())
+    snap = msgspec.msgpack.decode(read_run_state(path).queue_snapshot, type=QueueSnapshot)
+    assert [r.filled for r in snap.reservations] == [0] and snap.groups == []  # the put missed the snapshot
+    trained, handed_out = asyncio.run(_resumed(path, []))
+    assert trained == handed_out == [0, 0, 1, 1]
+
+
+def test_checkpoints_taken_while_producers_put_account_for_every_sample_once(ray_cluster, tmp_path):
+    """Producers and a consumer run flat out while the train loop checkpoints; no reply is slowed."""
+
+    async def produce(rollout: RolloutDriver, rng: random.Random) -> None:
+        while (taken := await rollout.next_job()) is not None:
+            await asyncio.sleep(rng.uniform(0, 0.004))  # generating
+            await _put(rollout, taken[0])
+
+    async def consume(queue, consumed: list[int]) -> None:
+        version = 0
+        while True:
+            blob = await bounded(queue.get_batch_encoded.call_one(STEP, version), 60, "a batch")
+            consumed += [s.group_id for s in decode_samples(blob)]
+            version += 1
+            await bounded(queue.set_version.call_one(version), 60, "set_version")
+
+    async def main() -> tuple[list[Path], list[int]]:
+        async with _controller(tmp_path, QueueActor) as train:
+            rollout, queue, consumed = train.rollout, train.roles.queue, []
+            loops = [asyncio.create_task(produce(rollout, random.Random(i))) for i in range(4)]
+            loops.append(asyncio.create_task(consume(queue, consumed)))
+            rng, written = random.Random(0), []
+            for _ in range(12):
+                await asyncio.sleep(rng.uniform(0.02, 0.1))
+                train.step += 1
+                written.append(await train.checkpoint())
+            rollout.stopping.set()
+            await queue.close.call_one().within(60)  # wakes the loops' reserve, put and get_batch
+            await asyncio.wait_for(asyncio.gather(*loops, return_exceptions=True), 60)
+            return written, consumed
+
+    written, consumed = asyncio.run(main())
+    assert len(consumed) >= 4 * STEP
+    in_flight = 0
+    for path in written:
+        trained, handed_out = asyncio.run(_resumed(path, consumed))
+        assert trained == handed_out, f"{path.name}: a sample is lost or trained twice after a resume"
+        in_flight += len(read_run_state(path).in_flight)
+    assert in_flight > 0  # requests were in flight at checkpoints: the race was there to lose
