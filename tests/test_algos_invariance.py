@@ -35,6 +35,7 @@ def make_batch(seed: int):
     behavior = old + torch.randn(B, T, generator=g, dtype=F64) * 0.3
     lengths = torch.randint(0, T + 1, (B,), generator=g)
     lengths[0] = 0  # one all-masked row
+    lengths[1], old[1] = T, 0.0  # and one full row at ratio 1 that never clips: no loss's gradient is vacuous
     mask = torch.arange(T) < lengths[:, None]  # [B, T]
     return {
         "logits": logits,

@@ -39,6 +39,8 @@ def test_round_trip_through_yaml(tmp_path):
         (["algo=nope"], "no such preset"),
         (["queue..x=1"], "malformed config key"),
         (["algo.advantage=grpo"], "samples_per_prompt >= 2"),
+        (["rollout.temperature=1e-9"], "rollout.temperature must be 0 (greedy) or >= 1e-06"),
+        (["rollout.top_p=0"], "rollout.top_p must be in (0, 1]"),
     ],
 )
 def test_bad_input_fails_with_one_line_naming_the_key(overrides, message):

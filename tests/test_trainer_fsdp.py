@@ -219,11 +219,13 @@ def test_nan_loss_skips_the_update_and_repeated_ones_stop(tmp_path):
         t.train_step(make_samples(2, 8, group=2, reward=float("nan")), 2)
 
 
-def test_dropping_uniform_groups_equals_training_without_them(tmp_path):
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"])
+def test_dropping_uniform_groups_equals_training_without_them(tmp_path, aggregation):
     """drop_uniform_groups: a batch with all-right and all-wrong groups trains exactly like the
-    batch of its informative groups alone (same loss, same parameters after the step)."""
+    batch of its informative groups alone (same loss, same parameters after the step), whatever
+    the normaliser: dropped rows count in neither the token nor the sequence count."""
     model_dir = tiny_model_dir(tmp_path / "model", layers=1)
-    algo = AlgoConfig(advantage="grpo", samples_per_prompt=2, drop_uniform_groups=True)
+    algo = AlgoConfig(advantage="grpo", samples_per_prompt=2, drop_uniform_groups=True, aggregation=aggregation)
     cfg = TrainerConfig(samples_per_step=8, tokens_per_microbatch=64, lr=3e-3)
     samples = make_samples(0, 8, group=2)
     for s, r in zip(samples, [1, 1, 0, 1, 0, 0, 1, 0]):  # groups: uniform, mixed, uniform, mixed

@@ -24,8 +24,9 @@ class AlgoConfig(msgspec.Struct, frozen=True, kw_only=True):
     samples_per_prompt: int = 1
     """Completions drawn per prompt; the group of grpo/rloo (needs >= 2)."""
     policy_loss: Literal["ppo", "decoupled_ppo", "gspo"] = "ppo"
-    """ppo: clip around the behaviour policy; decoupled_ppo: clip around a recomputed proximal
-    policy with a behaviour→proximal importance weight (AReaL); gspo: sequence-level ratio."""
+    """ppo: clip around the behaviour policy (around the trainer's recomputed one when
+    importance_sampling is on); decoupled_ppo: clip around a recomputed proximal policy with a
+    behaviour→proximal importance weight (AReaL); gspo: sequence-level ratio."""
     clip_low: float = 0.2
     """PPO clip ε below 1."""
     clip_high: float = 0.2
@@ -33,7 +34,8 @@ class AlgoConfig(msgspec.Struct, frozen=True, kw_only=True):
     dual_clip: float | None = None
     """Dual-clip bound c > 1 for negative advantages (Ye 2020); None disables it."""
     importance_sampling: Literal["none", "truncated_token", "truncated_seq", "masked_token", "masked_seq"] = "none"
-    """Extra correction for stale or mismatched behaviour log-probs (TIS / MIS)."""
+    """Extra correction for stale or mismatched behaviour log-probs (TIS / MIS); the trainer then
+    recomputes π_old with a no-grad forward and weighs π_old/π_behav."""
     is_cap: float | None = 2.0
     """Truncated IS cap (and decoupled PPO's drop threshold)."""
     is_low: float = 0.5

@@ -46,6 +46,7 @@ from meshrl.actors.algo_config import AlgoConfig
 from meshrl.actors.policy_trainer import PolicyTrainer, TrainerConfig
 from meshrl.actors.rollout import RolloutWorker
 from meshrl.actors.trainer import Trainer
+from meshrl.actors.trainer_checkpoint import init_optimizer_state
 from meshrl.engines import GenerateRequest, GenerateResult
 from meshrl.engines.torch_engine import TorchEngine, TorchEngineConfig
 from meshrl.envs import EnvFactory, Episode, EpisodeConfig, EpisodeRequest
@@ -71,25 +72,6 @@ class ColocatedConfig(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         if not self.switch_timeout_s > 0:
             raise ValueError(f"colocated.switch_timeout_s must be > 0, got {self.switch_timeout_s}")
-
-
-def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create Adam/AdamW state now, exactly as the first ``step`` would (zeros, step 0), so that it is
-    allocated before the engine's KV cache and never lands in the memory the cache gives back."""
-    from torch.optim.optimizer import _get_scalar_dtype
-
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            state = optimizer.state[p]
-            if state:
-                continue
-            on_device = group.get("capturable", False) or group.get("fused", False)
-            state["step"] = (torch.zeros((), dtype=_get_scalar_dtype(is_fused=group.get("fused", False)), device=p.device)
-                             if on_device else torch.tensor(0.0, dtype=_get_scalar_dtype()))  # fmt: skip
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            if group.get("amsgrad", False):
-                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 class Colocated:

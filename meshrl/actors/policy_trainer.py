@@ -43,6 +43,7 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     lr: float = 1e-4
     critic_lr: float = 1e-3
     weight_decay: float = 0.0
+    """AdamW's decoupled weight decay, for the policy and the critic alike."""
     betas: tuple[float, float] = (0.9, 0.99)
     warmup_steps: int = 0
     """Linear LR warm-up, in train steps."""
@@ -111,7 +112,7 @@ def lr_lambda(cfg: TrainerConfig, total_steps: int):
             return (step + 1) / cfg.warmup_steps
         if cfg.schedule == "constant":
             return 1.0
-        span = max(1, total_steps - cfg.warmup_steps)
+        span = max(1, total_steps - 1 - cfg.warmup_steps)  # steps run 0..total_steps-1: the last one gets min
         progress = min(1.0, (step - cfg.warmup_steps) / span)
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
@@ -163,7 +164,8 @@ class PolicyTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, total_steps))
         self.critic_optimizer = None
         if self.critic is not None:
-            self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic_lr, betas=cfg.betas)
+            self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic_lr, betas=cfg.betas,
+                                                      weight_decay=cfg.weight_decay)  # not AdamW's hidden 0.01
         self.updater = PolicyUpdater(
             self.policy, self.critic, algo, temperature=temperature, max_new_tokens=max_new_tokens,
             tokens_per_microbatch=cfg.tokens_per_microbatch, ppo_epochs=cfg.ppo_epochs,

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import msgspec
 
 from meshrl.engines import GenerateRequest, GenerateResult
+from meshrl.engines.types import GREEDY_TEMPERATURE
 from meshrl.engines.torch_engine import TorchEngine, TorchEngineConfig
 from meshrl.envs import EnvFactory, Episode, EpisodeConfig, EpisodeRequest, run_episodes
 from meshrl.mesh import Actor, current_rank, endpoint
@@ -51,6 +52,12 @@ class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True):
         for name in ("num_workers", "max_new_tokens", "prompts_per_request", "requests_in_flight", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
+        if not (self.temperature == 0 or self.temperature >= GREEDY_TEMPERATURE):
+            # between them the engine decodes greedily (log-probs of the unscaled logits) while the
+            # trainer would divide its logits by the temperature: the importance ratios would be garbage
+            raise ValueError(f"rollout.temperature must be 0 (greedy) or >= {GREEDY_TEMPERATURE}, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
 
 
 class RolloutWorker(Actor):

@@ -1,7 +1,7 @@
 """One RL optimisation step on a batch of samples: advantages, micro-batches, losses, gradients.
 
-    samples ─► pack ─► (no grad, each rank its rows, gathered) values, proximal and reference
-        log-probs ─► rewards (+KL) ─► advantages (whole batch, on every rank)
+    samples ─► pack ─► (no grad, each rank its rows, gathered) values, proximal (decoupled PPO
+        or any importance sampling) and reference log-probs ─► rewards (+KL) ─► advantages (whole batch, on every rank)
         ─► for each PPO epoch and mini-batch: this rank's rows ─► micro-batches by token budget
         ─► loss.backward() (FSDP2 sums gradients over ranks) ─► global grad-norm clip ─► step
 
@@ -227,7 +227,8 @@ class PolicyUpdater:
             batch.ref_logprobs = self._forward_all(batch, lambda p: self._logprobs(p, self.reference)[0], "reference log-probs")
         old_values = self._forward_all(batch, self.critic, "old values") if self.critic is not None else None
         proximal = None
-        if algo.policy_loss == "decoupled_ppo":
+        # The IS weight is π_old/π_behav: with π_old taken as the behaviour log-probs it would be 1.
+        if algo.policy_loss == "decoupled_ppo" or algo.importance_sampling != "none":
             proximal = self._forward_all(batch, lambda p: self._logprobs(p)[0], "proximal log-probs")
         adv, returns = self.advantages(batch, old_values)
         old_logprobs = proximal if proximal is not None else batch.behavior_logprobs
@@ -282,9 +283,11 @@ class PolicyUpdater:
         algo, device = self.algo, self.dp.device
         # The global normaliser: every rank holds every row of the mini-batch, so counting here
         # gives the all-ranks count without a collective (and the same number on every rank).
-        num_tokens = float(batch.mask[torch.tensor(rows, device=device)].sum())
+        # Rows with no valid token (dropped uniform groups, fully masked responses) count in neither.
+        row_mask = batch.mask[torch.tensor(rows, device=device)]  # [b, R]
+        num_tokens, num_seqs = float(row_mask.sum()), float(row_mask.any(-1).sum())
         aggregate = algos.make_aggregator(
-            algo.aggregation, num_tokens=max(num_tokens, 1.0), num_seqs=len(rows), max_tokens=self.max_new_tokens
+            algo.aggregation, num_tokens=max(num_tokens, 1.0), num_seqs=max(num_seqs, 1.0), max_tokens=self.max_new_tokens
         )
         policy_optimizer.zero_grad(set_to_none=True)
         if critic_optimizer is not None:

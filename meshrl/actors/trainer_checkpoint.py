@@ -27,7 +27,30 @@ import torch
 if TYPE_CHECKING:
     from meshrl.actors.policy_trainer import PolicyTrainer
 
-__all__ = ["save_trainer_state", "load_trainer_state"]
+__all__ = ["save_trainer_state", "load_trainer_state", "init_optimizer_state"]
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create Adam/AdamW state now, exactly as the first ``step`` would (zeros, step 0).
+
+    The colocated worker (``hybrid``) calls it so the state is allocated before the engine's KV
+    cache and never lands in the memory the cache gives back; a save calls it so a checkpoint taken
+    before the first update holds that same state instead of DCP's dummy step's.
+    """
+    from torch.optim.optimizer import _get_scalar_dtype
+
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if state:
+                continue
+            on_device = group.get("capturable", False) or group.get("fused", False)
+            state["step"] = (torch.zeros((), dtype=_get_scalar_dtype(is_fused=group.get("fused", False)), device=p.device)
+                             if on_device else torch.tensor(0.0, dtype=_get_scalar_dtype()))  # fmt: skip
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if group.get("amsgrad", False):
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 def _models(t: PolicyTrainer) -> list[tuple[str, torch.nn.Module, torch.optim.Optimizer]]:
@@ -42,6 +65,9 @@ def _sharded_state(t: PolicyTrainer) -> dict[str, Any]:
 
     state: dict[str, Any] = {}
     for name, model, optim in _models(t):
+        # Before the first update an optimiser has no state, and get_state_dict would create it by
+        # running a dummy step (lr 0): Adam's step count would then be one ahead from there on.
+        init_optimizer_state(optim)
         model_sd, optim_sd = get_state_dict(model, optim)
         state[name], state[f"{name}_optim"] = model_sd, optim_sd
     return state
