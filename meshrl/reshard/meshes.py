@@ -78,6 +78,8 @@ class DestSide:
 
     async def join(self, source: SourceLayout, dest: DestLayout, ranks: GroupRanks, dst_rank: int, addr: str,
                    port: int, config: ReshardConfig) -> None:
+        if self.resharder is not None:  # an armed receive would leave the engine's update open: no later one begins
+            await self.resharder.disarm(self.engine)
         self.close()
         device = self.engine.device
         # The rendezvous blocks: keep the actor's event loop (and generation) running meanwhile.

@@ -18,7 +18,8 @@ engine rank j:    await resharder.receive(engine, version)
 
 Armed receive (``arm``, staged only): the engine posts its receive of ``version`` ahead of time,
 while the trainer is still computing it. A worker thread stages the copy and waits on the
-group's store for the trainer's "sending v" key (``send`` sets it first), then runs the plan at
+group's store for the trainer's "sending v" key (``send``, or ``receive`` with ``sources`` on a
+colocated trainer rank, sets it first), then runs the plan at
 once, so the trainer's send no longer waits for the engine's event loop to get round to a
 ``receive`` call between decode steps and result handling (≈ 50 ms at 1.5B under load); the
 ``receive`` that follows only waits for that thread and flips. On CUDA a staged receive runs on
@@ -201,7 +202,8 @@ class Resharder:
         return cls(source, dest, ranks, group_rank, pg, config, device)
 
     def close(self) -> None:
-        """Leave the transfer group (an armed receive still waiting for its signal gives up)."""
+        """Leave the transfer group (an armed receive still waiting for its signal gives up, but its
+        staging copy stays open on the engine: ``disarm`` first drops it)."""
         import torch.distributed as dist
 
         if self._receiving is not None:
@@ -276,6 +278,7 @@ class Resharder:
             if self.src_rank is None:
                 raise ReshardError(f"group rank {self.group_rank} holds no source rank: receive(sources=None)")
             self._check_sources(sources)
+            self._signal(version)  # a source rank, as in send: armed receivers of other processes wait for it
         start = time.perf_counter()
         if self._receiving is None and self.config.apply == "in_place":
             received, phases = await self._receive_in_place(target, version, sources)

@@ -14,7 +14,7 @@ push v:   POST /pause_generation {mode}            every engine
           per bucket (one in flight): POST /update_weights_from_distributed {names, dtypes,
             shapes, flush_cache: false, weight_version on the last} to every engine, then
             broadcast each tensor in exactly the names order, then wait for every reply
-          POST /flush_cache until it is not 400    (bounded retries)
+          POST /flush_cache until it is not 400    (bounded retries; once with an in_place pause)
           POST /end_weight_update {}               0.5.21+
           POST /continue_generation {}
 close:    POST /destroy_weights_update_group       0.5.10+; then destroy our group
@@ -28,12 +28,15 @@ keeps sending the requests and reading the replies while rank 0 sits in the coll
 
 A failed push raises ``SGLangPushError`` and leaves the engines **paused**: SGLang loads in place,
 so its weights may be a mix of versions, and a paused engine never generates from a mix; push
-again to recover (a full push overwrites everything).
+again to recover (a full push overwrites everything). An update opened by ``/begin_weight_update``
+is closed (``/end_weight_update``, best effort) before the error is raised, so the next push can
+open its own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import time
 from typing import Any, Iterable, Iterator, Literal, Protocol, Sequence
@@ -44,6 +47,8 @@ import torch
 from meshrl.reshard.push import PushStats
 
 _SKIP_SUFFIXES = ("rotary_emb.inv_freq",)
+_REASON_WAIT_S = 5.0
+"""How long a failed broadcast waits for the engines' replies, which say why they did not receive."""
 
 
 class SGLangEndpoint(Protocol):
@@ -68,7 +73,9 @@ class SGLangSyncConfig(msgspec.Struct, frozen=True, kw_only=True):
     master_address: str = ""
     """Address the engines reach this process at; empty: 127.0.0.1 for local engines, else this node's IP."""
     pause_mode: Literal["abort", "retract", "in_place"] = "abort"
-    """How generation pauses for an update (abort is what slime and AReaL use)."""
+    """How generation pauses for an update (abort is what slime and AReaL use). in_place keeps the
+    paused requests, so the cache cannot be flushed while they exist: the push flushes once if it
+    can and goes on (their KV, and SGLang's radix cache, keep entries from the old weights)."""
     flattened_bucket: bool = False
     """Send each bucket as one uint8 tensor (load_format 'flattened_bucket', SGLang 0.5.10+)."""
     timeout_s: float = 600.0
@@ -205,10 +212,11 @@ class SGLangWeightSender:
         single = any(v < (0, 5, 0) for v in self.versions)  # 0.4.x: one tensor per call
         buckets = _buckets(self._select(named_tensors), 0 if single else cfg.bucket_bytes)
         begin = [i for i, v in enumerate(self.versions) if v >= (0, 5, 21)]
-        nbytes = 0
+        nbytes, opened = 0, False
         try:
             await self._all("POST", "/pause_generation", [{"mode": cfg.pause_mode} for _ in everyone], "pause")
             if begin:
+                opened = True
                 await self._all("POST", "/begin_weight_update", [{"selector": "all"} for _ in begin], "begin", begin)
             # One bucket of lookahead: the last one carries weight_version. Tensors are read lazily,
             # so a trainer may gather them bucket by bucket (FSDP2 full_tensor) as they are sent.
@@ -217,10 +225,13 @@ class SGLangWeightSender:
                 following = next(buckets, None)
                 nbytes += await self._send_bucket(bucket, None if following else str(version), b)
                 bucket, b = following, b + 1
-            await self._flush()
+            await self._flush(required=cfg.pause_mode != "in_place")
             if begin:
                 await self._all("POST", "/end_weight_update", [{} for _ in begin], "end", begin)
         except Exception as exc:
+            if opened:  # close the update, or the next push's /begin_weight_update is refused and none recovers
+                with contextlib.suppress(Exception):
+                    await self._all("POST", "/end_weight_update", [{} for _ in begin], "end after a failure", begin)
             raise SGLangPushError(f"push of v{version} failed: {exc}; the engines stay paused (SGLang loads in "
                                   "place, so their weights may mix versions): push again") from exc
         await self._all("POST", "/continue_generation", [{} for _ in everyone], "continue")
@@ -266,24 +277,38 @@ class SGLangWeightSender:
         replies = asyncio.ensure_future(self._all("POST", "/update_weights_from_distributed", bodies,
                                                   f"bucket {b + 1} ({names[0]}...)"))
         await asyncio.sleep(0)
+        sending = asyncio.ensure_future(asyncio.to_thread(broadcast))
         try:
-            await asyncio.wait_for(asyncio.to_thread(broadcast), cfg.timeout_s)
-        except BaseException as exc:
-            replies.cancel()
-            if isinstance(exc, asyncio.TimeoutError):
+            # An engine that refuses an update replies without receiving: that reply, not the timeout,
+            # ends the wait, and its reason is the error (a broadcast that fails first waits briefly for it).
+            await asyncio.wait([sending, replies], timeout=cfg.timeout_s, return_when=asyncio.FIRST_EXCEPTION)
+            if sending.done() and sending.exception() is not None and not replies.done():
+                await asyncio.wait([replies], timeout=_REASON_WAIT_S)
+            refused = replies.exception() if replies.done() else None
+            if not sending.done():
+                if refused is not None:
+                    raise SGLangPushError(f"bucket {b + 1}: {refused}; its broadcast was abandoned, so the group is "
+                                          "out of step: close and connect again") from refused
                 raise SGLangPushError(f"bucket {b + 1}: broadcast did not finish within {cfg.timeout_s}s; "
-                                      "the engines stay paused") from None
+                                      "the engines stay paused")
+            if refused is not None:
+                raise refused  # why the engines did not take it, whether or not the broadcast went through
+            sending.result()
+        except BaseException:
+            replies.cancel()
             raise
         await replies
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    async def _flush(self) -> None:
+    async def _flush(self, required: bool = True) -> None:
+        """Flush every engine, retrying while it answers 400; without ``required`` (in_place pause: the
+        kept requests refuse it until they end) one attempt, and a refusal is not an error."""
         cfg, pending = self.config, list(range(len(self.engines)))
-        for _ in range(cfg.flush_retries):
+        for _ in range(cfg.flush_retries if required else 1):
             replies = await asyncio.gather(*(self.engines[i].request("POST", "/flush_cache", None,
                                                                      timeout_s=cfg.timeout_s) for i in pending))
             pending = [i for i, (status, _) in zip(pending, replies) if status != 200]
-            if not pending:
+            if not pending or not required:
                 return
             await asyncio.sleep(cfg.flush_retry_s)
         raise SGLangPushError(f"/flush_cache still refused after {cfg.flush_retries} attempts on "

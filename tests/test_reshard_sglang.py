@@ -1,0 +1,159 @@
+"""``meshrl.reshard.sglang`` against the TorchEngine server (``python -m meshrl.engines.serve``, 0.5.23
+surface) over real HTTP on 127.0.0.1 and a real gloo group: the sender's own choices, beyond what
+``test_sglang_engine.py`` covers.
+
+* ``pause_mode="in_place"`` keeps the paused requests, so ``/flush_cache`` answers 400 until they
+  end (SGLANG_PROTOCOL.md: "in_place pause can never flush"): a push must not fail on that;
+* a push that fails midway (0.5.21+: after ``/begin_weight_update``) must leave the engine so that
+  the next push recovers it, as the sender's docstring promises;
+* an engine that refuses an update without receiving its broadcast (it lost the group) must fail
+  the push at once with its reason, not leave the trainer in the broadcast until the timeout or
+  report only gloo's "connection closed".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+import time
+
+import aiohttp
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from meshrl.engines import GenerateRequest, SamplingParams
+from meshrl.engines.sglang_engine import SGLangEngine, SGLangEngineConfig
+from meshrl.mesh.distributed import free_port
+from meshrl.reshard.sglang import SGLangPushError, SGLangSyncConfig
+
+pytestmark = pytest.mark.slow  # a server process starts (torch + transformers imports)
+torch.set_num_threads(1)
+
+
+def config() -> Qwen2Config:
+    return Qwen2Config(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                       tie_word_embeddings=True, eos_token_id=None)
+
+
+def weights(seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    return dict(AutoModelForCausalLM.from_config(config()).named_parameters())
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    ckpt = tmp_path_factory.mktemp("ckpt")
+    m = AutoModelForCausalLM.from_config(config())
+    m.load_state_dict(weights(0), strict=False)
+    m.save_pretrained(ckpt)
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "meshrl.engines.serve", "--model", str(ckpt), "--port", str(port), "--device", "cpu",
+         "--dtype", "float32", "--max-batch-size", "4", "--max-seq-len", "64", "--compat-version", "0.5.23"],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+
+    async def wait() -> None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as s:
+            t0 = time.monotonic()
+            while True:
+                assert proc.poll() is None, proc.stdout.read()
+                try:
+                    async with s.get(url + "/health") as r:
+                        if r.status == 200:
+                            return
+                except aiohttp.ClientConnectionError:
+                    pass
+                assert time.monotonic() - t0 < 90, f"{url} did not answer /health within 90 s"
+                await asyncio.sleep(0.2)
+
+    try:
+        asyncio.run(wait())
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_in_place_pause_pushes_with_requests_kept(server):
+    """The kept request blocks /flush_cache for the whole push; the push must still land, and the
+    request then finish on the new weights."""
+    v1 = weights(1)
+    sync = SGLangSyncConfig(backend="gloo", timeout_s=60.0, pause_mode="in_place", flush_retries=4, flush_retry_s=0.05,
+                            group_name="in_place_group")
+    req = GenerateRequest(input_ids=[5, 9, 3], sampling=SamplingParams(max_new_tokens=4, temperature=0))
+
+    async def main():
+        eng = SGLangEngine(server, config=SGLangEngineConfig(request_timeout_s=60.0, sync=sync))
+        try:
+            await eng.pause("keep")  # the request below waits on the server: a push finds it there
+            gen = asyncio.ensure_future(eng.generate([req]))
+            while await eng.flush_cache():
+                await asyncio.sleep(0.05)
+            await eng.update_weights(v1, 1)
+            (res,) = await asyncio.wait_for(gen, 60)  # the push's /continue_generation let it run
+            rows = torch.tensor(await eng.get_weights_by_name("model.layers.0.mlp.up_proj.weight", 2))
+            return res, rows, await eng.refresh_version()
+        finally:
+            await eng.close()
+
+    res, rows, version = asyncio.run(main())
+    assert version == 1 and torch.equal(rows, v1["model.layers.0.mlp.up_proj.weight"].detach()[:2])
+    assert res.completions[0].versions == [1] * 4  # it waited through the push: every token is v1's
+
+
+def test_push_again_after_a_push_that_failed_midway(server):
+    """The trainer's tensors fail after the first bucket went out (a gather that raised): the engine
+    stays paused, and the next full push must recover it (module docstring: "push again")."""
+    v2, v3 = weights(2), weights(3)
+    sync = SGLangSyncConfig(backend="gloo", timeout_s=60.0, bucket_bytes=4096, group_name="midway_group")
+
+    def failing():
+        for i, item in enumerate(v2.items()):
+            if i == 3:
+                raise RuntimeError("gather failed")
+            yield item
+
+    async def main():
+        eng = SGLangEngine(server, config=SGLangEngineConfig(request_timeout_s=60.0, sync=sync))
+        try:
+            with pytest.raises(Exception, match="gather failed"):
+                await eng.update_weights(failing(), 2)
+            assert (await eng.request("GET", "/health"))[0] == 503  # paused: never generates from a mix
+            await eng.update_weights(v3, 3)
+            rows = torch.tensor(await eng.get_weights_by_name("model.layers.0.mlp.up_proj.weight", 2))
+            return rows, await eng.refresh_version(), (await eng.request("GET", "/health"))[0]
+        finally:
+            await eng.close()
+
+    rows, version, health = asyncio.run(main())
+    assert version == 3 and health == 200 and torch.equal(rows, v3["model.layers.0.mlp.up_proj.weight"].detach()[:2])
+
+
+def test_an_update_refused_before_its_broadcast_fails_at_once_with_the_reason(server):
+    """The server lost the group (restarted, or destroyed by someone else): it refuses the update at
+    once without receiving. The trainer must not sit in its broadcast until the timeout, and must
+    report the server's reason."""
+    sync = SGLangSyncConfig(backend="gloo", timeout_s=30.0, group_name="lost_group")
+
+    async def main():
+        eng = SGLangEngine(server, config=SGLangEngineConfig(request_timeout_s=60.0, sync=sync))
+        try:
+            await eng.update_weights(weights(4), 4)
+            status, body = await eng.request("POST", "/destroy_weights_update_group", {"group_name": "lost_group"})
+            assert status == 200 and body["success"], body
+            start = time.monotonic()
+            with pytest.raises(Exception) as info:
+                await eng.update_weights(weights(5), 5)
+            return time.monotonic() - start, str(info.value)
+        finally:
+            with contextlib.suppress(SGLangPushError):  # the server has no group to destroy any more
+                await eng.close()
+
+    seconds, message = asyncio.run(main())
+    assert "no group 'lost_group'" in message and seconds < 15, (seconds, message)
