@@ -227,3 +227,81 @@ def test_a_bare_task_with_float_rewards_is_enough():
     assert call_reward(task, p, p.answer) == (RewardOutput(reward=1.0), False)
     assert call_reward(task, p, "nope") == (RewardOutput(reward=0.0), False)
     assert len(_cache_key(EmbeddedModelConfig(), task, WarmStartConfig(), 20)) == 16  # no `name` needed
+
+
+def test_non_finite_rewards_are_marked_and_numpy_or_torch_scalars_are_numbers():
+    """NaN or inf in a group's rewards would turn all its advantages (and the step) into NaN: the
+    sample is marked instead. numpy and 0-d torch scalars are numbers like any other."""
+    import numpy as np
+
+    values = [float("nan"), float("inf"), np.float32(0.5), np.int64(1), torch.tensor(0.25),
+              RewardOutput(reward=1.0, info={"x": float("nan")}), {"reward": float("-inf")}, True]  # fmt: skip
+
+    def by_index(problem: Problem, completion: str):
+        return values[problem.id]
+
+    problems = [Problem(id=i, prompt="", answer="") for i in range(len(values))]
+    out = asyncio.run(as_reward(by_index, timeout_s=5).score(problems, [""] * len(values)))
+    assert [o.reward if o else None for o in out] == [None, None, 0.5, 1.0, 0.25, None, None, 1.0]
+    assert all(type(o.reward) is float for o in out if o)
+
+    @batched_reward
+    def nan_in_batch(problems, completions):
+        return [1.0, float("nan")]
+
+    assert score(nan_in_batch, problems[:2], ["", ""]) == [None, None]  # a batch fails as a whole
+
+    class NanTask:
+        name = "nan"
+
+        def split(self, name):
+            return []
+
+        def reward(self, problem, completion):
+            return float("nan")
+
+    from meshrl.actors.reward import call_reward
+
+    assert call_reward(NanTask(), problems[0], "") == (RewardOutput(reward=0.0), True)
+
+
+class _UserReward:
+    """A user's own Reward (an object with async ``score``), misbehaving as ``mode`` says."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+
+    async def score(self, problems, completions):
+        if self.mode == "raises":
+            raise RuntimeError("the scorer is down")
+        if self.mode == "hangs":
+            await asyncio.sleep(3600)
+        if self.mode == "short":
+            return [1.0]
+        return [1.0, float("nan"), {"reward": 0.5, "info": {"len": 3}}, "oops"]  # "mixed"
+
+
+@pytest.mark.parametrize("mode", ["raises", "hangs", "short", "mixed"])
+def test_a_users_own_reward_that_fails_marks_its_samples_and_never_ends_the_run(mode):
+    """DESIGN: a reward that raises marks the sample, never kills the run; that holds for a user's
+    own ``Reward`` object too (the library's own rewards bound and mark each call themselves)."""
+    from meshrl.actors.reward import RolloutJob, score_job_with
+    from meshrl.embedded.tokenizer import build_char_tokenizer
+    from meshrl.engines.types import Completion, GenerateResult
+    from meshrl.queues import decode_samples
+
+    tok = build_char_tokenizer()
+    ids = tok.encode("12", add_special_tokens=False)
+    comp = Completion(output_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="length", versions=[3] * len(ids))
+    job = RolloutJob(problems=[Problem(id=0, prompt="5+7=", answer="12"), Problem(id=1, prompt="1+1=", answer="2")],
+                     prompt_ids=[[1, 2], [3, 4]], group_ids=[0, 1],
+                     results=[GenerateResult(request_id=str(i), prompt_tokens=2, completions=[comp, comp]) for i in range(2)])
+    start = time.monotonic()
+    scored = asyncio.run(score_job_with(as_reward(_UserReward(mode), timeout_s=0.5), tok, job, timeout_s=0.5))
+    assert time.monotonic() - start < 10
+    samples = decode_samples(scored.encoded)
+    assert len(samples) == 4
+    if mode == "mixed":
+        assert scored.rewards == [1.0, 0.0, 0.5, 0.0] and scored.failures == 2  # NaN and "oops" are marked
+    else:
+        assert scored.failures == 4 and scored.rewards == [0.0] * 4

@@ -11,6 +11,7 @@ forwards bytes.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import traceback
@@ -20,7 +21,8 @@ import msgspec
 
 from meshrl.engines import GenerateResult
 from meshrl.envs import Episode, Reward, as_reward
-from meshrl.envs.rewards import to_reward_output
+from meshrl.envs.reward_models import MeshReward
+from meshrl.envs.rewards import FunctionReward, HTTPReward, to_reward_output
 from meshrl.mesh import Actor, endpoint
 from meshrl.queues import Sample, encode_samples
 from meshrl.tasks import Problem, RewardOutput, Task
@@ -134,9 +136,34 @@ def score_job(task: Task, tokenizer: Any, job: RolloutJob) -> Scored:
     return _build(job, outs)
 
 
-async def score_job_with(reward: Reward | None, tokenizer: Any, job: RolloutJob) -> Scored:
+async def _score(reward: Reward, problems: list[Problem], texts: list[str], timeout_s: float) -> list[RewardOutput | None]:
+    """``reward.score``, one result per completion (None: failed). The library's rewards bound and
+    mark each call themselves; a user's own ``Reward`` is bounded here by ``timeout_s`` and, when it
+    raises, times out or answers wrongly, its samples are marked: it never ends the run."""
+    if isinstance(reward, (FunctionReward, HTTPReward, MeshReward)):
+        return list(await reward.score(problems, texts))
+    name = type(reward).__name__
+    try:
+        scored = list(await asyncio.wait_for(reward.score(problems, texts), timeout_s))
+        if len(scored) != len(texts):
+            raise ValueError(f"returned {len(scored)} results for {len(texts)} completions")
+    except Exception as exc:  # TimeoutError included
+        log.warning("%s.score failed, so its %d samples are marked reward_failed: %s: %s", name, len(texts),
+                    type(exc).__name__, exc or f"no answer within reward.timeout_s={timeout_s:g}s")
+        return [None] * len(texts)
+    outs: list[RewardOutput | None] = []
+    for out in scored:
+        try:
+            outs.append(None if out is None else to_reward_output(out))
+        except (TypeError, ValueError) as exc:
+            log.warning("%s.score: a result is marked reward_failed: %s", name, exc)
+            outs.append(None)
+    return outs
+
+
+async def score_job_with(reward: Reward | None, tokenizer: Any, job: RolloutJob, timeout_s: float = 60.0) -> Scored:
     """``score_job`` with any ``Reward``, or none (episodes: the environment's rewards only);
-    episodes whose environment failed are not scored."""
+    episodes whose environment failed are not scored. ``timeout_s`` bounds a user's own ``Reward``."""
     problems, texts = _texts(tokenizer, job)
     failed = [e.failed for group in job.episodes for e in group] if job.episodes else [False] * len(texts)
     todo = [i for i, f in enumerate(failed) if not f]
@@ -147,9 +174,7 @@ async def score_job_with(reward: Reward | None, tokenizer: Any, job: RolloutJob)
         for i in todo:
             outs[i] = RewardOutput(reward=0.0)
     elif todo:
-        scored = await reward.score([problems[i] for i in todo], [texts[i] for i in todo])
-        if len(scored) != len(todo):
-            raise ValueError(f"{reward!r}.score returned {len(scored)} results for {len(todo)} completions")
+        scored = await _score(reward, [problems[i] for i in todo], [texts[i] for i in todo], timeout_s)
         for i, out in zip(todo, scored):
             outs[i] = out
     return _build(job, outs)
@@ -165,8 +190,9 @@ class RewardWorker(Actor):
 
         self.reward = None if reward is None else as_reward(reward, timeout_s=timeout_s)
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        self.timeout_s = timeout_s
 
     @endpoint
     async def score(self, job: RolloutJob) -> Scored:
-        return await score_job_with(self.reward, self.tokenizer, job)
+        return await score_job_with(self.reward, self.tokenizer, job, self.timeout_s)
 

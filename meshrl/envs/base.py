@@ -26,6 +26,7 @@ from typing import Any, Awaitable, Callable, Protocol, Sequence, TypeVar, runtim
 
 import msgspec
 
+from meshrl.envs.rewards import finite_info, finite_number
 from meshrl.tasks import Problem
 
 __all__ = ["Environment", "EnvFactory", "Episode", "EpisodeConfig", "StepResult", "as_step_result", "call_env",
@@ -113,8 +114,11 @@ class Episode(msgspec.Struct, kw_only=True):
 
     @property
     def behavior_version(self) -> int:
-        """The oldest version that produced a policy token (-1 when there is none)."""
-        return min((v for v, m in zip(self.versions, self.loss_mask) if m), default=-1)
+        """The oldest version that produced a policy token; an episode without one (failed before
+        the policy played) counts as played at its tokens' version, since the queue refuses a
+        negative version and a refused put would end the rollout loop."""
+        policy = [v for v, m in zip(self.versions, self.loss_mask) if m]
+        return min(policy or self.versions or [0])
 
 
 async def maybe_await(value: T | Awaitable[T]) -> T:
@@ -135,20 +139,27 @@ async def call_env(fn: Callable[..., Any], *args: Any, timeout_s: float, what: s
 
 
 def as_step_result(value: Any) -> StepResult:
-    """``StepResult`` from what ``step`` returned; a one-line error names a wrong shape."""
+    """``StepResult`` from what ``step`` returned, checked (a ``StepResult`` too: msgspec checks
+    types only when decoding); a one-line error names a wrong shape or a non-finite number, so the
+    runner fails this episode instead of the whole batch (or a NaN reaching the advantages)."""
     if isinstance(value, StepResult):
-        return value
-    if isinstance(value, tuple) and len(value) in (3, 4):
-        obs, reward, done, *info = value
-        if not isinstance(obs, str):
-            raise TypeError(f"Environment.step: the observation must be a str, got {type(obs).__name__}")
-        return StepResult(obs, float(reward), bool(done), dict(info[0]) if info else {})
-    raise TypeError(f"Environment.step must return a StepResult or (observation, reward, done[, info]), got {value!r:.80}")
+        obs, reward, done, info = value.observation, value.reward, value.done, value.info
+    elif isinstance(value, tuple) and len(value) in (3, 4):
+        obs, reward, done, *rest = value
+        info = rest[0] if rest else {}
+    else:
+        raise TypeError(f"Environment.step must return a StepResult or (observation, reward, done[, info]), got {value!r:.80}")
+    if not isinstance(obs, str):
+        raise TypeError(f"Environment.step: the observation must be a str, got {type(obs).__name__}")
+    try:
+        return StepResult(obs, finite_number(reward, "reward"), bool(done), finite_info(info))
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"Environment.step: {exc}") from None
 
 
 def stop_strings(env: Environment) -> Sequence[str]:
-    """The environment's turn-ending strings (its optional ``stop`` attribute)."""
-    stop = getattr(env, "stop", ())
+    """The environment's turn-ending strings (its optional ``stop`` attribute; None: none)."""
+    stop = getattr(env, "stop", None) or ()
     if isinstance(stop, str):
         return (stop,)
     if not all(isinstance(s, str) and s for s in stop):

@@ -13,7 +13,7 @@ HTTPReward("http://127.0.0.1:8000/score", timeout_s=5, retries=2)   # a remote s
 RewardModel("/path/to/seq-cls-model")                        # a reward model on a mesh (reward_models.py)
 ```
 
-A function that raises, times out or returns something that is not a number marks its sample
+A function that raises, times out or returns something that is not a finite number marks its sample
 (``reward_failed``, reward 0, the ``reward_failed_frac`` metric) and the run goes on.
 
 Simplifications on purpose: a sync function that times out cannot be interrupted; its thread is
@@ -26,6 +26,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import math
+import numbers
 import threading
 import time
 import traceback
@@ -46,14 +48,31 @@ class Reward(Protocol):
 
 
 def to_reward_output(value: Any) -> RewardOutput:
-    """A float/int/bool, a ``RewardOutput`` or ``{"reward": x, "info": {...}}`` as a RewardOutput."""
+    """A number (numpy and 0-d torch scalars too), a ``RewardOutput`` or ``{"reward": x, "info":
+    {...}}`` as a RewardOutput; NaN or infinite values raise ``ValueError`` (the sample is marked)."""
     if isinstance(value, RewardOutput):
-        return RewardOutput(reward=float(value.reward), info={k: float(v) for k, v in value.info.items()})
+        return RewardOutput(reward=finite_number(value.reward, "reward"), info=finite_info(value.info))
     if isinstance(value, dict) and "reward" in value:
-        return RewardOutput(reward=float(value["reward"]), info={k: float(v) for k, v in (value.get("info") or {}).items()})
-    if isinstance(value, (int, float)) and not isinstance(value, complex):
-        return RewardOutput(reward=float(value))
+        return RewardOutput(reward=finite_number(value["reward"], "reward"), info=finite_info(value.get("info") or {}))
+    if isinstance(value, numbers.Real) or getattr(value, "ndim", None) == 0:
+        return RewardOutput(reward=finite_number(value, "reward"))
     raise TypeError(f"a reward must be a number, a RewardOutput or {{'reward': x, 'info': {{...}}}}, got {value!r:.80}")
+
+
+def finite_number(value: Any, what: str) -> float:
+    """``float(value)``, refusing NaN and infinities: one of them in a group's rewards would turn
+    every advantage of the group (and the step's loss) into NaN."""
+    x = float(value.item() if getattr(value, "ndim", None) == 0 else value)  # numpy / torch scalars
+    if not math.isfinite(x):
+        raise ValueError(f"{what} must be a finite number, got {x}")
+    return x
+
+
+def finite_info(info: Any) -> dict[str, float]:
+    """``info`` as ``{str: finite float}`` (its values are averaged into the logs)."""
+    if not isinstance(info, dict):
+        raise TypeError(f"reward info must be a dict of numbers, got {info!r:.80}")
+    return {str(k): finite_number(v, f"reward info {k!r}") for k, v in info.items()}
 
 
 def batched_reward(fn: Callable) -> "FunctionReward":

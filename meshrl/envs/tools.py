@@ -44,6 +44,9 @@ def parse_tool_call(text: str, tools: Mapping[str, Tool] | list[str] | tuple[str
     return ToolCall(m.group(1), m.group(2).strip(), m.start()) if m else None
 
 
+_MAX_POW_BITS = 14_000
+"""Largest result of ``**`` on integers, in bits (~4200 digits: printable under Python's int-to-str limit)."""
+
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
         ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}  # fmt: skip
 
@@ -61,6 +64,10 @@ def calculator(expression: str) -> str:
             left, right = ev(node.left), ev(node.right)
             if isinstance(node.op, ast.Pow) and abs(right) > 64:
                 raise ValueError(f"calculator: exponent {right} is too large")
+            if isinstance(node.op, ast.Pow) and isinstance(left, int) and left.bit_length() * abs(right) > _MAX_POW_BITS:
+                # nested powers ((9**64)**64)**64... grow without bound, and CPython computes them
+                # holding the GIL: the env timeout could not stop the thread, the engine would stall
+                raise ValueError("calculator: result is too large")
             return _OPS[type(node.op)](left, right)
         raise ValueError(f"calculator: unsupported expression {ast.unparse(node)!r}")
 

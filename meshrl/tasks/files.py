@@ -1,7 +1,8 @@
 """Tasks from files: prompts and answers in JSON Lines or Parquet, one record per problem.
 
-Each record has a prompt field and an answer field (names configurable); the reward is exact
-match after stripping white space, like the built-in tasks. Parquet needs ``pyarrow``.
+Each record has a prompt field (a string) and an answer field (a string or a number; names
+configurable); the reward is exact match after stripping white space, like the built-in tasks.
+Parquet needs ``pyarrow``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ __all__ = ["FileTask", "load_problems"]
 def _records(path: Path) -> list[dict]:
     if path.suffix == ".jsonl":
         records = []
-        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        # JSON Lines is UTF-8 and ends records at "\n" only; str.splitlines would also split inside
+        # a JSON string at the line separators JSON leaves unescaped (U+2028, U+2029, U+0085)
+        for lineno, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
             if not line.strip():
                 continue
             try:
@@ -50,7 +53,14 @@ def load_problems(path: str | Path, *, prompt_key: str = "prompt", answer_key: s
         for key in (prompt_key, answer_key):
             if key not in record:
                 raise ValueError(f"{path}: record {index} has no field {key!r}")
-        problems.append(Problem(id=index, prompt=str(record[prompt_key]), answer=str(record[answer_key])))
+        prompt, answer = record[prompt_key], record[answer_key]
+        # str() of a list of chat messages or of a missing (null) answer would be a silent, wrong problem
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError(f"{path}: record {index}: field {prompt_key!r} must be a non-empty string, got "
+                             f"{prompt!r:.80} (chat messages: render them to one string first)")  # fmt: skip
+        if not isinstance(answer, (str, int, float)):
+            raise ValueError(f"{path}: record {index}: field {answer_key!r} must be a string or a number, got {answer!r:.80}")
+        problems.append(Problem(id=index, prompt=prompt, answer=str(answer)))
     if not problems:
         raise ValueError(f"{path}: no records")
     return problems
