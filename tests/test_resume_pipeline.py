@@ -99,10 +99,11 @@ def test_resumed_run_repeats_the_uninterrupted_one(ray_cluster, tmp_path):
 
 
 class NaNRewardTask(DigitShareTask):
-    """Every reward is NaN: every update must be skipped, and the run must stop."""
+    """Every reward is finite but overflows float32 (a NaN reward would be marked reward_failed): every
+    loss is non-finite, every update must be skipped, and the run must stop."""
 
     def reward(self, problem: Problem, completion: str) -> RewardOutput:
-        return RewardOutput(reward=float("nan"))
+        return RewardOutput(reward=1e300)
 
 
 def test_repeated_nan_steps_stop_the_run_with_a_clear_message(ray_cluster, tmp_path):
