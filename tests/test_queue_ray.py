@@ -38,11 +38,15 @@ def test_producer_and_consumer_overlap_through_the_actor(ray_cluster):
         return uid
 
     def consumer(queue, steps: int) -> list[tuple[int, int, int]]:
-        """The trainer: one batch per step, publishes every step (engines apply at once here)."""
+        """The trainer: one batch per step, publishes every step (engines apply at once here).
+        Each step takes a moment, as training does, so the producer runs into the bound."""
+        import time
+
         import ray
 
         seen = []
         for step in range(steps):
+            time.sleep(0.05)
             batch = decode_samples(ray.get(queue.get_batch_encoded.remote(STEP, step, timeout=30)))
             seen += [(s.prompt_id, s.group_id, step - s.behavior_version) for s in batch]
             ray.get(queue.set_version.remote(step + 1))
