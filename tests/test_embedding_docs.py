@@ -12,14 +12,13 @@ import re
 import shlex
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 import meshrl
 from meshrl.mesh.distributed import free_port
+from serving import wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "embedding.md"
@@ -28,20 +27,6 @@ pytestmark = pytest.mark.slow
 
 def blocks() -> list[tuple[str, str]]:
     return re.findall(r"```(\w+)\n(.*?)```", DOC.read_text(), flags=re.DOTALL)
-
-
-def wait_healthy(port: int, server: subprocess.Popen, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"the docs' server exited with {server.returncode}: {server.stdout.read()[-2000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.2)
-    raise TimeoutError(f"the docs' server on port {port} did not answer /health within {timeout_s:.0f}s")
 
 
 def test_every_snippet_of_the_embedding_docs_runs(ray_cluster, tmp_path, monkeypatch):
@@ -77,7 +62,7 @@ rollout: {{prompts_per_request: 2, max_new_tokens: 3, episode: {{max_turns: 2}}}
                 env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
                 server = subprocess.Popen([sys.executable, *cmd[1:]], cwd=tmp_path, env=env, text=True,
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
-                wait_healthy(port, server)
+                wait_healthy(server, f"http://127.0.0.1:{port}", 120.0)
     finally:
         if server is not None:
             server.terminate()

@@ -15,20 +15,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import subprocess
-import sys
 import time
 
-import aiohttp
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from meshrl.engines import GenerateRequest, SamplingParams
 from meshrl.engines.sglang_engine import SGLangEngine, SGLangEngineConfig
-from meshrl.mesh.distributed import free_port
 from meshrl.reshard.sglang import SGLangPushError, SGLangSyncConfig
+from serving import running_server
 
 pytestmark = pytest.mark.slow  # a server process starts (torch + transformers imports)
 torch.set_num_threads(1)
@@ -51,33 +47,9 @@ def server(tmp_path_factory):
     m = AutoModelForCausalLM.from_config(config())
     m.load_state_dict(weights(0), strict=False)
     m.save_pretrained(ckpt)
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "meshrl.engines.serve", "--model", str(ckpt), "--port", str(port), "--device", "cpu",
-         "--dtype", "float32", "--max-batch-size", "4", "--max-seq-len", "64", "--compat-version", "0.5.23"],
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-
-    async def wait() -> None:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as s:
-            t0 = time.monotonic()
-            while True:
-                assert proc.poll() is None, proc.stdout.read()
-                try:
-                    async with s.get(url + "/health") as r:
-                        if r.status == 200:
-                            return
-                except aiohttp.ClientConnectionError:
-                    pass
-                assert time.monotonic() - t0 < 90, f"{url} did not answer /health within 90 s"
-                await asyncio.sleep(0.2)
-
-    try:
-        asyncio.run(wait())
+    with running_server(ckpt, "--device", "cpu", "--dtype", "float32", "--max-batch-size", "4", "--max-seq-len", "64",
+                        "--compat-version", "0.5.23") as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def test_in_place_pause_pushes_with_requests_kept(server):

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import subprocess
-import sys
 import time
 
 import aiohttp
@@ -23,7 +20,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 from meshrl.engines import GenerateRequest, SamplingParams, TorchEngine, TorchEngineConfig
 from meshrl.engines.serve import SGLANG_COMPAT_VERSION, make_app
-from meshrl.mesh.distributed import free_port
+from serving import running_server
 
 torch.set_num_threads(1)
 TIMEOUT = aiohttp.ClientTimeout(total=30)
@@ -313,32 +310,14 @@ def test_info_endpoints_and_weights(hf):
 
 def test_cli_serves_a_checkpoint_directory(tmp_path, hf):
     hf.save_pretrained(tmp_path)
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "meshrl.engines.serve", "--model", str(tmp_path), "--port",
-                             str(port), "--max-batch-size", "4", "--max-seq-len", "64"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
-    async def main():
-        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}", timeout=TIMEOUT) as s:
-            t0 = time.monotonic()
-            while True:
-                assert proc.poll() is None, proc.stdout.read()
-                try:
-                    if (await get(s, "/health"))[0] == 200:
-                        break
-                except aiohttp.ClientConnectionError:
-                    pass
-                assert time.monotonic() - t0 < 60, "server did not answer /health within 60 s"
-                await asyncio.sleep(0.2)
+    async def main(url: str):
+        async with aiohttp.ClientSession(url, timeout=TIMEOUT) as s:
             return await post(s, "/generate", {"input_ids": P0, "sampling_params": {"max_new_tokens": 4,
                                                                                      "temperature": 0}})
 
-    try:
-        st, out = asyncio.run(main())
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    with running_server(tmp_path, "--max-batch-size", "4", "--max-seq-len", "64", timeout_s=60) as url:
+        st, out = asyncio.run(main(url))
     ref = asyncio.run(make_engine(hf).generate([GenerateRequest(
         input_ids=P0, sampling=SamplingParams(max_new_tokens=4, temperature=0))]))
     assert st == 200 and out["output_ids"] == ref[0].completions[0].output_ids

@@ -9,20 +9,15 @@ not put two ranks of a group on one device; gloo runs on one.
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
-import time
 
-import aiohttp
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from meshrl.engines import GenerateRequest, SamplingParams
 from meshrl.engines.sglang_engine import SGLangEngine, SGLangEngineConfig
-from meshrl.mesh.distributed import free_port
 from meshrl.reshard.sglang import SGLangSyncConfig
+from serving import running_server
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -46,27 +41,8 @@ def _weights(seed: int) -> dict[str, torch.Tensor]:
     torch.cuda.device_count() < 2, reason="NCCL needs two CUDA devices"))])
 def test_weight_updates_into_a_gpu_server(tmp_path, backend):
     AutoModelForCausalLM.from_config(_config()).to(torch.bfloat16).save_pretrained(tmp_path)
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "meshrl.engines.serve", "--model", str(tmp_path), "--port", str(port), "--device",
-         "cuda", "--dtype", "bfloat16", "--max-batch-size", "8", "--max-seq-len", "64"],
-        env={**os.environ, "CUDA_VISIBLE_DEVICES": str(torch.cuda.device_count() - 1)}, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
 
-    async def main() -> None:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as s:
-            t0 = time.monotonic()
-            while True:
-                assert proc.poll() is None, proc.stdout.read()
-                try:
-                    async with s.get(url + "/health") as r:
-                        if r.status == 200:
-                            break
-                except aiohttp.ClientConnectionError:
-                    pass
-                assert time.monotonic() - t0 < 120, "the server did not answer /health within 120 s"
-                await asyncio.sleep(0.2)
+    async def main(url: str) -> None:
         torch.cuda.set_device(0)
         for version, flat in ((1, False), (2, True)):
             sync = SGLangSyncConfig(backend=backend, bucket_bytes=64 * 1024, timeout_s=60.0, flattened_bucket=flat,
@@ -85,8 +61,6 @@ def test_weight_updates_into_a_gpu_server(tmp_path, backend):
             finally:
                 await eng.close()
 
-    try:
-        asyncio.run(main())
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    with running_server(tmp_path, "--device", "cuda", "--dtype", "bfloat16", "--max-batch-size", "8", "--max-seq-len",
+                        "64", env={"CUDA_VISIBLE_DEVICES": str(torch.cuda.device_count() - 1)}, timeout_s=120) as url:
+        asyncio.run(main(url))

@@ -11,10 +11,6 @@ engine loaded with the new weights.
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
-import time
 
 import aiohttp
 import pytest
@@ -25,6 +21,7 @@ from meshrl.engines import GenerateRequest, SamplingParams, TorchEngine, TorchEn
 from meshrl.engines.sglang_engine import SGLangEngine, SGLangEngineConfig
 from meshrl.reshard.sglang import SGLangPushError, SGLangSyncConfig, SGLangWeightSender
 from meshrl.mesh.distributed import free_port
+from serving import start_server, stop, wait_healthy
 
 pytestmark = pytest.mark.slow  # two server processes start (torch + transformers imports): 10-20 s
 torch.set_num_threads(1)
@@ -63,39 +60,16 @@ def servers(tmp_path_factory):
     m = AutoModelForCausalLM.from_config(config())
     m.load_state_dict(weights(0), strict=False)
     m.save_pretrained(ckpt)
-    procs, urls = [], {}
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for compat in ("0.5.23", "0.4.6.post5"):
-        port = free_port()
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "meshrl.engines.serve", "--model", str(ckpt), "--port", str(port), "--device", "cpu",
-             "--dtype", "float32", "--max-batch-size", "8", "--max-seq-len", "64", "--compat-version", compat],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        urls[compat] = f"http://127.0.0.1:{port}"
-
-    async def wait_all() -> None:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as s:
-            for proc, url in zip(procs, urls.values()):
-                t0 = time.monotonic()
-                while True:
-                    assert proc.poll() is None, proc.stdout.read()
-                    try:
-                        async with s.get(url + "/health") as r:
-                            if r.status == 200:
-                                break
-                    except aiohttp.ClientConnectionError:
-                        pass
-                    assert time.monotonic() - t0 < 90, f"{url} did not answer /health within 90 s"
-                    await asyncio.sleep(0.2)
-
+    started = {compat: start_server(ckpt, "--device", "cpu", "--dtype", "float32", "--max-batch-size", "8",
+                                    "--max-seq-len", "64", "--compat-version", compat)
+               for compat in ("0.5.23", "0.4.6.post5")}  # both start at once; then wait for each
     try:
-        asyncio.run(wait_all())
-        yield urls
+        for proc, url in started.values():
+            wait_healthy(proc, url)
+        yield {compat: url for compat, (_, url) in started.items()}
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(timeout=30)
+        for proc, _ in started.values():
+            stop(proc)
 
 
 def reference(state: dict[str, torch.Tensor], reqs=REQS):
