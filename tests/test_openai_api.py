@@ -33,8 +33,8 @@ def model_dir(tmp_path_factory):
 
 
 @contextlib.asynccontextmanager
-async def serve(model_dir: str, **kwargs):
-    engine = TorchEngine.from_pretrained(model_dir, TorchEngineConfig(max_batch_size=8))
+async def serve(model_dir: str, engine_config: TorchEngineConfig = TorchEngineConfig(max_batch_size=8), **kwargs):
+    engine = TorchEngine.from_pretrained(model_dir, engine_config)
     runner = web.AppRunner(make_app(engine, **kwargs))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -153,3 +153,89 @@ def test_bad_requests_get_one_line_openai_errors(model_dir):
     for got, want in zip(messages, ["unknown fields ['max_tokns']", "stream=true", "max_seq_len", "prompt must be",
                                     "tools=", "messages must be", "temperature", "not valid JSON"]):  # fmt: skip
         assert want in got, (want, got)
+
+
+def test_chat_without_max_tokens_fits_the_context(model_dir):
+    """No max_tokens means "up to the context" in OpenAI's API: the default must not overflow a short one."""
+    messages = [{"role": "user", "content": "12+30="}]
+
+    async def main():
+        async with serve(model_dir) as (s, engine):
+            return await post(s, "/v1/chat/completions", {"messages": messages, "temperature": 0}), engine.cache.max_seq_len
+
+    (st, out), max_seq_len = asyncio.run(main())
+    assert max_seq_len < len(render_simple_chat(messages)) + 128  # the 128-token default alone would not fit
+    assert st == 200, out
+    c = out["choices"][0]
+    room = max_seq_len - len(c["prompt_token_ids"])
+    assert len(c["token_ids"]) == room if c["finish_reason"] == "length" else len(c["token_ids"]) < room
+
+
+def test_aborted_and_timed_out_requests_are_not_reported_as_finished(model_dir):
+    """A request aborted by /pause_generation (a weight update) says so rather than finish_reason "stop";
+    one that outwaits generate_timeout_s on a paused engine gets an OpenAI error (504), not a bare 500."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+    async def main():
+        async with serve(model_dir, TorchEngineConfig(max_batch_size=8, generate_timeout_s=0.5)) as (s, engine):
+            await post(s, "/pause_generation", {"mode": "in_place"})
+            timed_out = await post(s, "/v1/chat/completions", body)
+            waiting = asyncio.ensure_future(post(s, "/v1/chat/completions", body))
+            while engine.num_waiting == 0:
+                await asyncio.sleep(0.01)
+            await post(s, "/pause_generation", {"mode": "abort"})
+            aborted = await waiting
+            await post(s, "/continue_generation", {})
+            return timed_out, aborted
+
+    (st, timed_out), (st2, aborted) = asyncio.run(main())
+    assert st == 504 and timed_out["error"]["type"] == "server_error", timed_out
+    assert st2 == 200 and aborted["choices"][0]["finish_reason"] == "abort", aborted
+
+
+def test_chat_accepts_text_parts_and_openai_defaults_spelled_out(model_dir):
+    """OpenAI's SDKs send message content as a list of text parts, and some clients send every
+    default (response_format text, parallel_tool_calls true): both mean the plain request."""
+    plain = [{"role": "user", "content": "1+2="}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "1+"}, {"type": "text", "text": "2="}]}]
+
+    async def main():
+        async with serve(model_dir) as (s, _):
+            want = await post(s, "/v1/chat/completions", {"messages": plain, "max_tokens": 6, "temperature": 0})
+            got = await post(s, "/v1/chat/completions", {
+                "messages": parts, "max_tokens": 6, "temperature": 0, "response_format": {"type": "text"},
+                "parallel_tool_calls": True, "tool_choice": "none"})
+            image = await post(s, "/v1/chat/completions", {"messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": "http://x"}}]}], "max_tokens": 2})
+            schema = await post(s, "/v1/chat/completions", {"messages": plain, "max_tokens": 2,
+                                                            "response_format": {"type": "json_object"}})
+        return want, got, image, schema
+
+    (st, want), (st2, got), (st3, image), (st4, schema) = asyncio.run(main())
+    assert st == st2 == 200
+    assert got["choices"][0]["prompt_token_ids"] == want["choices"][0]["prompt_token_ids"]
+    assert got["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
+    assert st3 == 400 and "text content" in image["error"]["message"]
+    assert st4 == 400 and "response_format" in schema["error"]["message"]
+
+
+def test_a_client_that_disconnects_has_its_chat_request_aborted(model_dir):
+    """An agent framework that gives up on a call must not leave it holding a batch row."""
+    async def main():
+        async with serve(model_dir) as (s, engine):
+            await post(s, "/pause_generation", {"mode": "in_place"})  # keep it waiting: nothing finishes it
+            with pytest.raises(asyncio.TimeoutError):
+                async with s.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "1+2="}],
+                                                                "max_tokens": 4},
+                                  timeout=aiohttp.ClientTimeout(total=0.3)) as r:
+                    await r.read()
+            deadline = asyncio.get_running_loop().time() + 10
+            while engine.num_waiting or engine.num_running:
+                assert asyncio.get_running_loop().time() < deadline, "the server did not drop the request within 10 s"
+                await asyncio.sleep(0.05)
+            await post(s, "/continue_generation", {})
+            st, out = await post(s, "/v1/chat/completions", {"messages": [{"role": "user", "content": "1+2="}],
+                                                             "max_tokens": 2})
+            assert st == 200 and len(out["choices"][0]["token_ids"]) == 2
+
+    asyncio.run(main())

@@ -12,7 +12,12 @@ Simplifications on purpose: no streaming, no ``tools`` / function calling (agent
 calls from the text), no ``echo``, ``top_logprobs`` and penalties only at their neutral values.
 A stop string that is one token stops generation there; a longer one cuts the text after
 generation (generation runs on to EOS or ``max_tokens``), and ``token_ids`` end with the token
-that completed it.
+that completed it. A request ended by ``/pause_generation`` (mode ``abort``, as before a weight update)
+answers ``finish_reason="abort"`` (as ``/generate`` reports it) with the tokens generated so far;
+one that waits past the engine's ``generate_timeout_s`` (paused) gets a 504 error. A client that
+disconnects has its requests aborted, as on ``/generate``. Message content may be a string or a
+list of text parts; OpenAI's defaults spelled out (``response_format: {"type": "text"}``,
+``parallel_tool_calls: true``, ``tool_choice: "none"``) are accepted.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import Any
 
 from aiohttp import web
 
-from meshrl.engines.serve import BadRequest, error_response, read_json
+from meshrl.engines.serve import BadRequest, error_response, read_json, until_disconnect
 from meshrl.engines.types import GenerateRequest, SamplingParams
 
 __all__ = ["SIMPLE_CHAT_TEMPLATE", "OpenAIServer", "render_simple_chat"]
@@ -39,6 +44,19 @@ _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",
 _NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "echo": False, "best_of": 1,
             "suffix": None, "top_logprobs": 0, "tools": None, "tool_choice": None, "response_format": None,
             "stream_options": None, "parallel_tool_calls": None}  # fmt: skip
+_ALSO_NEUTRAL = {"response_format": {"type": "text"}, "parallel_tool_calls": True, "tool_choice": "none"}
+"""OpenAI's defaults, as clients that always send them spell them."""
+
+
+def _text_content(content: Any) -> str | None:
+    """A message's text: a string, or a list of ``{"type": "text", "text": ...}`` parts joined
+    (the shape OpenAI's SDKs send); None when it holds anything else (an image, ...)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                                         for p in content):
+        return "".join(p["text"] for p in content)
+    return None
 
 
 def render_simple_chat(messages: list[dict[str, Any]]) -> str:
@@ -67,7 +85,7 @@ class OpenAIServer:
         if body.get("stream"):
             raise BadRequest(f"{endpoint}: stream=true is not supported by this server: send stream=false")
         for key, neutral in _NEUTRAL.items():
-            if body.get(key) not in (neutral, None, [], {}):
+            if body.get(key) not in (neutral, None, [], {}) and body.get(key) != _ALSO_NEUTRAL.get(key):
                 raise BadRequest(f"{endpoint}: {key}={body[key]!r} is not supported by TorchEngine (only {neutral!r})")
         return body
 
@@ -113,13 +131,17 @@ class OpenAIServer:
 
     # -- generation and answers ---------------------------------------------------------------
 
-    async def _generate(self, prompts: list[list[int]], sampling: SamplingParams, stops: list[str]) -> list[dict[str, Any]]:
-        """One dict per choice (prompt-major): ids, text, finish reason, log-probs, versions."""
+    async def _generate(self, request: web.Request, prompts: list[list[int]], sampling: SamplingParams,
+                        stops: list[str]) -> list[dict[str, Any]] | None:
+        """One dict per choice (prompt-major): ids, text, finish reason, log-probs, versions; None
+        when the client went away (its requests were aborted, freeing their batch rows)."""
         requests = [GenerateRequest(input_ids=p, sampling=sampling, request_id=f"oai-{next(self._ids)}") for p in prompts]
         try:
-            results = await self.engine.generate(requests)
+            results = await until_disconnect(request, self.engine.generate(requests))
         except ValueError as exc:  # the engine's own check, e.g. prompt + max_tokens past max_seq_len
             raise BadRequest(str(exc)) from None
+        if results is None:
+            return None
         choices = []
         for prompt, res in zip(prompts, results):
             for c in res.completions:
@@ -132,7 +154,7 @@ class OpenAIServer:
                 elif finish == "stop" and ids and ids[-1] in sampling.stop_token_ids:
                     text = self._decode(ids[:-1])  # a one-token stop string is not part of the text
                 choices.append({"prompt_ids": prompt, "ids": ids, "text": text, "logprobs": logprobs, "versions": versions,
-                                "finish": "length" if finish == "length" else "stop"})  # fmt: skip
+                                "finish": finish})  # fmt: skip
         return choices
 
     def _stop_end(self, ids: list[int], stops: list[str]) -> int:
@@ -171,9 +193,13 @@ class OpenAIServer:
             prompts = self._prompts(body["prompt"])
             stops, single = self._stops(body)
             max_tokens = 16 if body.get("max_tokens") is None else body["max_tokens"]  # OpenAI's default; 0 is a 400
-            choices = await self._generate(prompts, self._sampling(body, max_tokens, single), stops)
+            choices = await self._generate(request, prompts, self._sampling(body, max_tokens, single), stops)
         except BadRequest as exc:
             return error_response(400, str(exc))
+        except TimeoutError as exc:  # the engine stayed paused past generate_timeout_s; it aborted the requests
+            return error_response(504, str(exc))
+        if choices is None:
+            return error_response(499, "the client closed the connection; its requests were aborted")
         out = []
         for i, c in enumerate(choices):
             choice = {**self._choice(i, c), "text": c["text"], "logprobs": None}
@@ -192,8 +218,11 @@ class OpenAIServer:
             body = self._check(await read_json(request), _CHAT, "/v1/chat/completions")
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
-                raise BadRequest("/v1/chat/completions: messages must be a non-empty list of {role, content} with text content")
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and _text_content(m.get("content")) is not None
+                    for m in messages):
+                raise BadRequest("/v1/chat/completions: messages must be a non-empty list of {role, content} with text "
+                                 "content (a string, or a list of {type: text, text} parts)")
+            messages = [{**m, "content": _text_content(m["content"])} for m in messages]
             if self.tokenizer is None:
                 raise BadRequest("/v1/chat/completions needs the checkpoint's tokenizer (none was found)")
             if getattr(self.tokenizer, "chat_template", None):
@@ -202,10 +231,16 @@ class OpenAIServer:
             else:
                 prompt_ids = self.tokenizer.encode(render_simple_chat(messages))
             stops, single = self._stops(body)
-            max_tokens = next((body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None), 128)
-            choices = await self._generate([prompt_ids], self._sampling(body, max_tokens, single), stops)
+            # no limit means "up to the context" in OpenAI's API: at most 128 tokens, and never past max_seq_len
+            room = max(1, min(128, self.engine.cache.max_seq_len - len(prompt_ids)))
+            max_tokens = next((body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None), room)
+            choices = await self._generate(request, [prompt_ids], self._sampling(body, max_tokens, single), stops)
         except BadRequest as exc:
             return error_response(400, str(exc))
+        except TimeoutError as exc:  # the engine stayed paused past generate_timeout_s; it aborted the requests
+            return error_response(504, str(exc))
+        if choices is None:
+            return error_response(499, "the client closed the connection; its requests were aborted")
         out = []
         for i, c in enumerate(choices):
             choice = {**self._choice(i, c), "message": {"role": "assistant", "content": c["text"]}, "logprobs": None}

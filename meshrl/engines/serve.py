@@ -129,6 +129,24 @@ def _spans(versions: list[int]) -> list[dict[str, Any]]:
     return spans
 
 
+async def until_disconnect(request: web.Request, work: Awaitable[Any]) -> Any:
+    """``await work``, cancelled (its requests aborted, as SGLang does) when the client disconnects;
+    then None. aiohttp does not cancel handlers itself (``handler_cancellation`` is off)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if request.transport is None or request.transport.is_closing():
+                task.cancel()  # TorchEngine.generate aborts its unfinished requests when cancelled
+                await asyncio.gather(task, return_exceptions=True)
+                return None
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+
+
 class _Server:
     """Handlers bound to one engine (and its tokenizer, if any)."""
 
@@ -207,7 +225,7 @@ class _Server:
         reqs, single = self._requests(body)
         t0 = time.perf_counter()
         try:
-            results = await self._until_disconnect(request, self.engine.generate(reqs))
+            results = await until_disconnect(request, self.engine.generate(reqs))
         except ValueError as exc:  # the engine's checks (prompt length, token ids, in-flight rid...)
             return error_response(400, str(exc))
         except TimeoutError as exc:
@@ -219,24 +237,6 @@ class _Server:
                           bool(body.get("return_text_in_logprobs")), latency)
                 for r, res in zip(reqs, results) for j, c in enumerate(res.completions)]
         return web.json_response(outs[0] if single and len(outs) == 1 else outs)
-
-    @staticmethod
-    async def _until_disconnect(request: web.Request, work: Awaitable[Any]) -> Any:
-        """``await work``, cancelled (its requests aborted, as SGLang does) when the client disconnects;
-        then None. aiohttp does not cancel handlers itself (``handler_cancellation`` is off)."""
-        task = asyncio.ensure_future(work)
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-                if done:
-                    return task.result()
-                if request.transport is None or request.transport.is_closing():
-                    task.cancel()  # TorchEngine.generate aborts its unfinished requests when cancelled
-                    await asyncio.gather(task, return_exceptions=True)
-                    return None
-        except asyncio.CancelledError:
-            task.cancel()
-            raise
 
     async def health(self, request: web.Request) -> web.Response:
         if self.engine.is_paused or self.engine.is_updating:
