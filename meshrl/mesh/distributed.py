@@ -86,12 +86,13 @@ def free_ports(n: int) -> list[int]:
     """
     low, _ = _ephemeral_ports()
     rng, ports = random.SystemRandom(), []
-    for _ in range(_FREE_PORT_TRIES * n):
-        if len(ports) == n or low - _FIRST_FREE_PORT < 1000:
-            break
+    tries = _FREE_PORT_TRIES * n if low - _FIRST_FREE_PORT >= 1000 else 0  # else no room below: the OS picks
+    for _ in range(tries):
         port = rng.randrange(_FIRST_FREE_PORT, low)
         if port not in ports and _bindable(port):
             ports.append(port)
+            if len(ports) == n:
+                break
     while len(ports) < n:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("", 0))
