@@ -129,3 +129,58 @@ def test_an_update_refused_before_its_broadcast_fails_at_once_with_the_reason(se
 
     seconds, message = asyncio.run(main())
     assert "no group 'lost_group'" in message and seconds < 15, (seconds, message)
+
+
+@contextlib.asynccontextmanager
+async def delaying_proxy(target: str, path: str, delay_s: float):
+    """A real HTTP proxy on 127.0.0.1 in front of ``target`` that holds the reply to ``path`` for
+    ``delay_s`` after the server gave it (a slow network, or a reply lost after the work was done)."""
+    import aiohttp
+    from aiohttp import web
+
+    from meshrl.mesh.distributed import free_port
+
+    async def forward(request: web.Request) -> web.Response:
+        async with aiohttp.ClientSession() as s, s.request(request.method, target + request.path,
+                                                           data=await request.read(),
+                                                           headers={"Content-Type": request.content_type}) as r:
+            body, status, ctype = await r.read(), r.status, r.content_type
+        if request.path == path:
+            await asyncio.sleep(delay_s)
+        return web.Response(body=body, status=status, content_type=ctype)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", forward)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+def test_a_failed_connect_leaves_no_group_on_the_engines(server):
+    """The engine joined the group but its reply came too late, so the connect failed: the engine
+    must not keep the group, or every later connect is refused with "group already exists" (as NCCL
+    engines, whose init answers before the rendezvous, were left after a partial join)."""
+    sync = SGLangSyncConfig(backend="gloo", timeout_s=3.0, group_name="late_reply_group")
+    v6 = weights(6)
+
+    async def main():
+        async with delaying_proxy(server, "/init_weights_update_group", delay_s=6.0) as slow:
+            eng = SGLangEngine(slow, config=SGLangEngineConfig(request_timeout_s=30.0, sync=sync))
+            with pytest.raises(SGLangPushError, match="group init .* failed") as info:
+                await eng.update_weights(weights(5), 5)
+            assert "Timeout" in str(info.value), info.value
+        again = SGLangEngine(server, config=SGLangEngineConfig(request_timeout_s=30.0, sync=sync))
+        try:
+            await again.update_weights(v6, 6)  # joins anew: the failed connect left nothing behind
+            rows = torch.tensor(await again.get_weights_by_name("model.layers.0.mlp.up_proj.weight", 2))
+            return rows, await again.refresh_version()
+        finally:
+            await again.close()
+
+    rows, version = asyncio.run(main())
+    assert version == 6 and torch.equal(rows, v6["model.layers.0.mlp.up_proj.weight"].detach()[:2])

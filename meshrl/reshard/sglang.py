@@ -8,7 +8,8 @@ the N before it``. Full, Hugging Face-named tensors travel by broadcast from ran
 ```text
 connect:  GET /get_server_info on every engine (version, tp_size, dp_size == 1)
           POST /init_weights_update_group to every engine, NOT waiting for the replies,
-          join the group as rank 0 (in a thread), then collect the replies
+          join the group as rank 0 (in a thread), then collect the replies; if any part
+          fails, POST /destroy_weights_update_group to every engine that did not refuse
 push v:   POST /pause_generation {mode}            every engine
           POST /begin_weight_update {selector}     0.5.21+
           per bucket (one in flight): POST /update_weights_from_distributed {names, dtypes,
@@ -130,6 +131,15 @@ def flatten_bucket(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return flat
 
 
+def _failure(reply: tuple[int, Any] | BaseException) -> str:
+    """Why an engine's reply is a failure ("" when it is not): an exception, an HTTP error or success=false."""
+    if isinstance(reply, BaseException):
+        return f"{type(reply).__name__}: {reply}"
+    if reply[0] != 200 or (isinstance(reply[1], dict) and reply[1].get("success") is False):
+        return f"HTTP {reply[0]} {reply[1]!r}"[:2000]
+    return ""
+
+
 class SGLangWeightSender:
     """Rank 0 of the weight-update group: pushes full HF-named tensors to SGLang engines."""
 
@@ -148,17 +158,17 @@ class SGLangWeightSender:
                    engines: Sequence[int] | None = None) -> list[Any]:
         """The same call on several engines at once; raises naming every engine that failed."""
         idx = list(range(len(self.engines))) if engines is None else list(engines)
-        replies = await asyncio.gather(*(self.engines[i].request(method, path, bodies[k], timeout_s=self.config.timeout_s)
-                                         for k, i in enumerate(idx)), return_exceptions=True)
-        bad = []
-        for i, r in zip(idx, replies):
-            if isinstance(r, BaseException):
-                bad.append(f"{self.engines[i].name}: {type(r).__name__}: {r}")
-            elif r[0] != 200 or (isinstance(r[1], dict) and r[1].get("success") is False):
-                bad.append(f"{self.engines[i].name}: HTTP {r[0]} {r[1]!r}"[:2000])
+        replies = await self._each(method, path, bodies, idx)
+        bad = [f"{self.engines[i].name}: {why}" for i, r in zip(idx, replies) if (why := _failure(r))]
         if bad:
             raise SGLangPushError(f"{what} ({path}) failed on {len(bad)} of {len(idx)} engines: " + "; ".join(bad))
         return [r[1] for r in replies]
+
+    async def _each(self, method: str, path: str, bodies: Sequence[dict[str, Any] | None],
+                    idx: Sequence[int]) -> list[tuple[int, Any] | BaseException]:
+        """Each engine's reply, or the exception its request raised."""
+        return await asyncio.gather(*(self.engines[i].request(method, path, bodies[k], timeout_s=self.config.timeout_s)
+                                      for k, i in enumerate(idx)), return_exceptions=True)
 
     def _master_address(self) -> str:
         if self.config.master_address:
@@ -189,21 +199,39 @@ class SGLangWeightSender:
         bodies = [{"master_address": addr, "master_port": port, "rank_offset": off, "world_size": world,
                    "group_name": cfg.group_name, "backend": cfg.backend} for off in offsets]
         # Send the requests without waiting: the engines join while we join; waiting first deadlocks.
-        replies = asyncio.ensure_future(self._all("POST", "/init_weights_update_group", bodies, "group init"))
+        everyone = range(len(self.engines))
+        replies = asyncio.ensure_future(self._each("POST", "/init_weights_update_group", bodies, everyone))
         try:
             self.group = await asyncio.wait_for(asyncio.to_thread(
                 join_process_group, cfg.group_name, 0, world, addr, port, cfg.backend, cfg.timeout_s), cfg.timeout_s + 5)
-        except BaseException:
-            replies.cancel()
-            raise
-        try:
-            await replies
-        except BaseException:  # some engine did not join: this group is unusable
-            import torch.distributed as dist
+            bad = [f"{self.engines[i].name}: {why}" for i, r in zip(everyone, await replies) if (why := _failure(r))]
+            if bad:
+                raise SGLangPushError(f"group init (/init_weights_update_group) failed on {len(bad)} of "
+                                      f"{len(self.engines)} engines: " + "; ".join(bad))
+        except BaseException:  # the group is unusable: nobody may keep a part of it
+            await self._leave_joined(replies)
+            if self.group is not None:
+                import torch.distributed as dist
 
-            dist.destroy_process_group(self.group)
-            self.group = None
+                dist.destroy_process_group(self.group)
+                self.group = None
             raise
+
+    async def _leave_joined(self, replies: asyncio.Future) -> None:
+        """After a failed connect, destroy the group on every engine that may hold it: all but those that
+        answered a refusal. NCCL's lazy init answers success before the rendezvous, and a reply lost to a
+        timeout may follow a join; an engine left holding the group refuses every later connect with
+        "group already exists". Best effort, bounded by ``_REASON_WAIT_S`` for the replies."""
+        with contextlib.suppress(BaseException):
+            await asyncio.wait_for(asyncio.shield(replies), _REASON_WAIT_S)
+        results = replies.result() if replies.done() and not replies.cancelled() else [None] * len(self.engines)
+        replies.cancel()
+        refused = {i for i, r in enumerate(results) if isinstance(r, tuple) and _failure(r)}
+        holders = [i for i, v in enumerate(self.versions) if v >= (0, 5, 10) and i not in refused]
+        if holders:
+            with contextlib.suppress(Exception):
+                await self._each("POST", "/destroy_weights_update_group",
+                                 [{"group_name": self.config.group_name}] * len(holders), holders)
 
     async def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> PushStats:
         """Pause, send every tensor, flush, resume: the engines serve ``version`` afterwards."""
