@@ -229,6 +229,18 @@ def test_stream_yields_in_arrival_order(waiters):
     assert sorted(stream.get(timeout=30)) == [3, 3]
 
 
+def test_stream_passes_an_exception_the_endpoint_returned_as_a_value(waiters):
+    """Only a call that raised is an error: an exception object returned as a result is a value,
+    as ``call`` treats it (it used to raise from ``stream``)."""
+    returned = [repr(v) for v in waiters.echo.stream(ValueError("a value")).get(timeout=30)]
+    assert returned == [repr(ValueError("a value"))] * 2
+
+    async def collect():
+        return [repr(v) async for v in waiters.echo.stream(KeyError("k"))]
+
+    assert asyncio.run(collect()) == [repr(KeyError("k"))] * 2
+
+
 def test_choose_picks_the_least_loaded(waiters):
     async def run():
         first = waiters.hold.choose("choose")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import sys
@@ -130,6 +131,26 @@ def test_supervised_actor_restarts_and_tells_the_owner(procs):
     assert mesh.ping.call_one().get(timeout=60) == 1
     mesh.stop()
     first_failure(lambda: mesh.ping.call_one().get(timeout=60))
+
+
+def test_async_on_restart_runs_after_the_spawning_loop_has_closed(procs):
+    """Spawned inside an ``asyncio.run`` that has returned: the async callback cannot go to that
+    loop, so it must run on the supervision thread (it raised "Event loop is closed", only logged)."""
+    restarted = threading.Event()
+
+    async def on_restart(event: RestartEvent) -> None:
+        await asyncio.sleep(0)
+        restarted.set()
+
+    async def spawn():
+        return procs.slice(procs=1).spawn("phoenix_async", Fragile, max_restarts=1, on_restart=on_restart, share=0.25)
+
+    mesh = asyncio.run(spawn())
+    assert mesh.ping.call_one().get(timeout=60) == 1
+    with pytest.raises(ActorFailure, match="phoenix_async/0"):
+        mesh.die.call_one().get(timeout=60)
+    assert restarted.wait(60), "the async on_restart never ran"
+    mesh.stop()
 
 
 def test_stop_during_on_restart_does_not_watch_the_stopped_actor_again(procs, caplog):

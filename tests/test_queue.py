@@ -147,6 +147,8 @@ def test_bad_arguments_are_named():
             QueueConfig(max_staleness=-1)
         with pytest.raises(ValueError, match="stale_policy"):
             QueueConfig(stale_policy="evict")
+        with pytest.raises(ValueError, match="reserve_timeout_s must be a finite"):
+            QueueConfig(reserve_timeout_s=float("inf"))  # every wait would refuse it
 
     run(main())
 
@@ -175,6 +177,29 @@ def test_bad_puts_are_rejected_whole():
         r2 = await q.reserve(4, timeout=0)
         with pytest.raises(ValueError, match="already queued"):
             await q.put(group(0, 2, 0), r2.id)
+
+    run(main())
+
+
+def test_a_sample_with_a_field_of_the_wrong_type_is_refused_at_put():
+    """A Struct built in code is not type-checked: a numpy reward, accepted, used to fail
+    get_batch_encoded after the batch was taken (lost) and every snapshot while it was queued."""
+    np = pytest.importorskip("numpy")
+
+    async def main():
+        q = make(1, 2)
+        r = await q.reserve(2, timeout=0)
+        bad = group(0, 2, 0)
+        bad[1].reward = np.float32(1.0)
+        with pytest.raises(ValueError, match="sample 1 .* not a valid Sample: .*numpy.float32.*nothing was put"):
+            await q.put(bad, r.id)
+        with pytest.raises(ValueError, match="sample 0 .* not a valid Sample"):
+            await q.put([msgspec.structs.replace(group(0, 2, 0)[0], response_ids="ab")], r.id)
+        assert (await q.metrics())["depth_samples"] == 0
+        await q.snapshot()
+        bad[1].reward = 1.0
+        await q.put(bad, r.id)
+        assert len(decode_samples(await q.get_batch_encoded(2, 0, timeout=0))) == 2
 
     run(main())
 
@@ -278,6 +303,42 @@ def test_put_blocks_past_capacity_until_get_frees_tokens():
         await blocked
         m = await q.metrics()
         assert m["queued_tokens"] == 8 and m["put_wait_s"] > 0
+
+    run(main())
+
+
+def test_groups_put_in_pieces_complete_though_capacity_is_full():
+    """Capacity full of half-put groups: get_batch cannot free it (it takes whole groups only), so
+    the puts that complete them must not wait for it, or producers and trainer wait on each other."""
+    async def main():
+        q = make(1, 4, capacity_tokens=16)
+        ra, rb = await q.reserve(2, timeout=0), await q.reserve(2, timeout=0)
+        a, b = group(0, 2, 0, tokens=8), group(1, 2, 0, tokens=8)
+        await q.put(a[:1], ra.id)
+        await q.put(b[:1], rb.id)  # 16 of 16 tokens, no group complete
+        rc = await q.reserve(2, timeout=0)
+        with pytest.raises(QueueTimeout, match="capacity_tokens=16"):  # a new group still waits
+            await q.put(group(2, 1, 0, tokens=8), rc.id, timeout=0.02)
+        taken = asyncio.create_task(q.get_batch(4, 0, timeout=5))
+        await q.put(a[1:], ra.id, timeout=0.5)
+        await q.put(b[1:], rb.id, timeout=0.5)
+        assert sorted(s.group_id for s in await taken) == [0, 0, 1, 1]
+
+    run(main())
+
+
+def test_mixed_group_sizes_take_a_batch_that_adds_up():
+    """Sizes 2 then 4 with n = 4: the oldest-first pick takes the 2 and falls short, but the 4 alone
+    is a batch; get_batch must not wait for more."""
+    async def main():
+        q = make(1, 4)
+        r = await q.reserve(8, timeout=0)
+        await q.put(group(0, 2, 0), r.id)
+        await q.put(group(1, 4, 0), r.id)
+        assert {s.group_id for s in await q.get_batch(4, 0, timeout=0)} == {1}
+        await q.put(group(2, 2, 0), r.id)
+        assert {s.group_id for s in await q.get_batch(4, 0, timeout=0)} == {0, 2}  # oldest first again
+        assert (await q.metrics())["depth_samples"] == 0
 
     run(main())
 

@@ -188,13 +188,14 @@ class Stream(Generic[R]):
         self._state = state
         self._unreleased = set(range(len(refs)))
 
-    def _take(self, pos: int, value: Any) -> Any:
-        """Release position ``pos`` and return its value, or raise its translated error."""
+    def _take(self, pos: int, value: Any, error: BaseException | None = None) -> Any:
+        """Release position ``pos`` and return its value, or raise its translated ``error`` (an
+        exception object the endpoint *returned* is a value like any other)."""
         if pos in self._unreleased:
             self._unreleased.discard(pos)
             self._state.release([self._ranks[pos]])
-        if isinstance(value, BaseException):
-            raise translate(value, self._mesh, self._ranks[pos], self._method)
+        if error is not None:
+            raise translate(error, self._mesh, self._ranks[pos], self._method)
         return value
 
     def __del__(self) -> None:
@@ -214,7 +215,8 @@ class Stream(Generic[R]):
             ref.future().add_done_callback(functools.partial(on_done, pos))
         for _ in self._refs:
             pos, cf = await arrived.get()
-            yield self._take(pos, cf.exception() or cf.result())
+            error = cf.exception()
+            yield self._take(pos, None if error else cf.result(), error)
 
     def iter(self, timeout: float | None = None) -> Iterator[R]:
         """Synchronous iteration; ``TimeoutError`` if not every actor answered within ``timeout``."""
@@ -232,11 +234,12 @@ class Stream(Generic[R]):
                     f"answer within {timeout} s"
                 )
             pos = pos_of[ready[0]]
+            value, error = None, None
             try:
                 value = ray.get(ready[0])
             except Exception as exc:
-                value = exc
-            yield self._take(pos, value)
+                error = exc
+            yield self._take(pos, value, error)
 
     def get(self, timeout: float | None = None) -> list[R]:
         """Every answer, in arrival order."""

@@ -147,22 +147,29 @@ class _Supervisor:
             return
         callback = entry.on_restart
 
+        def failed(exc: BaseException) -> None:
+            log.error("on_restart callback for %s/%d failed", event.mesh, event.rank, exc_info=exc)
+
         def call() -> None:
             try:
                 result = callback(event)
                 if inspect.isawaitable(result):
-                    if entry.loop is not None:
-                        asyncio.ensure_future(result, loop=entry.loop)
-                    else:
+                    if entry.loop is not None and not entry.loop.is_closed():
+                        task = asyncio.ensure_future(result, loop=entry.loop)
+                        task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or failed(t.exception()))
+                    else:  # spawned inside an asyncio.run() that has returned: run it here
                         asyncio.run(_awaited(result))
-            except Exception:
-                log.exception("on_restart callback for %s/%d failed", event.mesh, event.rank)
+            except Exception as exc:
+                failed(exc)
 
         loop = entry.loop
         if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(call)
-        else:
-            call()
+            try:
+                loop.call_soon_threadsafe(call)
+                return
+            except RuntimeError:  # the loop closed just now
+                pass
+        call()
 
 
 def _revival(handle: Any) -> Any:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from typing import Literal
 
 import msgspec
@@ -36,5 +38,5 @@ class QueueConfig(msgspec.Struct, kw_only=True, frozen=True):
         if self.capacity_tokens < 1:
             raise ValueError(f"capacity_tokens must be >= 1, got {self.capacity_tokens}")
         for name in ("reserve_timeout_s", "put_timeout_s", "get_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be a finite number of seconds > 0, got {getattr(self, name)}")

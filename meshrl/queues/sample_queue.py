@@ -34,7 +34,7 @@ from meshrl.queues.sample import Sample
 from meshrl.queues.snapshot import FORMAT as SNAPSHOT_FORMAT
 from meshrl.queues.snapshot import QueueSnapshot, SnapshotGroup, SnapshotReservation
 from meshrl.queues.stats import QueueCounters, ThroughputWindow
-from meshrl.queues.wire import SampleMeta, decode_one, encode_samples, meta_of, split_encoded
+from meshrl.queues.wire import SampleMeta, check_sample, decode_one, encode_samples, meta_of, split_encoded
 
 __all__ = ["QueueClosed", "QueueTimeout", "SampleQueue"]
 
@@ -114,12 +114,19 @@ class SampleQueue:
         """Add samples generated under a reservation (which may be filled in several puts).
 
         All-or-nothing: a bad batch raises ``ValueError`` and changes nothing. Waits while the
-        batch would exceed ``capacity_tokens``; unblocked by ``get_batch``.
+        batch would exceed ``capacity_tokens``; unblocked by ``get_batch``. A put that only adds to
+        groups already queued is never held: those groups must complete before ``get_batch`` can
+        take them and free capacity.
         """
-        for s in samples:
+        for i, s in enumerate(samples):
             if not isinstance(s, Sample):
                 raise TypeError(f"put: expected Sample, got {type(s).__name__}; encoded batches go "
                                 "through put_encoded")
+            try:  # a field of the wrong type would otherwise fail get_batch_encoded and every snapshot later
+                check_sample(s)
+            except (TypeError, ValueError, msgspec.MsgspecError) as exc:
+                raise ValueError(f"put: sample {i} (group {s.group_id}) is not a valid Sample: {exc}; "
+                                 "nothing was put") from None
         await self._put(samples, [meta_of(s) for s in samples], reservation_id, timeout)
 
     async def put_encoded(self, blob: bytes, reservation_id: int, *, timeout: float | None = None) -> None:
@@ -146,8 +153,11 @@ class SampleQueue:
             raise ValueError(f"put: a batch of {tokens} tokens can never fit capacity_tokens={cap}; "
                              "put it in smaller batches or raise capacity_tokens")
 
+        groups = self._store.groups
+        continues = all(m.group_id in groups for m in metas)  # check_put has refused complete ones
+
         def fits() -> bool | None:
-            return self._store.num_tokens + tokens <= cap or None
+            return continues or self._store.num_tokens + tokens <= cap or None
 
         def what() -> str:
             return (f"put({len(items)} samples, {tokens} tokens) waited for token capacity: "
@@ -360,10 +370,32 @@ class SampleQueue:
             else:
                 skipped.append(g)
         store.put_back(skipped)
-        if need:  # mixed group sizes that cannot add up to n yet
+        if need:  # mixed group sizes: the oldest-first pick fell short; another pick may add up to n
             store.put_back(taken)
-            return None
+            return self._take_subset(n)
         return taken
+
+    def _take_subset(self, n: int) -> list[Group] | None:
+        """Whole groups adding up to exactly ``n`` from the shortest run of oldest ready groups (a
+        subset sum over group sizes), or None. Only for mixed group sizes, where taking the oldest
+        groups that fit can fall short while a batch is queued (sizes 2 then 4, ``n`` = 4)."""
+        ready = self._store.ready_in_order()
+        parent: dict[int, tuple[int, int] | None] = {0: None}  # reachable sum -> (previous sum, group index)
+        for i, g in enumerate(ready):
+            for total in sorted(parent, reverse=True):
+                if (t := total + g.group_size) <= n and t not in parent:
+                    parent[t] = (total, i)
+            if n in parent:
+                break
+        else:
+            return None
+        chosen, total = set(), n
+        while (step := parent[total]) is not None:
+            total, i = step
+            chosen.add(i)
+        popped = [self._store.pop_oldest_ready() for _ in range(max(chosen) + 1)]
+        self._store.put_back([g for i, g in enumerate(popped) if i not in chosen])
+        return [g for i, g in enumerate(popped) if i in chosen]
 
     def _notify(self) -> None:
         for f in self._waiters:

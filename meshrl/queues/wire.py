@@ -83,6 +83,12 @@ def decode_samples(blob: bytes) -> list[Sample]:
         gc.enable()
 
 
+def check_sample(s: Sample) -> None:
+    """Raise if ``s`` would not survive the wire (a field of the wrong type: a Struct built in code
+    is not type-checked); msgspec's ``TypeError`` or ``MsgspecError`` says which field."""
+    _one_decoder.decode(_encoder.encode(s))
+
+
 def decode_one(item: Sample | msgspec.Raw) -> Sample:
     return item if isinstance(item, Sample) else _one_decoder.decode(item)
 
