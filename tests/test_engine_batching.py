@@ -332,3 +332,98 @@ def test_a_second_begin_weight_update_is_refused(hf):
         assert eng.version == 1
 
     asyncio.run(main())
+
+
+def test_the_uniform_draw_is_never_one_and_top_k_1_is_greedy(hf):
+    """The draw is in (0, 1): at 1.0 the inverse-CDF pick ran past the kept tokens to the last one of the
+    vocabulary (the least likely after sorting), whatever top-k said. Seed 805209 hit 1.0 at output
+    column 4 with the old 24-bit draw; over 2**22 draws of the new one, none reaches 0 or 1, and the
+    host (numpy) and device (torch) hashes agree."""
+    import numpy as np
+
+    from meshrl.engines.sampling import mix_seed, uniform, uniform_np
+
+    seeds = np.full(2**22, mix_seed(805209, 0), dtype=np.uint64)
+    cols = np.arange(2**22, dtype=np.uint64)
+    u = uniform_np(seeds, cols)
+    assert u.dtype == np.float32 and 0 < u.min() and u.max() < 1
+    assert np.array_equal(uniform(torch.from_numpy(seeds[:4096].astype(np.int64)),
+                                  torch.from_numpy(cols[:4096].astype(np.int64))).numpy(), u[:4096])
+
+    async def main():
+        eng = engine(hf)
+        greedy, top1 = await eng.generate([req(PROMPTS[0], rid="g"),
+                                           req(PROMPTS[0], rid="k", temperature=1.0, top_k=1, seed=805209)])
+        return greedy.completions[0].output_ids, top1.completions[0].output_ids
+
+    greedy, top1 = asyncio.run(main())
+    assert top1 == greedy
+
+
+def test_plain_python_values_from_numpy_and_lists(hf):
+    """A numpy seed passed the checks, then overflowed the seed hash inside the step loop and failed
+    every request in flight; a list of stop ids failed generate with a bare TypeError."""
+    import numpy as np
+
+    sp = SamplingParams(seed=np.int64(7), n=np.int32(2), top_p=np.float32(0.5), stop_token_ids=[np.int64(5)])
+    assert type(sp.seed) is int and type(sp.n) is int and type(sp.top_p) is float and sp.stop_token_ids == (5,)
+    with pytest.raises(ValueError, match="temperature must be finite"):
+        SamplingParams(temperature=float("inf"))
+
+    async def main():
+        eng = engine(hf)
+        seeded = GenerateRequest(input_ids=PROMPTS[0], sampling=SamplingParams(
+            max_new_tokens=4, seed=np.uint32(7), stop_token_ids=[3]))
+        same = GenerateRequest(input_ids=PROMPTS[0], sampling=SamplingParams(max_new_tokens=4, seed=7, stop_token_ids=(3,)))
+        a, b = await eng.generate([seeded, same])
+        assert a.completions[0].output_ids == b.completions[0].output_ids
+        for bad, needle in [(GenerateRequest(input_ids=np.array([1, 2])), "input_ids must be a list"),
+                            (GenerateRequest(input_ids=[1], sampling=None), "sampling must be a SamplingParams")]:
+            with pytest.raises(ValueError, match=needle):
+                await eng.generate([bad])
+
+    asyncio.run(main())
+
+
+def test_automatic_ids_skip_a_callers_id_in_flight(hf):
+    async def main():
+        eng = engine(hf)
+        mine = asyncio.ensure_future(eng.generate([req(PROMPTS[0], rid="req-0", max_new_tokens=30)]))
+        await wait_steps(eng, 1)
+        (auto,) = await eng.generate([req(PROMPTS[1])])
+        assert auto.request_id != "req-0"
+        assert (await mine)[0].request_id == "req-0"
+
+    asyncio.run(main())
+
+
+def test_a_bad_version_applies_nothing(hf):
+    """update_weights raised on version=None only after the new weights were live, which then served
+    as the old version: staleness and behaviour versions silently wrong."""
+    other = hf_model(seed=1)
+
+    async def main():
+        eng = engine(hf)
+        before = (await eng.generate([req(PROMPTS[0])]))[0].completions[0]
+        for bad in (None, "v1", 1.5, True):
+            with pytest.raises(ValueError, match="policy version must be an integer"):
+                await eng.update_weights(other.state_dict().items(), bad)
+        assert eng.version == 0 and not eng.is_updating
+        after = (await eng.generate([req(PROMPTS[0])]))[0].completions[0]
+        assert after.output_ids == before.output_ids and after.versions == [0] * len(after.versions)
+        await eng.update_weights(other.state_dict().items(), 1)
+        return (await eng.generate([req(PROMPTS[0])]))[0].completions[0]
+
+    new = asyncio.run(main())
+    fresh = asyncio.run(engine(other).generate([req(PROMPTS[0])]))[0].completions[0]
+    assert new.output_ids == fresh.output_ids and new.versions == [1] * len(new.versions)
+
+
+def test_from_hf_model_stops_on_the_generation_configs_eos_too(tmp_path):
+    """from_pretrained read generation_config.json's EOS ids, from_hf_model ignored the model's
+    generation_config: the same model stopped on different tokens depending on how it was loaded."""
+    model = hf_model()
+    model.config.eos_token_id = 3
+    model.generation_config.eos_token_id = [3, 7]
+    model.save_pretrained(tmp_path)
+    assert TorchEngine.from_hf_model(model).eos_ids == TorchEngine.from_pretrained(str(tmp_path)).eos_ids == (3, 7)

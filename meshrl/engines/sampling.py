@@ -42,6 +42,7 @@ _GOLDEN = 0x9E3779B1
 
 def mix_seed(seed: int, sample_index: int) -> int:
     """A 32-bit row seed for sample ``sample_index`` of a request seeded with ``seed`` (host side)."""
+    seed, sample_index = int(seed), int(sample_index)  # numpy integers would overflow below
     x = (seed * 0x9E3779B97F4A7C15 + sample_index * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & (2**64 - 1)
     x ^= x >> 31
     x = (x * 0xD6E8FEB86659FD93) & (2**64 - 1)
@@ -52,13 +53,16 @@ def mix_seed(seed: int, sample_index: int) -> int:
 def uniform(seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
     """Uniform float32 in (0, 1) from int64 ``seed`` (< 2**32) and ``position``, on the device. ``[B]``.
 
-    Same values as ``uniform_np``; every product stays below 2**63, so int64 never overflows.
+    Same values as ``uniform_np``; every product stays below 2**63, so int64 never overflows. The
+    draw is ``(k + 0.5) / 2**23`` for the hash's top 23 bits ``k``: exact in float32, so never 0 or 1
+    (24 bits put ``(2**24 - 0.5) / 2**24`` at 1.0 by rounding, which picked the last vocabulary
+    entry whatever its mass, past top-k/top-p, once in 2**24 draws).
     """
     x = seed ^ ((position * _GOLDEN) & _MASK32)
     x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK32
     x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK32
     x = (x >> 16) ^ x
-    return ((x >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    return ((x >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
 def uniform_np(seed: np.ndarray, position: np.ndarray) -> np.ndarray:
@@ -68,13 +72,16 @@ def uniform_np(seed: np.ndarray, position: np.ndarray) -> np.ndarray:
     x = (((x >> sh) ^ x) * c) & m
     x = (((x >> sh) ^ x) * c) & m
     x = (x >> sh) ^ x
-    return ((x >> np.uint64(8)).astype(np.float32) + np.float32(0.5)) * np.float32(1.0 / (1 << 24))
+    return ((x >> np.uint64(9)).astype(np.float32) + np.float32(0.5)) * np.float32(1.0 / (1 << 23))
 
 
 def _pick(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF draw: the first index whose cumulative mass exceeds ``u * total``. ``[B, V] -> [B]``."""
     cdf = probs.cumsum(dim=-1)  # [B, V]
-    target = u[:, None] * cdf[:, -1:]  # [B, 1]: unnormalised probs (top-k/top-p zeroed some) are fine
+    total = cdf[:, -1:]
+    # [B, 1]: unnormalised probs (top-k/top-p zeroed some) are fine; kept below the total, so the pick is
+    # a token with mass even where u * total rounds up to it
+    target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1).squeeze(1)
 
 
@@ -150,7 +157,7 @@ if triton is not None:
         x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
         x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
         x = (x >> 16) ^ x
-        target = ((x >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0) * total
+        target = ((x >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0) * total
         # inverse CDF: first the block whose cumulative mass passes target, then the token inside it
         cum = tl.cumsum(w, 0)
         jb = tl.minimum(tl.sum((cum <= target).to(tl.int32), 0), nb - 1)

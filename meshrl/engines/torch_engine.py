@@ -46,7 +46,7 @@ from meshrl.engines.kv_cache import KVCache
 from meshrl.engines.layout import ModelSpec
 from meshrl.engines.model import Transformer
 from meshrl.engines.tp import TensorParallel
-from meshrl.engines.types import Completion, GenerateRequest, GenerateResult, PauseMode
+from meshrl.engines.types import Completion, GenerateRequest, GenerateResult, PauseMode, SamplingParams
 from meshrl.engines.weights import StagedWeights, eos_token_ids, iter_safetensors, load_all, load_hf_config
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -101,6 +101,13 @@ class _Pending:
         self.request, self.rid, self.seed, self.future = request, rid, seed, future
         self.completions: list[Completion | None] = [None] * request.sampling.n
         self.remaining = request.sampling.n
+
+
+def _version_number(version: Any) -> int:
+    """A policy version as a Python int; anything else (None, "v1", 1.5, True) is refused by name."""
+    if isinstance(version, bool) or not isinstance(version, numbers.Integral):
+        raise ValueError(f"a policy version must be an integer, got {version!r}")
+    return int(version)
 
 
 class TorchEngine:
@@ -200,6 +207,9 @@ class TorchEngine:
         if isinstance(model_or_state_dict, torch.nn.Module):
             hf_config = hf_config or model_or_state_dict.config
             state = model_or_state_dict.state_dict()
+            if "eos_ids" not in kw:  # as from_pretrained reads generation_config.json
+                generation = getattr(model_or_state_dict, "generation_config", None)
+                kw["eos_ids"] = eos_token_ids(None, hf_config, getattr(generation, "eos_token_id", None))
         else:
             state = model_or_state_dict
         if hf_config is None:
@@ -239,7 +249,14 @@ class TorchEngine:
     # ---- generation -------------------------------------------------------------------------
 
     def _validate(self, req: GenerateRequest) -> None:
+        if not isinstance(req, GenerateRequest):
+            raise TypeError(f"generate takes GenerateRequest objects, got {type(req).__name__}")
         sp, ids = req.sampling, req.input_ids
+        if not isinstance(sp, SamplingParams):
+            raise ValueError(f"request {req.request_id!r}: sampling must be a SamplingParams, got {type(sp).__name__}")
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"request {req.request_id!r}: input_ids must be a list of token ids, got "
+                             f"{type(ids).__name__}")
         if not ids:
             raise ValueError(f"request {req.request_id!r} has no input_ids")
         if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
@@ -272,7 +289,9 @@ class TorchEngine:
         loop = asyncio.get_running_loop()
         pending, rids = [], set()
         for r in requests:
-            rid = r.request_id or f"req-{next(self._ids)}"
+            rid = r.request_id
+            while not rid or (not r.request_id and (rid in self._requests or rid in rids)):
+                rid = f"req-{next(self._ids)}"  # an automatic id skips a caller's that is in flight
             if rid in self._requests or rid in rids:
                 raise ValueError(f"request_id {rid!r} is already in flight")
             rids.add(rid)
@@ -477,6 +496,7 @@ class TorchEngine:
         """Make everything staged visible at once, between two steps, as policy ``version``."""
         if self._stage is None:
             raise RuntimeError("end_weight_update without begin_weight_update")
+        version = _version_number(version)  # before anything is applied: a bad one leaves the stage open
         stage, self._stage = self._stage, None
         stage.apply()
         self.set_version(version)
@@ -504,18 +524,20 @@ class TorchEngine:
         no staging copy (colocated pushes whose sources all sit in this process)."""
         if self._stage is not None:
             raise RuntimeError("write_params during a staged weight update: end or abort it first")
+        version = _version_number(version)
         with torch.no_grad():
             write(self.model.params)
         self.set_version(version)
 
     def set_version(self, version: int) -> None:
         """Label the current weights as policy ``version`` (SGLang's ``/update_weight_version``)."""
-        self._version = int(version)
+        self._version = _version_number(version)
         self._batch.mark_version(self._version)
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """``begin_weight_update`` + ``load_weights`` + ``end_weight_update`` in one call; on a bad tensor
         nothing is applied and the engine stays on its version."""
+        version = _version_number(version)
         await self.begin_weight_update()
         try:
             await self.load_weights(named_tensors)

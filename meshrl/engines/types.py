@@ -13,6 +13,7 @@ greedy) the log-probs are those of the unscaled logits.
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Literal, Protocol, Sequence, runtime_checkable
 
@@ -72,6 +73,17 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"n must be >= 1, got {self.n}")
         if self.seed is not None and self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if not math.isfinite(self.temperature):
+            raise ValueError(f"temperature must be finite, got {self.temperature}")
+        # Plain Python values from here on (numpy integers overflow in the seed hash, a list of stop ids
+        # does not concatenate with the EOS tuple): the struct is frozen, so set them the one allowed way.
+        for name in ("max_new_tokens", "top_k", "n"):
+            msgspec.structs.force_setattr(self, name, int(getattr(self, name)))
+        for name in ("temperature", "top_p"):
+            msgspec.structs.force_setattr(self, name, float(getattr(self, name)))
+        msgspec.structs.force_setattr(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.seed is not None:
+            msgspec.structs.force_setattr(self, "seed", int(self.seed))
 
     @property
     def greedy(self) -> bool:

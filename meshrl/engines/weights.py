@@ -44,10 +44,12 @@ def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, st.get_tensor(name)
 
 
-def eos_token_ids(path: str | None, hf_config: Any) -> tuple[int, ...]:
-    """EOS ids: the config's, plus ``generation_config.json``'s when the checkpoint has one."""
+def eos_token_ids(path: str | None, hf_config: Any, generation_eos: int | list[int] | None = None
+                  ) -> tuple[int, ...]:
+    """EOS ids: the config's, plus ``generation_config.json``'s when the checkpoint has one (or, for a
+    model in memory, its ``generation_config.eos_token_id``: ``generation_eos``)."""
     ids: list[int] = []
-    sources = [getattr(hf_config, "eos_token_id", None)]
+    sources = [getattr(hf_config, "eos_token_id", None), generation_eos]
     gen = os.path.join(path, "generation_config.json") if path else None
     if gen and os.path.isfile(gen):
         with open(gen) as fh:
