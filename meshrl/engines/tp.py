@@ -10,6 +10,14 @@ when building it: ``init_process_group(timeout=...)``).
 Simplifications, on purpose: no sequence or vocab parallelism; every rank runs the same engine
 calls in the same order (SPMD), so scheduling decisions agree without extra communication (sampling
 is counter-based, and all ranks see bit-identical reduced logits).
+
+The calls must also reach every rank *between the same two decode steps*: each rank's step loop
+admits, aborts and pauses at its own step boundary, and ranks whose batches differ call the
+all-reduce with different shapes (an error under gloo, a hang until the group's timeout under NCCL).
+So drive a TP engine in rounds: one ``generate`` call per round, made on every rank while the engines
+are idle, and ``pause``/``abort``/weight updates only while every rank is paused. There is no
+leader that broadcasts each step's schedule (SGLang's design) yet; the pipeline's embedded engines
+run without TP, and TP serving in production goes through SGLang.
 """
 
 from __future__ import annotations
