@@ -137,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warm-tool-share", type=float, default=WarmStart().tool_share, help="share of tool transcripts")
     args = p.parse_args(argv)
     try:
-        cfg = config(args.overrides)
-    except ValueError as exc:
+        cfg = config(args.overrides).validate()  # before the warm start: a bad value is named at once
+    except ValueError as exc:  # ConfigError included
         print(f"config error: {exc}", file=sys.stderr)
         return 2
     started = time.perf_counter()
@@ -146,7 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = warm_start(task, WarmStart(steps=args.warm_steps, tool_share=args.warm_tool_share))
     cfg = msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=str(model_dir)))
     environment = meshrl.ToolEnv.factory(TOOLS, result_format=RESULT_FORMAT, max_calls=1)
-    summary = asyncio.run(meshrl.Pipeline(cfg, task=task, reward=task.reward, environment=environment).run())
+    try:
+        summary = asyncio.run(meshrl.Pipeline(cfg, task=task, reward=task.reward, environment=environment).run())
+    except meshrl.ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
 
     records = [json.loads(line) for line in Path(summary["metrics"]).read_text().splitlines()]
     evals = [r for r in records if r["kind"] == "eval"]

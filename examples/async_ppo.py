@@ -58,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         summary = runner(pipeline.run())
+    except ConfigError as exc:  # found once the task is tokenized (a prompt too long for the engine), before any actor
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
     except NonFiniteStepsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

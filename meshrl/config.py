@@ -119,6 +119,21 @@ def _convert(cls: type[T], data: dict) -> T:
         raise ConfigError(f"`{where}`: {msg}" if where else msg) from None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.safe_load``, except that a key repeated in one mapping is an error: YAML keeps the last,
+    so a second ``rollout:`` section would silently reset the first's keys to their defaults."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} appears twice in one mapping",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config(
     cls: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()
 ) -> T:
@@ -128,7 +143,13 @@ def load_config(
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
-        loaded = yaml.safe_load(path.read_text()) or {}
+        try:
+            loaded = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+            what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ConfigError(f"{where}: not valid YAML ({what})") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of config keys")
         data = _merge(cls, data, loaded, "")

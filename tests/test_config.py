@@ -41,6 +41,17 @@ def test_round_trip_through_yaml(tmp_path):
         (["algo.advantage=grpo"], "samples_per_prompt >= 2"),
         (["rollout.temperature=1e-9"], "rollout.temperature must be 0 (greedy) or >= 1e-06"),
         (["rollout.top_p=0"], "rollout.top_p must be in (0, 1]"),
+        (["rollout.top_k=0"], "rollout.top_k must be -1 (off) or >= 1"),
+        (["trainer.lr=-0.1"], "trainer.lr must be a finite number > 0"),
+        (["trainer.warmup_steps=-1"], "trainer.warmup_steps must be >= 0"),
+        (["trainer.min_lr_ratio=5"], "trainer.min_lr_ratio must be in [0, 1]"),
+        (["algo.clip_low=-1"], "algo.clip_low must be in (0, 1)"),
+        (["algo.gamma=-1"], "algo.gamma must be in [0, 1]"),
+        (["rollout.engine.max_seq_len=-1"], "max_seq_len and kv_cache_bytes must be >= 0"),
+        (["task.num_test=0"], "task.num_test must be >= 1"),
+        (["warmstart.max_steps=0"], "warmstart.max_steps must be >= 1"),
+        (["warmstart.check_every=0"], "warmstart.check_every must be >= 1"),
+        (["queue.get_timeout_s=.inf"], "get_timeout_s must be a finite number of seconds"),
     ],
 )
 def test_bad_input_fails_with_one_line_naming_the_key(overrides, message):
@@ -57,6 +68,44 @@ def test_unknown_key_in_yaml_is_named_with_its_path(tmp_path):
         load_config(PipelineConfig, path)
 
 
+def test_yaml_syntax_errors_and_repeated_keys_are_one_line_naming_the_line(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("run:\n  total_steps: 2\ntrainer:\n  lr: [1\n")
+    with pytest.raises(ConfigError, match=r"c.yaml:5: not valid YAML") as info:
+        load_config(PipelineConfig, path)
+    assert "\n" not in str(info.value)
+    # YAML keeps the last of two equal keys: a second section would reset the first's keys silently
+    path.write_text("rollout:\n  temperature: 0.7\nrun:\n  total_steps: 3\nrollout:\n  threads: 2\n")
+    with pytest.raises(ConfigError, match=r"c.yaml:5: not valid YAML \(key 'rollout' appears twice"):
+        load_config(PipelineConfig, path)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["run.step_timeout_s=0"], "`run.step_timeout_s`: must be a finite number of seconds > 0"),
+    (["run.eval_every=-3"], "`run.eval_every`: must be >= 0"),
+    (["run.num_cpus=0"], "`run.num_cpus`: must be >= 1"),
+    (["run.eval_max_new_tokens=0"], "`run.eval_max_new_tokens`: must be >= 1"),
+])
+def test_validate_refuses_run_values_that_would_fail_mid_run(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(PipelineConfig, None, overrides).validate()
+    assert message in str(info.value)
+
+
+def test_output_dir_that_is_a_file_and_cuda_without_a_gpu_are_refused(tmp_path, monkeypatch):
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ConfigError, match="`run.output_dir`: .* exists and is not a directory"):
+        load_config(PipelineConfig, None, [f"run.output_dir={tmp_path / 'afile'}"]).validate()
+    import torch
+
+    if not torch.cuda.is_available():
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+        with pytest.raises(ConfigError, match="`trainer.device`: cuda, but this machine has no CUDA device"):
+            load_config(PipelineConfig, None, ["trainer.device=cuda"]).validate()
+        monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # a cluster elsewhere may have the GPUs
+        load_config(PipelineConfig, None, ["trainer.device=cuda"]).validate()
+
+
 def test_validate_checks_paths_and_cross_component_rules(tmp_path):
     with pytest.raises(ConfigError, match="`model.path`.*does not exist"):
         load_config(PipelineConfig, None, [f"model.path={tmp_path / 'missing'}"]).validate()
@@ -68,6 +117,9 @@ def test_validate_checks_paths_and_cross_component_rules(tmp_path):
     with pytest.raises(ConfigError, match=r"no \*\.safetensors"):
         load_config(PipelineConfig, None, [f"model.path={model}"]).validate()
     (model / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ConfigError, match="has no tokenizer"):  # transformers would make an empty one
+        load_config(PipelineConfig, None, [f"model.path={model}"]).validate()
+    (model / "tokenizer.json").write_text("{}")
     (model / "config.json").write_text('{"model_type": "gpt2"}')
     with pytest.raises(ConfigError, match="model_type 'gpt2' is not supported"):
         load_config(PipelineConfig, None, [f"model.path={model}"]).validate()

@@ -31,7 +31,11 @@ def run_example(tmp_path: Path, *args: str, timeout: int = 300) -> subprocess.Co
 @pytest.mark.slow
 @pytest.mark.parametrize("algo", ["ppo", "grpo_kl"])
 def test_example_runs_end_to_end_and_writes_its_outputs(tmp_path, algo):
+    # ppo pushes every 2 steps: the 3rd and last step must push too, so the final evaluation and the
+    # end checkpoint are of the exported weights
+    sync = 2 if algo == "ppo" else 1
     extra = ["algo=grpo", "algo.samples_per_prompt=4", "algo.kl_coef=0.01"] if algo == "grpo_kl" else []
+    extra.append(f"trainer.sync_interval={sync}")
     out = run_example(tmp_path, *TINY, *extra, f"run.output_dir={tmp_path / 'run'}")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "held-out accuracy:" in out.stdout
@@ -42,7 +46,9 @@ def test_example_runs_end_to_end_and_writes_its_outputs(tmp_path, algo):
     assert [r["step"] for r in steps] == [1, 2, 3]
     for key in ("reward_mean", "staleness_mean", "staleness_max", "tokens_per_s", "step_time_s", "loss", "reward_info/correct"):
         assert all(key in r for r in steps), key
-    assert [r["step"] for r in records if r["kind"] == "eval"] == [0, 2, 3]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 2, 3]
+    assert steps[-1]["version"] == evals[-1]["version"] == -(-3 // sync), (steps[-1], evals[-1])
     # max_staleness=1: pushes went through receives armed during the step (meshrl.reshard.push)
     pushed = [r for r in steps if "sync/recv_signal_wait_s" in r]
     assert pushed and all(r["sync/armed_s"] >= 0 and r["sync/send_s"] > 0 for r in pushed)
@@ -71,6 +77,11 @@ def test_bad_config_stops_at_start_with_one_line(tmp_path):
     ]
     out = run_example(tmp_path, "--model", str(tmp_path / "nowhere"), timeout=120)
     assert out.returncode == 2 and "`model.path`" in out.stderr and "does not exist" in out.stderr
+    # a prompt with no room for its completion is found before the warm start and any actor
+    out = run_example(tmp_path, "rollout.max_new_tokens=60", f"run.output_dir={tmp_path / 'long'}", timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1].startswith("config error: `rollout.max_new_tokens`: the train prompt")
+    assert "exceed the engine's max_seq_len=64" in out.stderr and "warm start" not in out.stdout
     # a broken prompts file is read before any actor starts, and named in one line too; overrides may
     # come before and after --model
     (tmp_path / "ok.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')

@@ -28,7 +28,22 @@ def test_fields_that_are_not_a_prompt_or_an_answer_fail_clearly(tmp_path):
     for record, field in (({"prompt": [{"role": "user", "content": "2+2="}], "answer": "4"}, "prompt"),
                           ({"prompt": "", "answer": "4"}, "prompt"),
                           ({"prompt": "2+2=", "answer": None}, "answer"),
-                          ({"prompt": "2+2=", "answer": ["4", "four"]}, "answer")):  # fmt: skip
+                          ({"prompt": "2+2=", "answer": ["4", "four"]}, "answer"),
+                          ({"prompt": "2+2=", "answer": True}, "answer")):  # fmt: skip
         path.write_text(json.dumps({"prompt": "ok", "answer": "1"}) + "\n" + json.dumps(record) + "\n")
         with pytest.raises(ValueError, match=f"t.jsonl: record 1: field '{field}' must be"):
             FileTask(path, path)
+
+
+def test_whole_number_answers_read_as_floats_are_written_without_a_decimal_point(tmp_path):
+    """A float column (Parquet, or JSON's 4.0) gave the answer "4.0", so a correct "4" scored 0."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"prompt": ["2+2=", "7/2=", "big"], "answer": [4.0, 3.5, 1e20]}), path)
+    assert [p.answer for p in load_problems(path)] == ["4", "3.5", "100000000000000000000"]
+    jsonl = tmp_path / "f.jsonl"
+    jsonl.write_text(json.dumps({"prompt": "2+2=", "answer": 4.0}) + "\n")
+    problem = load_problems(jsonl)[0]
+    assert problem.answer == "4" and FileTask(jsonl, jsonl).reward(problem, "4").reward == 1.0

@@ -40,3 +40,23 @@ def test_warm_start_lowers_the_loss_saves_and_reuses(tmp_path):
     assert again == [f"warm start: reusing {path}"]  # no training the second time
     other = warm_start(TINY, task, WarmStartConfig(max_steps=2, target_accuracy=None, cache_dir=str(tmp_path)), log=lambda _: None)
     assert other != path  # a different recipe is a different cache entry
+
+
+def test_the_cache_key_covers_every_training_answer(tmp_path):
+    """Two files with the same prompts and corrected labels shared one key (only the first and last
+    prompts were in it), so fixing the answers reused a model trained on the wrong ones."""
+    import json
+
+    from meshrl.embedded.warmstart import _cache_key
+    from meshrl.tasks import FileTask
+
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(20)]
+    paths = []
+    for name, fix in (("a", rows), ("b", [dict(r, answer="0") if i == 7 else r for i, r in enumerate(rows)])):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in fix))
+        paths.append(path)
+    cfg = WarmStartConfig()
+    keys = [_cache_key(TINY, FileTask(p, p), cfg, 40) for p in paths]
+    assert keys[0] != keys[1]
+    assert _cache_key(TINY, FileTask(paths[0], paths[0]), cfg, 40) == keys[0]  # and stable

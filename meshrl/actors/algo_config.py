@@ -85,6 +85,23 @@ class AlgoConfig(msgspec.Struct, frozen=True, kw_only=True):
                              f"not {self.advantage}")
         if self.kl_coef < 0:
             raise ValueError(f"algo.kl_coef must be >= 0, got {self.kl_coef}")
+        for name in ("clip_low", "clip_high"):
+            if not 0 < getattr(self, name) < 1:
+                raise ValueError(f"algo.{name} must be in (0, 1), got {getattr(self, name)}")
+        if self.dual_clip is not None and not self.dual_clip > 1:
+            raise ValueError(f"algo.dual_clip must be > 1 (or null), got {self.dual_clip}")
+        for name in ("gamma", "lam"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"algo.{name} must be in [0, 1], got {getattr(self, name)}")
+        if self.is_cap is not None and not self.is_cap > 0:
+            raise ValueError(f"algo.is_cap must be > 0 (or null), got {self.is_cap}")
+        if not 0 <= self.is_low < 1 < self.is_high:
+            raise ValueError(f"algo.is_low must be in [0, 1) and algo.is_high > 1, got {self.is_low} and {self.is_high}")
+        if self.value_clip is not None and not self.value_clip > 0:
+            raise ValueError(f"algo.value_clip must be > 0 (or null), got {self.value_clip}")
+        for name in ("value_coef", "entropy_coef"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"algo.{name} must be >= 0, got {getattr(self, name)}")
 
     @classmethod
     def presets(cls) -> dict[str, dict[str, Any]]:

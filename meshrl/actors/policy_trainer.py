@@ -98,6 +98,17 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.max_skipped_steps < 0:
             raise ValueError(f"trainer.max_skipped_steps must be >= 0, got {self.max_skipped_steps}")
+        for name in ("lr", "critic_lr", "max_grad_norm", "collective_timeout_s"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"trainer.{name} must be a finite number > 0, got {getattr(self, name)}")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"trainer.weight_decay must be >= 0, got {self.weight_decay}")
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"trainer.betas must both be in [0, 1), got {self.betas}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"trainer.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"trainer.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
 
 class NonFiniteStepsError(RuntimeError):

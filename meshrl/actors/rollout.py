@@ -58,6 +58,8 @@ class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"rollout.temperature must be 0 (greedy) or >= {GREEDY_TEMPERATURE}, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"rollout.top_k must be -1 (off) or >= 1, got {self.top_k}")
 
 
 class RolloutWorker(Actor):

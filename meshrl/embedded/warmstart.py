@@ -52,6 +52,15 @@ class WarmStartConfig(msgspec.Struct, frozen=True, kw_only=True):
     cache_dir: str | None = None
     """Where checkpoints are cached; default $MESHRL_CACHE or ~/.cache/meshrl."""
 
+    def __post_init__(self) -> None:
+        for name in ("max_steps", "check_every", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"warmstart.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.lr < float("inf"):
+            raise ValueError(f"warmstart.lr must be a finite number > 0, got {self.lr}")
+        if self.target_accuracy is not None and not 0 <= self.target_accuracy <= 1:
+            raise ValueError(f"warmstart.target_accuracy must be in [0, 1] (or null), got {self.target_accuracy}")
+
 
 def default_cache_dir() -> Path:
     return Path(os.environ.get("MESHRL_CACHE", Path.home() / ".cache" / "meshrl"))
@@ -59,11 +68,14 @@ def default_cache_dir() -> Path:
 
 def _cache_key(model_cfg: EmbeddedModelConfig, task: Task, cfg: WarmStartConfig, vocab_size: int) -> str:
     train = task.split("train")
+    problems = hashlib.sha256()  # every training problem, answers included: corrected labels retrain
+    for p in train:
+        problems.update(json.dumps([p.prompt, p.answer]).encode())
     fingerprint = {
         "format": _FORMAT,
         "model": msgspec.to_builtins(model_cfg),
         "warmstart": {k: v for k, v in msgspec.to_builtins(cfg).items() if k != "cache_dir"},
-        "task": [getattr(task, "name", type(task).__name__), len(train), train[0].prompt, train[-1].prompt, len(task.split("test"))],
+        "task": [getattr(task, "name", type(task).__name__), len(train), problems.hexdigest(), len(task.split("test"))],
         "vocab": vocab_size,
     }
     return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]

@@ -90,6 +90,9 @@ class TorchEngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.max_batch_size < 1 or self.max_prefill_tokens < 1:
             raise ValueError("max_batch_size and max_prefill_tokens must be >= 1")
+        if self.max_seq_len < 0 or self.kv_cache_bytes < 0:
+            raise ValueError(f"max_seq_len and kv_cache_bytes must be >= 0 (0: derived), got {self.max_seq_len} "
+                             f"and {self.kv_cache_bytes}")
 
 
 class _Pending:

@@ -7,6 +7,7 @@ can: that the parts agree with each other, and that paths exist.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Literal
 
@@ -65,6 +66,20 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True):
     if there is none); a path: that checkpoint directory; null: start fresh."""
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _may_have_gpus() -> bool:
+    """CUDA here, or a Ray cluster to join or already joined (its nodes may have GPUs the driver lacks)."""
+    import os
+    import sys
+
+    import torch
+
+    ray = sys.modules.get("ray")
+    return torch.cuda.is_available() or bool(os.environ.get("RAY_ADDRESS")) or bool(ray and ray.is_initialized())
+
+
 def _check_model_dir(path: Path) -> None:
     """What the trainer and TorchEngine need of ``model.path``, checked before anything starts: the
     engine's own reading of the config (``ModelSpec``: family, attention, activation) and weights."""
@@ -76,6 +91,10 @@ def _check_model_dir(path: Path) -> None:
         raise ConfigError(f"`model.path`: {exc}") from None
     if not any(path.glob("*.safetensors")):
         raise ConfigError(f"`model.path`: {path} has no *.safetensors weights (save with save_pretrained)")
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        # transformers would build an empty tokenizer from the config alone: every prompt would be no tokens
+        raise ConfigError(f"`model.path`: {path} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}): "
+                          "save it there with tokenizer.save_pretrained")
 
 
 class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -108,8 +127,7 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
                 f"algo.samples_per_prompt={group} (groups are trained whole)"
             )
         self._validate_queue_fill()
-        if self.run.total_steps < 1:
-            raise ConfigError(f"`run.total_steps`: must be >= 1, got {self.run.total_steps}")
+        self._validate_run()
         every, sync = self.run.checkpoint_every, self.trainer.sync_interval
         if every < 0 or every % sync:
             raise ConfigError(f"`run.checkpoint_every`: {every} must be >= 0 and a multiple of "
@@ -132,6 +150,28 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
             if self.task.kind == "file" and path and not Path(path).is_file():
                 raise ConfigError(f"`task.{key}`: file not found: {path}")
         return self
+
+    def _validate_run(self) -> None:
+        run = self.run
+        if run.total_steps < 1:
+            raise ConfigError(f"`run.total_steps`: must be >= 1, got {run.total_steps}")
+        if run.eval_every < 0:
+            raise ConfigError(f"`run.eval_every`: must be >= 0 (0: only before and after), got {run.eval_every}")
+        if run.eval_max_new_tokens is not None and run.eval_max_new_tokens < 1:
+            raise ConfigError(f"`run.eval_max_new_tokens`: must be >= 1 (or null), got {run.eval_max_new_tokens}")
+        if not 0 < run.step_timeout_s < math.inf:
+            raise ConfigError(f"`run.step_timeout_s`: must be a finite number of seconds > 0, got {run.step_timeout_s}")
+        if run.num_cpus is not None and run.num_cpus < 1:
+            raise ConfigError(f"`run.num_cpus`: must be >= 1 (or null: all of this machine's), got {run.num_cpus}")
+        out = Path(run.output_dir)
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"`run.output_dir`: {out} exists and is not a directory")
+        wanted = [k for k, device in (("trainer.device", self.trainer.device), ("rollout.engine.device",
+                                                                                  self.rollout.engine.device))
+                  if device.startswith("cuda")]
+        if wanted and not _may_have_gpus():
+            raise ConfigError(f"`{wanted[0]}`: cuda, but this machine has no CUDA device and no Ray cluster to "
+                              "join is set (RAY_ADDRESS): use cpu, or start the run where the GPUs are")
 
     def _validate_queue_fill(self) -> None:
         """Sizes with which the queue could never fill a train batch: the run would wait out its

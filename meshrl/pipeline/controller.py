@@ -50,7 +50,7 @@ import ray
 
 from meshrl.actors import ReferenceWorker, RewardWorker, RolloutWorker, Trainer
 from meshrl.actors.hybrid import HybridWorker
-from meshrl.config import to_yaml
+from meshrl.config import ConfigError, to_yaml
 from meshrl.embedded import warm_start
 from meshrl.envs import EnvFactory
 from meshrl.mesh import ActorMesh, ProcMesh, spawn_procs
@@ -135,6 +135,41 @@ class Pipeline:
             return str(Path(self.cfg.model.path).resolve())  # actors may run in another directory
         return str(await asyncio.to_thread(warm_start, self.cfg.model.embedded, self.task, self.cfg.warmstart, log=self._echo))
 
+    def _check_prompt_lengths(self) -> None:
+        """Prompts that leave no room for their completion in the engine's max_seq_len (or encode to
+        nothing) fail the run at start, naming the keys, not as an engine error after the roles start.
+        The longest prompts by characters are checked (the engine refuses any other at its turn)."""
+        cfg = self.cfg
+        if self.environment is not None:  # episodes grow turn by turn: rollout.episode bounds them
+            return
+        if cfg.model.path is None:
+            from meshrl.embedded.tokenizer import build_char_tokenizer
+
+            tokenizer, positions = build_char_tokenizer(), cfg.model.embedded.max_position_embeddings
+        else:
+            from transformers import AutoTokenizer
+
+            from meshrl.engines.layout import ModelSpec
+            from meshrl.engines.weights import load_hf_config
+
+            tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+            positions = ModelSpec.from_hf_config(load_hf_config(cfg.model.path)).max_position_embeddings
+        seq = cfg.rollout.engine.max_seq_len or min(positions, 4096)  # TorchEngine's own default
+        for split, new_key, new in (("train", "rollout.max_new_tokens", cfg.rollout.max_new_tokens),
+                                    ("test", "run.eval_max_new_tokens", cfg.run.eval_max_new_tokens or cfg.rollout.max_new_tokens)):
+            problems = self.task.split(split)
+            longest = sorted(problems, key=lambda p: len(p.prompt), reverse=True)[:256]
+            for p in longest + list(problems[:8]):
+                n = len(tokenizer.encode(p.prompt))
+                if n == 0:
+                    raise ConfigError(f"`model.path`: its tokenizer encodes the {split} prompt {p.prompt[:60]!r} to no "
+                                      "tokens: is it the model's own tokenizer?")
+                if n + new > seq:
+                    raise ConfigError(f"`{new_key}`: the {split} prompt {p.prompt[:60]!r} is {n} tokens, and {n} + "
+                                      f"{new} new tokens exceed the engine's max_seq_len={seq} "
+                                      "(rollout.engine.max_seq_len, or the model's positions): shorten the prompts, "
+                                      f"lower {new_key}, or raise rollout.engine.max_seq_len")
+
     def _spawn(self, name: str, cls: type, *args: Any, procs: int = 1, dims: dict[str, int] | None = None,
                gpus_per_proc: int = 0, **kwargs: Any) -> ActorMesh:
         mesh = spawn_procs(dims or {"procs": procs}, cpus_per_proc=0.01, gpus_per_proc=gpus_per_proc,
@@ -209,8 +244,10 @@ class Pipeline:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / "config.yaml").write_text(to_yaml(cfg))
         started = time.perf_counter()
-        model_dir = await self._model_dir()
         from transformers import AutoTokenizer
+
+        await asyncio.to_thread(self._check_prompt_lengths)  # before the warm start and the roles
+        model_dir = await self._model_dir()
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         ledger = ckpt.PromptLedger(self.task.split("train"), cfg.run.seed)

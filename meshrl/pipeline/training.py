@@ -93,7 +93,7 @@ class TrainLoop:
             encoded = await bounded(queue.get_batch_encoded.call_one(cfg.trainer.samples_per_step, self.version, timeout=timeout),
                                     timeout + 30, "a batch from the queue")  # fmt: skip
             t1 = self.log.now()
-            if self._arms and (self.step + 1) % cfg.trainer.sync_interval == 0:
+            if self._arms and self._pushes_after(self.step + 1):
                 self._armed = asyncio.create_task(self._arm(self.version + 1))
             # every dp rank trains its share of the same batch; the metrics are global (rank 0's)
             metrics = (await self.roles.trainer.train_step.call(encoded, self.version).within(timeout)).values()[0]
@@ -102,7 +102,7 @@ class TrainLoop:
             if "colocated/switch_to_train_s" in metrics:  # placement=colocated: the step began by freeing the KV cache
                 self.log.span("colocated", "switch_to_train", t1, t1 + metrics["colocated/switch_to_train_s"])
             self.step += 1
-            sync_s, pushed = 0.0, self.step % cfg.trainer.sync_interval == 0
+            sync_s, pushed = 0.0, self._pushes_after(self.step)
             every = cfg.run.checkpoint_every
             last = self.step == cfg.run.total_steps and cfg.run.checkpoint_at_end
             checkpoint = (every > 0 and self.step % every == 0) or last
@@ -132,6 +132,11 @@ class TrainLoop:
                 await self.settle()  # evaluated at the version the step record names
                 self.evals.append(asyncio.create_task(self._evaluate()))
         await self.settle()
+
+    def _pushes_after(self, step: int) -> bool:
+        """Every trainer.sync_interval steps, and after the last: the final evaluation and checkpoint
+        are of the weights the run exports, whatever total_steps is."""
+        return step % self.cfg.trainer.sync_interval == 0 or step == self.cfg.run.total_steps
 
     async def _arm(self, version: int) -> None:
         await self.settle()  # the engines take one version at a time

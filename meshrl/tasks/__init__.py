@@ -42,6 +42,10 @@ class TaskConfig(msgspec.Struct, frozen=True, kw_only=True):
     prompt_key: str = "prompt"
     answer_key: str = "answer"
 
+    def __post_init__(self) -> None:
+        if self.digits < 1 or self.num_test < 1:
+            raise ValueError(f"task.digits and task.num_test must be >= 1, got {self.digits} and {self.num_test}")
+
 
 def build_task(cfg: TaskConfig) -> Task:
     if cfg.kind == "addition":

@@ -8,6 +8,8 @@ Parquet needs ``pyarrow``.
 from __future__ import annotations
 
 import json
+import math
+import numbers
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -41,6 +43,20 @@ def _records(path: Path) -> list[dict]:
     raise ValueError(f"{path}: prompts must be a .jsonl or .parquet file")
 
 
+def _answer_text(answer: object, path: Path, index: int, key: str) -> str:
+    """The answer as a completion would write it: a whole number without ``.0`` (Parquet and JSON readers
+    give ``2.0`` for a float column's 2, and ``"2.0"`` would mark a correct ``2`` wrong)."""
+    if isinstance(answer, str):
+        return answer
+    if isinstance(answer, numbers.Real) and not isinstance(answer, bool):
+        if isinstance(answer, numbers.Integral):
+            return str(int(answer))
+        value = float(answer)
+        if math.isfinite(value):
+            return str(int(value)) if value.is_integer() else repr(value)
+    raise ValueError(f"{path}: record {index}: field {key!r} must be a string or a finite number, got {answer!r:.80}")
+
+
 def load_problems(path: str | Path, *, prompt_key: str = "prompt", answer_key: str = "answer") -> list[Problem]:
     """Read problems from ``path``; every record must carry both keys."""
     path = Path(path)
@@ -58,9 +74,7 @@ def load_problems(path: str | Path, *, prompt_key: str = "prompt", answer_key: s
         if not isinstance(prompt, str) or not prompt:
             raise ValueError(f"{path}: record {index}: field {prompt_key!r} must be a non-empty string, got "
                              f"{prompt!r:.80} (chat messages: render them to one string first)")  # fmt: skip
-        if not isinstance(answer, (str, int, float)):
-            raise ValueError(f"{path}: record {index}: field {answer_key!r} must be a string or a number, got {answer!r:.80}")
-        problems.append(Problem(id=index, prompt=prompt, answer=str(answer)))
+        problems.append(Problem(id=index, prompt=prompt, answer=_answer_text(answer, path, index, answer_key)))
     if not problems:
         raise ValueError(f"{path}: no records")
     return problems
