@@ -42,7 +42,7 @@ def test_round_trip_through_yaml(tmp_path):
         (["rollout.temperature=1e-9"], "rollout.temperature must be 0 (greedy) or >= 1e-06"),
         (["rollout.top_p=0"], "rollout.top_p must be in (0, 1]"),
         (["rollout.top_k=0"], "rollout.top_k must be -1 (off) or >= 1"),
-        (["trainer.lr=-0.1"], "trainer.lr must be a finite number > 0"),
+        (["trainer.lr=-0.1"], "trainer.lr must be a finite number >= 0"),
         (["trainer.warmup_steps=-1"], "trainer.warmup_steps must be >= 0"),
         (["trainer.min_lr_ratio=5"], "trainer.min_lr_ratio must be in [0, 1]"),
         (["algo.clip_low=-1"], "algo.clip_low must be in (0, 1)"),

@@ -38,8 +38,8 @@ class AdditionTask:
 
 
 class HeldOutGoneTask(AdditionTask):
-    """Its held-out split loads once: the evaluation before RL works, every later one raises (its
-    file was removed mid-run). Only the controller reads the split."""
+    """Its held-out split loads twice, for the start-up prompt check and the evaluation before RL;
+    every later read raises (its file was removed mid-run). Only the controller reads the split."""
 
     name = "held-out-gone"
 
@@ -50,7 +50,7 @@ class HeldOutGoneTask(AdditionTask):
     def split(self, name: str):
         if name == "test":
             self.test_reads += 1
-            if self.test_reads > 1:
+            if self.test_reads > 2:
                 raise FileNotFoundError("held-out split: data/test.jsonl is gone")
         return super().split(name)
 

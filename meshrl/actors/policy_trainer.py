@@ -98,7 +98,10 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.max_skipped_steps < 0:
             raise ValueError(f"trainer.max_skipped_steps must be >= 0, got {self.max_skipped_steps}")
-        for name in ("lr", "critic_lr", "max_grad_norm", "collective_timeout_s"):
+        for name in ("lr", "critic_lr"):  # 0 is allowed: a run that only measures (no update)
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"trainer.{name} must be a finite number >= 0, got {getattr(self, name)}")
+        for name in ("max_grad_norm", "collective_timeout_s"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"trainer.{name} must be a finite number > 0, got {getattr(self, name)}")
         if not self.weight_decay >= 0:
