@@ -59,7 +59,8 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     minibatches_per_step: int = 1
     """Optimiser updates per pass (the batch is split into this many mini-batches)."""
     sync_interval: int = 1
-    """Train steps between weight publishes; each publish is one policy version."""
+    """Train steps between weight publishes; each publish is one policy version. The last step
+    always publishes, so the final evaluation and checkpoint are of the exported weights."""
     threads: int = 1
     """torch intra-op threads in each trainer process."""
     seed: int = 0
