@@ -163,6 +163,15 @@ def test_bad_input_errors_name_the_problem():
         ModelSpec.from_hf_config(GPT2Config())
     with pytest.raises(ValueError, match="holds no sequence"):
         TorchEngine.from_hf_model(hf, config=TorchEngineConfig(kv_cache_bytes=100, max_seq_len=16))
+    from transformers import LlamaConfig
+
+    for scaling in ({"rope_type": "dynamic", "factor": 2.0},
+                    {"rope_type": "longrope", "short_factor": [1.0] * 16, "long_factor": [2.0] * 16,
+                     "original_max_position_embeddings": 64}):  # fmt: skip
+        cfg = LlamaConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=2, num_hidden_layers=1,
+                          intermediate_size=64, vocab_size=96, max_position_embeddings=128, rope_scaling=scaling)
+        with pytest.raises(ValueError, match=f"{scaling['rope_type']} RoPE scaling is not supported"):
+            ModelSpec.from_hf_config(cfg)
 
 
 def test_kv_budget_sets_rows():

@@ -14,7 +14,7 @@ This is the one place that knows how Hugging Face checkpoints map onto TorchEngi
 
 Simplifications, on purpose: embeddings and ``lm_head`` are replicated under TP (no vocab
 parallelism); KV heads are split, never replicated, so ``num_key_value_heads % tp_size == 0`` is
-required; sliding-window attention and dynamic RoPE are rejected at load time.
+required; sliding-window attention and dynamic or LongRoPE scaling are rejected at load time.
 """
 
 from __future__ import annotations
@@ -96,8 +96,9 @@ class ModelSpec:
 def _rope_parameters(cfg: Any) -> tuple[torch.Tensor, float]:
     """inv_freq and attention scaling exactly as the model's own HF rotary class computes them."""
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    if rope.get("rope_type", rope.get("type", "default")) == "dynamic":
-        raise ValueError("dynamic RoPE scaling is not supported (its frequencies depend on the sequence length)")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind in ("dynamic", "longrope"):  # HF's rotary class re-derives them per forward (dynamic_rope_update)
+        raise ValueError(f"{kind} RoPE scaling is not supported (its frequencies depend on the sequence length)")
     mod = importlib.import_module(f"transformers.models.{cfg.model_type}.modeling_{cfg.model_type}")
     rotary_cls = next(getattr(mod, n) for n in dir(mod) if n.endswith("RotaryEmbedding"))
     rotary = rotary_cls(config=cfg)
