@@ -8,12 +8,16 @@ With no model given it warm-starts a small Qwen2 model on multi-digit addition (
 first run), then trains it with RL: rollout, reward and training run at once as Ray actors joined
 by a staleness-bounded queue. It prints one line per step and writes, under run.output_dir,
 metrics.jsonl, timeline.jsonl, plots.png, config.yaml and final/ (a Hugging Face checkpoint).
+Ctrl-C stops cleanly: the steps in flight finish, a checkpoint is written (``run.resume=latest``
+continues from it) and final/ is exported; a second Ctrl-C aborts at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import signal
 import sys
 from pathlib import Path
 
@@ -39,6 +43,29 @@ def parse(argv: list[str] | None) -> PipelineConfig:
     return cfg
 
 
+async def run_until_interrupted(pipeline: Pipeline) -> dict:
+    """``pipeline.run()``; the first Ctrl-C stops it cleanly (``Pipeline.stop``), a second cancels it."""
+    loop, run = asyncio.get_running_loop(), asyncio.ensure_future(pipeline.run())
+    stopping: list[asyncio.Future] = []
+
+    def interrupted() -> None:
+        if stopping:
+            run.cancel()
+            return
+        print("\nstopping: the steps in flight finish, then a checkpoint (run.resume=latest continues from it) and "
+              "final/ are written; Ctrl-C again to abort", file=sys.stderr, flush=True)
+        stopping.append(asyncio.ensure_future(pipeline.stop()))
+
+    with contextlib.suppress(NotImplementedError, RuntimeError):  # no signal handlers off the main thread
+        loop.add_signal_handler(signal.SIGINT, interrupted)
+    try:
+        return await run
+    finally:
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.remove_signal_handler(signal.SIGINT)
+        await asyncio.gather(*stopping, return_exceptions=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse(argv)
@@ -57,13 +84,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
     try:
-        summary = runner(pipeline.run())
+        summary = runner(run_until_interrupted(pipeline))
+    except asyncio.CancelledError:
+        print("aborted: nothing was saved beyond the last checkpoint", file=sys.stderr)
+        return 130
     except ConfigError as exc:  # found once the task is tokenized (a prompt too long for the engine), before any actor
         print(f"config error: {exc}", file=sys.stderr)
         return 2
     except NonFiniteStepsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    if summary["stopped"]:
+        before = summary["accuracy_before"]
+        print(f"\nstopped after {summary['steps']} steps" + (f" (held-out accuracy before RL {before:.1%})" if before is not None else "")
+              + "\n"
+              f"resume:     python examples/async_ppo.py ... run.resume=latest   ({summary['last_checkpoint']})\n"
+              f"checkpoint: {summary['checkpoint']}\nmetrics:    {summary['metrics']}\nplots:      {summary['plot']}")
+        return 0
     gain = summary["accuracy_after"] - summary["accuracy_before"]
     print(
         f"\nheld-out accuracy: {summary['accuracy_before']:.1%} before RL -> {summary['accuracy_after']:.1%} after "

@@ -91,3 +91,46 @@ def test_bad_config_stops_at_start_with_one_line(tmp_path):
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [f"config error: {tmp_path / 'bad.jsonl'}:2: not valid JSON "
                                                "(Expecting value)"], out.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_cleanly_with_a_checkpoint_to_resume(tmp_path):
+    """The first Ctrl-C drains, checkpoints and exports (it used to exit with a traceback and save
+    nothing: with checkpoint_every=0, run.resume=latest then started over)."""
+    import signal
+    import threading
+    import time
+
+    env = {**os.environ, "MESHRL_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled",
+           "PYTHONUNBUFFERED": "1"}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.Popen([sys.executable, str(ROOT / "examples" / "async_ppo.py"), *TINY, "run.total_steps=500",
+                             "run.progress=false", f"run.output_dir={tmp_path / 'run'}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)  # fmt: skip
+    lines: list[str] = []
+    stepped = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("step ") and "/500" in line:
+                stepped.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert stepped.wait(240), "".join(lines[-40:])
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(180) == 0, "".join(lines[-60:])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(10)
+    out = "".join(lines)
+    assert "stopping: the steps in flight finish" in out and "stopped after" in out and "run.resume=latest" in out, out[-3000:]
+    run = tmp_path / "run"
+    latest = (run / "checkpoints" / "latest").read_text().strip()
+    assert (run / "checkpoints" / latest / "run_state.msgpack").is_file()
+    assert (run / "final" / "config.json").is_file()
+    summary = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert summary["kind"] == "summary" and summary["stopped"] and 1 <= summary["steps"] < 500
