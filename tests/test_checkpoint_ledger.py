@@ -176,3 +176,29 @@ def test_a_train_loop_failure_while_stopping_is_the_runs_failure():
         assert isinstance(p._failure, RuntimeError)
 
     asyncio.run(main())
+
+
+def test_resume_refuses_a_checkpoint_of_another_model_task_or_group_shape(tmp_path):
+    """Resuming a PPO checkpoint with algo=grpo ran: the restored queue's one-sample groups trained
+    under GRPO. The settings that shape what the checkpoint holds must match; others may change."""
+    import pytest
+
+    from meshrl.config import ConfigError, load_config
+    from meshrl.pipeline import PipelineConfig
+    from meshrl.pipeline.checkpoint import check_fingerprint, run_fingerprint
+
+    ppo = load_config(PipelineConfig, None, ["algo=ppo"])
+    state = RunState(step=4, version=4, prompt_position=0, next_group=0, generated_tokens=0, accuracy_before=None,
+                     in_flight=[], queue_snapshot=b"", fingerprint=run_fingerprint(ppo))  # fmt: skip
+    write_checkpoint_files(tmp_path / "ck", state, None)
+    state = read_run_state(tmp_path / "ck")
+    check_fingerprint(tmp_path / "ck", state, load_config(PipelineConfig, None, ["algo=ppo", "trainer.lr=1e-5",
+                                                                               "run.total_steps=9", "queue.max_staleness=3"]))
+    for overrides, key in ((["algo=grpo"], "algo.samples_per_prompt"), (["task.digits=3"], "task"),
+                           (["model.embedded.hidden_size=64"], "model")):
+        with pytest.raises(ConfigError, match=f"`run.resume`: .* other settings \\({key}: ") as info:
+            check_fingerprint(tmp_path / "ck", state, load_config(PipelineConfig, None, overrides))
+        assert "\n" not in str(info.value)
+    old = RunState(step=1, version=1, prompt_position=0, next_group=0, generated_tokens=0, accuracy_before=None,
+                   in_flight=[], queue_snapshot=b"")  # a checkpoint from before fingerprints: nothing to compare
+    check_fingerprint(tmp_path / "ck", old, load_config(PipelineConfig, None, ["algo=grpo"]))

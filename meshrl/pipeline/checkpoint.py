@@ -32,7 +32,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import msgspec
 
@@ -79,6 +79,30 @@ class RunState(msgspec.Struct, kw_only=True):
     holds their reservation (a request just done may be listed, its samples in the snapshot)."""
     queue_snapshot: bytes
     """``SampleQueue.snapshot()``."""
+    fingerprint: dict[str, Any] = {}
+    """``run_fingerprint`` of the config that wrote it (empty in checkpoints from before it existed)."""
+
+
+def run_fingerprint(cfg: Any) -> dict[str, Any]:
+    """The settings a resumed run must share with the run it continues: the model, the task (the prompt
+    position counts into its training split) and the shape of what the queue and the trainer hold
+    (group size, a critic or not). Everything else (learning rate, steps, staleness) may change."""
+    return {
+        "model": msgspec.to_builtins(cfg.model), "task": msgspec.to_builtins(cfg.task),
+        "algo.samples_per_prompt": cfg.algo.samples_per_prompt, "algo.advantage": cfg.algo.advantage,
+    }
+
+
+def check_fingerprint(path: Path, state: RunState, cfg: Any) -> None:
+    """Raise ``ConfigError`` naming every setting that differs from the checkpoint's run."""
+    from meshrl.config import ConfigError
+
+    now = run_fingerprint(cfg)
+    differ = [k for k, v in state.fingerprint.items() if now.get(k) != v]
+    if differ:
+        shown = "; ".join(f"{k}: {state.fingerprint[k]!r} there, {now.get(k)!r} now" for k in differ)
+        raise ConfigError(f"`run.resume`: {path} was written by a run with other settings ({shown}); resume with "
+                          "the same ones, or start fresh in another run.output_dir")
 
 
 class PromptLedger:

@@ -246,12 +246,14 @@ class Pipeline:
         started = time.perf_counter()
         from transformers import AutoTokenizer
 
-        await asyncio.to_thread(self._check_prompt_lengths)  # before the warm start and the roles
+        resume_from = ckpt.resolve_resume(cfg.run.resume, self.out_dir)
+        if resume_from is not None:  # before the warm start and the roles, as the prompt check below
+            ckpt.check_fingerprint(resume_from, ckpt.read_run_state(resume_from), cfg)
+        await asyncio.to_thread(self._check_prompt_lengths)
         model_dir = await self._model_dir()
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         ledger = ckpt.PromptLedger(self.task.split("train"), cfg.run.seed)
-        resume_from = ckpt.resolve_resume(cfg.run.resume, self.out_dir)
         if cfg.run.resume == "latest" and resume_from is None:
             self._echo(f"run.resume=latest: no complete checkpoint under {self.out_dir / 'checkpoints'} yet, starting fresh")
         later = ckpt.later_checkpoints(self.out_dir, ckpt.read_run_state(resume_from).step if resume_from else 0)
