@@ -125,6 +125,25 @@ def test_from_pretrained_directory_matches_in_memory(tmp_path):
     assert a.eos_ids == (EOS,)
 
 
+def test_from_pretrained_reads_the_files_transformers_reads(tmp_path):
+    """Only the model's weight files: a LoRA adapter saved beside them is not the model's (its names
+    failed the load), and a sharded save is read through its index."""
+    from safetensors.torch import save_file
+
+    hf = make_hf("qwen2", seed=4)
+    cfg = TorchEngineConfig(max_batch_size=4, max_seq_len=40)
+    reqs = [GenerateRequest(input_ids=p, sampling=SamplingParams(max_new_tokens=8, temperature=0)) for p in prompts(3, 96)]
+    want = [r.completions[0].output_ids for r in generate(TorchEngine.from_hf_model(hf, config=cfg), reqs)]
+    single, sharded = tmp_path / "single", tmp_path / "sharded"
+    hf.save_pretrained(single, safe_serialization=True)
+    hf.save_pretrained(sharded, safe_serialization=True, max_shard_size="100KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    for d in (single, sharded):
+        save_file({"base_model.model.lm_head.lora_A.weight": torch.zeros(2, 64)}, str(d / "adapter_model.safetensors"))
+        got = [r.completions[0].output_ids for r in generate(TorchEngine.from_pretrained(str(d), cfg), reqs)]
+        assert got == want, d.name
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
 def test_weights_round_trip_through_fused_layout(arch):
     """Every HF weight comes back out of the fused engine layout unchanged (tied lm_head included)."""

@@ -31,13 +31,31 @@ def load_hf_config(path: str) -> Any:
     return AutoConfig.from_pretrained(path, local_files_only=True)
 
 
-def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of every ``*.safetensors`` file in ``path`` (CPU tensors, checkpoint dtype)."""
-    from safetensors import safe_open
-
+def checkpoint_files(path: str) -> list[str]:
+    """The model's weight files as ``from_pretrained`` picks them: the shards that
+    ``model.safetensors.index.json`` names, else ``model.safetensors``, else every ``*.safetensors``
+    (other files beside them, an adapter or stale shards, are not the model's)."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as fh:
+            files = sorted(set(json.load(fh).get("weight_map", {}).values()))
+        missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
+        if not files or missing:
+            raise FileNotFoundError(f"{index} names shards that are not there: {missing[:3] or 'none at all'}")
+        return files
+    if os.path.isfile(os.path.join(path, "model.safetensors")):
+        return ["model.safetensors"]
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"{path!r} has no *.safetensors files")
+    return files
+
+
+def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the model's weight files in ``path`` (``checkpoint_files``; CPU tensors, checkpoint dtype)."""
+    from safetensors import safe_open
+
+    files = checkpoint_files(path)
     for f in files:
         with safe_open(os.path.join(path, f), framework="pt") as st:
             for name in st.keys():
