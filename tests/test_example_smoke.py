@@ -82,6 +82,11 @@ def test_bad_config_stops_at_start_with_one_line(tmp_path):
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stderr.strip().splitlines()[-1].startswith("config error: `rollout.max_new_tokens`: the train prompt")
     assert "exceed the engine's max_seq_len=64" in out.stderr and "warm start" not in out.stdout
+    # characters the embedded default's tokenizer lacks would be <unk>: such an answer could never match
+    (tmp_path / "accents.jsonl").write_text('{"prompt": "caf", "answer": "\u00e9"}\n', encoding="utf-8")
+    out = run_example(tmp_path, "task.kind=file", f"task.train_file={tmp_path / 'accents.jsonl'}",
+                      f"task.test_file={tmp_path / 'accents.jsonl'}", f"run.output_dir={tmp_path / 'acc'}", timeout=120)
+    assert out.returncode == 2 and "characters the embedded default's tokenizer does not have" in out.stderr, out.stderr[-2000:]
     # a broken prompts file is read before any actor starts, and named in one line too; overrides may
     # come before and after --model
     (tmp_path / "ok.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')

@@ -154,6 +154,17 @@ class Pipeline:
 
             tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
             positions = ModelSpec.from_hf_config(load_hf_config(cfg.model.path)).max_position_embeddings
+        if cfg.model.path is None:
+            from meshrl.embedded.tokenizer import CHARACTERS
+
+            known, unknown = set(CHARACTERS), set()
+            for split in ("train", "test"):
+                for p in self.task.split(split):
+                    unknown.update(set(p.prompt) - known, set(p.answer) - known)
+            if unknown:  # they would be <unk>: an answer holding one could never be matched
+                raise ConfigError(f"`model.path`: the task uses characters the embedded default's tokenizer does not "
+                                  f"have ({''.join(sorted(unknown))[:20]!r}; it has printable ASCII): use --model DIR "
+                                  "with a tokenizer that covers them")
         seq = cfg.rollout.engine.max_seq_len or min(positions, 4096)  # TorchEngine's own default
         for split, new_key, new in (("train", "rollout.max_new_tokens", cfg.rollout.max_new_tokens),
                                     ("test", "run.eval_max_new_tokens", cfg.run.eval_max_new_tokens or cfg.rollout.max_new_tokens)):
