@@ -223,12 +223,16 @@ def test_bad_requests_are_400_naming_the_field(hf):
                 ({"input_ids": P0, "sampling_params": {"sampling_seed": "x"}}, "seed"),
                 ({"input_ids": [True, False]}, "input_ids"),
                 ({"input_ids": P0, "rid": 5}, "rid"),
+                # booleans are JSON booleans: the string "false" is truthy
+                ({"input_ids": P0, "return_logprob": "false"}, "return_logprob must be true or false"),
+                ({"input_ids": P0, "sampling_params": {"no_stop_trim": "no"}}, "no_stop_trim must be true or false"),
             ]
             for body, needle in cases:
                 st, out = await post(s, "/generate", body)
                 assert st == 400 and needle in out["error"]["message"], (body, out)
             raw = [("/generate", b"{bad", "not valid JSON"), ("/generate", b"[1, 2]", "JSON object"),
                    ("/pause_generation", b"{bad", "not valid JSON"), ("/abort_request", b'{"rid": ["x"]}', "rid"),
+                   ("/abort_request", b'{"abort_all": "false"}', "abort_all must be true or false"),
                    ("/get_weights_by_name", b'{"name": "model.norm.weight", "truncate_size": "x"}', "truncate_size"),
                    ("/update_weight_version", b"[]", "JSON object"),
                    ("/update_weights_from_distributed", b"{}", "names"),
@@ -321,3 +325,54 @@ def test_cli_serves_a_checkpoint_directory(tmp_path, hf):
     ref = asyncio.run(make_engine(hf).generate([GenerateRequest(
         input_ids=P0, sampling=SamplingParams(max_new_tokens=4, temperature=0))]))
     assert st == 200 and out["output_ids"] == ref[0].completions[0].output_ids
+
+
+def test_server_ids_never_collide_with_a_clients_rid(hf):
+    """Requests without a rid got ``srv-N`` ids, and /health_generate ``health-N``: a client whose own
+    rid was ``srv-0`` made an innocent request fail with 400 (and /health_generate with a 500)."""
+    async def main():
+        engine = make_engine(hf)
+        async with serve(engine) as s:
+            body = {"input_ids": P0, "sampling_params": {"max_new_tokens": 60, "temperature": 0, "ignore_eos": True}}
+            clients = [asyncio.ensure_future(post(s, "/generate", {**body, "rid": rid})) for rid in ("srv-0", "health-0")]
+            await until(lambda: engine._batch.size >= 2, "both client requests running")
+            st, plain = await post(s, "/generate", {"input_ids": P1, "sampling_params": {"max_new_tokens": 2}})
+            health = await get(s, "/health_generate")
+            done = await asyncio.gather(*clients)
+            return st, plain, health, done
+
+    st, plain, health, done = asyncio.run(main())
+    assert st == 200 and plain["meta_info"]["id"] not in ("srv-0", "health-0"), plain
+    assert health[0] == 200 and [d[1]["meta_info"]["id"] for d in done] == ["srv-0", "health-0"]
+
+
+def test_text_leaves_out_the_matched_stop_token_unless_no_stop_trim(hf):
+    """As SGLang's detokenizer does (trim_matched_stop); output_ids keep it either way."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {chr(ord("a") + i % 26) + str(i // 26): i for i in range(72)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="a0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+
+    async def main():
+        engine = make_engine(hf)
+        runner = web.AppRunner(make_app(engine, tokenizer=tok))
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        try:
+            async with aiohttp.ClientSession(url, timeout=TIMEOUT) as s:
+                _, free = await post(s, "/generate", {"input_ids": P0, "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+                stop = free["output_ids"][1]
+                sp = {"max_new_tokens": 4, "temperature": 0, "stop_token_ids": [stop]}
+                _, trimmed = await post(s, "/generate", {"input_ids": P0, "sampling_params": sp})
+                _, kept = await post(s, "/generate", {"input_ids": P0, "sampling_params": {**sp, "no_stop_trim": True}})
+                return free, trimmed, kept
+        finally:
+            await runner.cleanup()
+
+    free, trimmed, kept = asyncio.run(main())
+    assert trimmed["output_ids"] == kept["output_ids"] == free["output_ids"][:2]
+    assert trimmed["meta_info"]["finish_reason"]["matched"] == free["output_ids"][1]
+    assert trimmed["text"] == tok.decode(free["output_ids"][:1]) and kept["text"] == tok.decode(free["output_ids"][:2])

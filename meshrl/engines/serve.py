@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import os
 import time
+import uuid
 from typing import Any, Awaitable, Callable, Iterable
 
 from aiohttp import web
@@ -47,6 +47,7 @@ _NEUTRAL_SAMPLING = {"min_p": 0.0, "min_new_tokens": 0, "repetition_penalty": 1.
                      "presence_penalty": 0.0, "stop": None, "json_schema": None, "regex": None, "ebnf": None,
                      "structural_tag": None, "logit_bias": None, "custom_params": None}
 _IGNORED_SAMPLING = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval"}
+"""Accepted and not used by the engine (no_stop_trim is read by the reply's text: `_out`)."""
 _GENERATE_FIELDS = {"input_ids", "text", "sampling_params", "return_logprob", "logprob_start_len",
                     "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "stream", "rid"}
 _NULL_FIELDS = {"image_data", "audio_data", "video_data", "lora_path", "custom_logit_processor", "session_params",
@@ -90,6 +91,14 @@ async def bad_requests(request: web.Request, handler: Handler) -> web.StreamResp
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _flag(d: dict[str, Any], key: str, where: str = "/generate") -> bool:
+    """A JSON boolean field (absent or null: false); ``"false"`` would be truthy, so strings are refused."""
+    value = d.get(key)
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    raise BadRequest(f"{where}: {key} must be true or false, got {value!r}")
 
 
 def _sampling(d: dict[str, Any]) -> SamplingParams:
@@ -153,15 +162,16 @@ class _Server:
     def __init__(self, engine: TorchEngine, tokenizer: Any, server_args: dict[str, Any], compat_version: str):
         self.engine, self.tokenizer, self.server_args = engine, tokenizer, server_args
         self.compat_version = compat_version
-        self._rids = itertools.count()
 
-    def _requests(self, body: dict[str, Any]) -> tuple[list[GenerateRequest], bool]:
+    def _requests(self, body: dict[str, Any]) -> tuple[list[GenerateRequest], bool, list[bool]]:
         unknown = [k for k in body if k not in _GENERATE_FIELDS and k not in _NULL_FIELDS]
         if unknown:
             raise BadRequest(f"unknown /generate fields {unknown}")
         for k in _NULL_FIELDS:
             if body.get(k):
                 raise BadRequest(f"/generate field {k!r} is not supported by TorchEngine")
+        for key in ("stream", "return_logprob", "return_text_in_logprobs"):
+            _flag(body, key)
         if body.get("stream"):
             raise BadRequest("stream=true is not supported by this server: send stream=false")
         if body.get("logprob_start_len", -1) not in (-1, None) or body.get("top_logprobs_num") \
@@ -192,12 +202,16 @@ class _Server:
         rids = rid if isinstance(rid, list) else [rid] * len(batch) if single or rid is None else None
         if rids is None or len(rids) != len(batch) or not all(r is None or isinstance(r, str) for r in rids):
             raise BadRequest("rid must be a string (one prompt) or a list with one string id per prompt")
-        reqs = [GenerateRequest(input_ids=p, sampling=_sampling(s), request_id=r or f"srv-{next(self._rids)}")
+        for s in sps:
+            if isinstance(s, dict):
+                _flag(s, "no_stop_trim")
+        # a server-made id must never be a client's rid (SGLang uses uuid4 hex as well)
+        reqs = [GenerateRequest(input_ids=p, sampling=_sampling(s), request_id=r or uuid.uuid4().hex)
                 for p, s, r in zip(batch, sps, rids)]
-        return reqs, single
+        return reqs, single, [bool(s.get("no_stop_trim")) for s in sps]
 
     def _out(self, res: GenerateResult, j: int, c: Completion, sp: SamplingParams, return_logprob: bool,
-             with_text: bool, latency_s: float) -> dict[str, Any]:
+             with_text: bool, latency_s: float, no_stop_trim: bool = False) -> dict[str, Any]:
         if c.finish_reason == "stop":
             reason: dict[str, Any] = {"type": "stop", "matched": c.output_ids[-1]}
         elif c.finish_reason == "length":
@@ -217,12 +231,14 @@ class _Server:
             meta["input_token_logprobs"] = []
         out: dict[str, Any] = {"output_ids": c.output_ids, "meta_info": meta}
         if self.tokenizer is not None:
-            out = {"text": self.tokenizer.decode(c.output_ids), **out}
+            # SGLang's detokenizer (trim_matched_stop) leaves the matched stop token out of the text
+            shown = c.output_ids[:-1] if c.finish_reason == "stop" and not no_stop_trim else c.output_ids
+            out = {"text": self.tokenizer.decode(shown), **out}
         return out
 
     async def generate(self, request: web.Request) -> web.Response:
         body = await read_json(request)
-        reqs, single = self._requests(body)
+        reqs, single, no_trim = self._requests(body)
         t0 = time.perf_counter()
         try:
             results = await until_disconnect(request, self.engine.generate(reqs))
@@ -234,8 +250,8 @@ class _Server:
             return web.Response(status=499, text="client closed the connection; its requests were aborted\n")
         latency = time.perf_counter() - t0
         outs = [self._out(res, j, c, r.sampling, bool(body.get("return_logprob")),
-                          bool(body.get("return_text_in_logprobs")), latency)
-                for r, res in zip(reqs, results) for j, c in enumerate(res.completions)]
+                          bool(body.get("return_text_in_logprobs")), latency, keep)
+                for r, res, keep in zip(reqs, results, no_trim) for j, c in enumerate(res.completions)]
         return web.json_response(outs[0] if single and len(outs) == 1 else outs)
 
     async def health(self, request: web.Request) -> web.Response:
@@ -247,11 +263,13 @@ class _Server:
         if self.engine.is_paused or self.engine.is_updating:
             return web.Response(status=503, text="paused" if self.engine.is_paused else "updating weights")
         probe = GenerateRequest(input_ids=[0], sampling=SamplingParams(max_new_tokens=1, temperature=0),
-                                request_id=f"health-{next(self._rids)}")
+                                request_id=f"health-{uuid.uuid4().hex}")
         try:
             await asyncio.wait_for(self.engine.generate([probe]), 20.0)
         except asyncio.TimeoutError:
             return web.Response(status=503, text="a one-token generation did not finish within 20 s")
+        except (RuntimeError, ValueError) as exc:  # a failed step, or paused/updating just now
+            return web.Response(status=503, text=f"a one-token generation failed: {exc}")
         return web.Response(status=200)
 
     async def model_info(self, request: web.Request) -> web.Response:
@@ -289,7 +307,7 @@ class _Server:
         rid = body.get("rid")
         if rid is not None and not isinstance(rid, str):
             raise BadRequest(f"/abort_request: rid must be a string, got {rid!r}")
-        if body.get("abort_all"):
+        if _flag(body, "abort_all", "/abort_request"):
             self.engine.abort_all()
         elif rid:
             await self.engine.abort(rid)  # an unknown (or finished) rid is a no-op, as in SGLang

@@ -41,6 +41,10 @@ _RETRY_SAFE = {"/get_server_info", "/server_info", "/get_model_info", "/model_in
                "/pause_generation", "/continue_generation", "/abort_request", "/flush_cache", "/get_weights_by_name"}
 
 
+_CONTROL_CONNECTIONS = 16
+"""Connections beyond ``max_connections`` for control calls."""
+
+
 class SGLangEngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     """How to talk to one SGLang server."""
 
@@ -53,7 +57,8 @@ class SGLangEngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     retry_backoff_s: float = 0.5
     """Sleep before the first retry; doubles each time."""
     max_connections: int = 256
-    """Concurrent HTTP connections to the server."""
+    """Concurrent /generate calls to the server; control calls (pause, abort, flush, ...) have room
+    beyond it, so a full pool of generations never holds up the pause of a weight sync."""
     initial_version: int = 0
     """Policy version the server starts with (SGLang reports 'default' until told otherwise)."""
     sync: SGLangSyncConfig = SGLangSyncConfig()
@@ -74,6 +79,7 @@ class SGLangEngine:
             self._offline = OfflineBackend(engine)
         self._session: Any = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
+        self._generating: asyncio.Semaphore | None = None
         self._server_version: tuple[int, int, int] | None = None
         self._version = config.initial_version
         self._sender: SGLangWeightSender | None = None
@@ -105,7 +111,12 @@ class SGLangEngine:
 
         loop = asyncio.get_running_loop()
         if self._session is None or self._session_loop is not loop or self._session.closed:
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self.config.max_connections))
+            if self._session is not None and not self._session.closed:  # made on a loop that is gone or elsewhere
+                with contextlib.suppress(Exception):  # its transports may belong to a closed loop: best effort
+                    await self._session.close()
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(
+                limit=self.config.max_connections + _CONTROL_CONNECTIONS))
+            self._generating = asyncio.Semaphore(self.config.max_connections)
             self._session_loop = loop
         return self._session
 
@@ -114,25 +125,39 @@ class SGLangEngine:
         """One call: ``(HTTP status, JSON or text reply)``; retried on connection errors when safe."""
         timeout = timeout_s or self.config.request_timeout_s
         if self._offline is not None:
-            return await asyncio.wait_for(self._offline.request(method, path, body), timeout)
+            try:
+                return await asyncio.wait_for(self._offline.request(method, path, body), timeout)
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"{method} in-process {path}: no reply within {timeout}s") from None
         import aiohttp
 
         session, delay = await self._http(), self.config.retry_backoff_s
         attempts = 1 + (self.config.retries if path in _RETRY_SAFE else 0)
+        where = f"{method} {self.url}{path}"
         for attempt in range(attempts):
             try:
-                async with session.request(method, self.url + path, json=body,
-                                           timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                async with contextlib.AsyncExitStack() as stack:
+                    if path == "/generate":  # generations queue here, not in the pool control calls need
+                        try:
+                            await asyncio.wait_for(self._generating.acquire(), timeout)
+                        except asyncio.TimeoutError:
+                            raise TimeoutError(f"{where}: no free slot within {timeout}s (max_connections="
+                                               f"{self.config.max_connections} generations in flight)") from None
+                        stack.callback(self._generating.release)
+                    resp = await stack.enter_async_context(session.request(
+                        method, self.url + path, json=body, timeout=aiohttp.ClientTimeout(total=timeout)))
                     if resp.content_type == "application/json":
                         return resp.status, await resp.json()
                     return resp.status, await resp.text()
             except asyncio.TimeoutError:
-                raise TimeoutError(f"{method} {self.url}{path}: no reply within {timeout}s") from None
-            except aiohttp.ClientConnectionError as exc:
+                raise TimeoutError(f"{where}: no reply within {timeout}s") from None
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:  # refused, reset, cut short
                 if attempt + 1 == attempts:
-                    raise ConnectionError(f"{method} {self.url}{path}: {exc} (after {attempts} attempts)") from exc
+                    raise ConnectionError(f"{where}: {type(exc).__name__}: {exc} (after {attempts} attempts)") from exc
                 await asyncio.sleep(delay)
                 delay *= 2
+            except ValueError as exc:  # a JSON body that does not parse
+                raise RuntimeError(f"{where}: the reply is not valid JSON ({exc})") from exc
         raise AssertionError("unreachable")
 
     async def _ok(self, path: str, body: dict[str, Any] | None = None, method: str = "POST") -> Any:

@@ -1,0 +1,90 @@
+"""``SGLangEngine``'s HTTP client against real servers on 127.0.0.1: the TorchEngine server in this
+process, and raw sockets that misbehave as a broken proxy or server would. What is checked beyond
+``test_sglang_engine.py``: control calls are never starved by generations filling the pool, and
+every failure names the call it was waiting for."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import pytest
+from aiohttp import web
+
+from meshrl.engines import GenerateRequest, SamplingParams
+from meshrl.engines.serve import make_app
+from meshrl.engines.sglang_engine import SGLangEngine, SGLangEngineConfig
+from test_serve import hf_model, make_engine
+
+
+@contextlib.asynccontextmanager
+async def serving(engine):
+    runner = web.AppRunner(make_app(engine, server_args={"host": "127.0.0.1"}))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    finally:
+        await runner.cleanup()
+
+
+def test_a_pause_gets_through_while_generations_fill_the_pool():
+    """max_connections generations held on the server (paused in place): the pause of a weight sync
+    must still reach it; it used to wait for a pooled connection until its timeout."""
+    async def main():
+        engine = make_engine(hf_model())
+        async with serving(engine) as url:
+            client = SGLangEngine(url, config=SGLangEngineConfig(max_connections=2, request_timeout_s=5.0))
+            try:
+                await client.pause("keep")
+                reqs = [GenerateRequest(input_ids=[1, 2], sampling=SamplingParams(max_new_tokens=20)) for _ in range(3)]
+                rollout = asyncio.ensure_future(client.generate(reqs))
+                while len(engine._waiting) < 2:  # two are on the server; the third waits for a slot
+                    await asyncio.sleep(0.01)
+                t0 = time.monotonic()
+                await client.pause("abort")
+                paused_in = time.monotonic() - t0
+                await client.resume()
+                results = await asyncio.wait_for(rollout, 30)
+                return paused_in, results
+            finally:
+                await client.close()
+
+    paused_in, results = asyncio.run(main())
+    assert paused_in < 2.0
+    assert [r.completions[0].finish_reason for r in results[:2]] == ["abort", "abort"]
+    assert results[2].completions[0].finish_reason == "length"  # sent after the pause ended
+
+
+@pytest.mark.parametrize("reply, error, needle, attempts", [
+    (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"version\": \"0.5",
+     ConnectionError, "ClientPayloadError", 4),  # cut short: retried (a safe call), then named
+    (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 9\r\n\r\n{version:",
+     RuntimeError, "the reply is not valid JSON", 1),
+])
+def test_broken_replies_fail_naming_the_call(reply, error, needle, attempts):
+    async def main():
+        hits = []
+
+        async def handle(reader, writer):
+            hits.append(1)
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(reply)
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        client = SGLangEngine(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}",
+                              config=SGLangEngineConfig(request_timeout_s=5, retry_backoff_s=0.01))
+        try:
+            with pytest.raises(error, match=needle) as info:
+                await client.server_version()
+            return str(info.value), len(hits)
+        finally:
+            await client.close()
+            server.close()
+
+    message, hits = asyncio.run(main())
+    assert "GET http://127.0.0.1:" in message and "/get_server_info" in message and hits == attempts
