@@ -88,3 +88,30 @@ def test_broken_replies_fail_naming_the_call(reply, error, needle, attempts):
 
     message, hits = asyncio.run(main())
     assert "GET http://127.0.0.1:" in message and "/get_server_info" in message and hits == attempts
+
+
+def test_samples_of_an_n_request_are_named_and_aborted_the_sglang_way():
+    """SGLang names sample i of request ``rid`` (n > 1) ``{rid}_{i}``, and an abort of ``rid`` alone
+    finds nothing there: the adapter aborts the samples' ids, and this server takes them too."""
+    async def main():
+        engine = make_engine(hf_model())
+        async with serving(engine) as url:
+            client = SGLangEngine(url, config=SGLangEngineConfig(request_timeout_s=10.0))
+            try:
+                long = SamplingParams(max_new_tokens=70, temperature=1.0, n=3, ignore_eos=True)
+                run = asyncio.ensure_future(client.generate([GenerateRequest(input_ids=[1, 2], request_id="job", sampling=long)]))
+                while not engine.is_running("job") or engine.steps < 2:
+                    await asyncio.sleep(0.01)
+                assert client._server_rids("job", 3) == ["job_0", "job_1", "job_2"]
+                await client.abort("job")
+                (aborted,) = await asyncio.wait_for(run, 30)
+                status, reply = await client.request("POST", "/generate", {
+                    "input_ids": [3, 4], "rid": "ids", "sampling_params": {"max_new_tokens": 2, "n": 2}})
+                return aborted, status, [o["meta_info"]["id"] for o in reply]
+            finally:
+                await client.close()
+
+    aborted, status, ids = asyncio.run(main())
+    assert [c.finish_reason for c in aborted.completions] == ["abort"] * 3
+    assert all(len(c.output_ids) < 70 for c in aborted.completions)
+    assert status == 200 and ids == ["ids_0", "ids_1"]

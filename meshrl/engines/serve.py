@@ -219,7 +219,7 @@ class _Server:
         else:
             reason = {"type": "abort", "message": "Abort before or during generation."}
         meta: dict[str, Any] = {
-            "id": res.request_id if len(res.completions) == 1 else f"{res.request_id}-{j}",
+            "id": res.request_id if len(res.completions) == 1 else f"{res.request_id}_{j}",  # SGLang's _normalize_rid
             "finish_reason": reason, "prompt_tokens": res.prompt_tokens, "completion_tokens": len(c.output_ids),
             "cached_tokens": 0, "weight_version": str(c.versions[-1] if c.versions else self.engine.version),
             "weight_versions": _spans(c.versions), "e2e_latency": latency_s,
@@ -310,7 +310,12 @@ class _Server:
         if _flag(body, "abort_all", "/abort_request"):
             self.engine.abort_all()
         elif rid:
-            await self.engine.abort(rid)  # an unknown (or finished) rid is a no-op, as in SGLang
+            # SGLang names sample j of an n > 1 request "{rid}_{j}" and aborts it alone; TorchEngine
+            # aborts whole requests, so a sample's id ends its request (an unknown rid is a no-op)
+            parent, _, j = rid.rpartition("_")
+            if not self.engine.is_running(rid) and parent and j.isdigit() and self.engine.is_running(parent):
+                rid = parent
+            await self.engine.abort(rid)
         return web.Response(status=200)
 
     async def flush_cache(self, request: web.Request) -> web.Response:

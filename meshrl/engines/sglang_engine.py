@@ -80,6 +80,8 @@ class SGLangEngine:
         self._session: Any = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
         self._generating: asyncio.Semaphore | None = None
+        self._in_flight: dict[str, int] = {}
+        """Request id -> n of the /generate calls under way (an n > 1 request is aborted sample by sample)."""
         self._server_version: tuple[int, int, int] | None = None
         self._version = config.initial_version
         self._sender: SGLangWeightSender | None = None
@@ -216,11 +218,14 @@ class SGLangEngine:
         rid = req.request_id or f"meshrl-{self._prefix}-{next(self._ids)}"
         body = {"input_ids": list(req.input_ids), "sampling_params": self._sampling(req.sampling, version),
                 "return_logprob": True, "stream": False, "rid": rid}
+        self._in_flight[rid] = req.sampling.n
         try:
             status, reply = await self.request("POST", "/generate", body, timeout_s=self.config.generate_timeout_s)
         except BaseException:  # timed out, connection lost or cancelled: the server must not go on with it
-            await self._abort_quietly(rid)
+            await self._abort_quietly(rid, req.sampling.n)
             raise
+        finally:
+            self._in_flight.pop(rid, None)
         if status == 400:
             raise ValueError(f"{self.name} rejected request {rid!r}: {reply}")
         if status != 200:
@@ -231,11 +236,18 @@ class SGLangEngine:
         return GenerateResult(request_id=rid, prompt_tokens=len(req.input_ids),
                               completions=[self._completion(o) for o in outs])
 
-    async def _abort_quietly(self, rid: str) -> None:
+    @staticmethod
+    def _server_rids(rid: str, n: int) -> list[str]:
+        """The ids SGLang gives the samples of request ``rid``: itself, or ``{rid}_{i}`` for n > 1
+        (``GenerateReqInput._normalize_rid``); an abort of ``rid`` alone would then be a no-op."""
+        return [rid] if n == 1 else [f"{rid}_{i}" for i in range(n)]
+
+    async def _abort_quietly(self, rid: str, n: int = 1) -> None:
         """Best effort ``/abort_request`` for a request this process gave up on (a short timeout of its own)."""
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.request("POST", "/abort_request", {"rid": rid, "abort_all": False},
-                                                timeout_s=_ABORT_TIMEOUT_S), _ABORT_TIMEOUT_S)
+            await asyncio.wait_for(asyncio.gather(*(
+                self.request("POST", "/abort_request", {"rid": r, "abort_all": False}, timeout_s=_ABORT_TIMEOUT_S)
+                for r in self._server_rids(rid, n))), _ABORT_TIMEOUT_S)
 
     async def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
         """One /generate per request, all in flight at once (the server batches them); results in order.
@@ -263,7 +275,9 @@ class SGLangEngine:
         await self._ok("/continue_generation", {})
 
     async def abort(self, request_id: str) -> None:
-        await self._ok("/abort_request", {"rid": request_id, "abort_all": False})
+        """End ``request_id`` (all its samples) on the server; unknown or finished ids are a no-op."""
+        for rid in self._server_rids(request_id, self._in_flight.get(request_id, 1)):
+            await self._ok("/abort_request", {"rid": rid, "abort_all": False})
 
     async def update_weights(self, named_tensors: Iterable[Any] | dict[str, Any], version: int) -> None:
         """Push full HF-named tensors from this process (rank 0) and serve them as ``version``."""

@@ -404,6 +404,10 @@ class TorchEngine:
                 self._deliver(self._batch.retire(rows))
         return True
 
+    def is_running(self, request_id: str) -> bool:
+        """Whether ``request_id`` is in flight (waiting or generating)."""
+        return request_id in self._requests
+
     async def abort(self, request_id: str) -> None:
         """End one request now; its result holds the tokens so far, ``finish_reason="abort"``."""
         self._abort(request_id, "aborted by request")
