@@ -47,3 +47,9 @@ def test_whole_number_answers_read_as_floats_are_written_without_a_decimal_point
     jsonl.write_text(json.dumps({"prompt": "2+2=", "answer": 4.0}) + "\n")
     problem = load_problems(jsonl)[0]
     assert problem.answer == "4" and FileTask(jsonl, jsonl).reward(problem, "4").reward == 1.0
+
+
+def test_a_byte_order_mark_and_an_upper_case_suffix_are_fine(tmp_path):
+    path = tmp_path / "TRAIN.JSONL"
+    path.write_bytes("\ufeff".encode() + b'{"prompt": "1+1=", "answer": "2"}\n')
+    assert [(p.prompt, p.answer) for p in load_problems(path)] == [("1+1=", "2")]

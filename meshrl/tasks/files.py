@@ -19,11 +19,13 @@ __all__ = ["FileTask", "load_problems"]
 
 
 def _records(path: Path) -> list[dict]:
-    if path.suffix == ".jsonl":
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
         records = []
         # JSON Lines is UTF-8 and ends records at "\n" only; str.splitlines would also split inside
         # a JSON string at the line separators JSON leaves unescaped (U+2028, U+2029, U+0085)
-        for lineno, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
+        # (utf-8-sig: a byte-order mark, as some Windows editors write, is not part of the first record)
+        for lineno, line in enumerate(path.read_text(encoding="utf-8-sig").split("\n"), 1):
             if not line.strip():
                 continue
             try:
@@ -31,7 +33,7 @@ def _records(path: Path) -> list[dict]:
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
         return records
-    if path.suffix == ".parquet":
+    if suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
         except ImportError:
