@@ -164,6 +164,45 @@ def test_mode_gate_orders_generation_train_steps_and_the_hand_over(ray_cluster, 
         procs.stop()
 
 
+def test_a_failed_hand_over_keeps_generation_out_until_one_succeeds(ray_cluster, tmp_path):
+    """The hand-over restores the engine's memory, then writes the weights: when the write fails, the
+    engine holds restored-but-unwritten (released: zero) weights under the old version, so rollout
+    calls must keep waiting, not generate from them (the gate used to reopen in a finally)."""
+    from meshrl.actors import AlgoConfig, TrainerConfig
+    from meshrl.actors.hybrid import ColocatedConfig, HybridWorker
+    from meshrl.actors.reward import RolloutJob, score_job
+    from meshrl.mesh import spawn_procs
+    from meshrl.tasks import Problem, TaskConfig, build_task
+
+    model_dir = _tiny_model_dir(tmp_path / "m")
+    procs = spawn_procs({"procs": 1}, cpus_per_proc=0.01, name="hybrid_failed_handover")
+    try:
+        w = procs.spawn("hybrid", HybridWorker, model_dir, TrainerConfig(samples_per_step=4), AlgoConfig(samples_per_prompt=4),
+                        TorchEngineConfig(device="cpu", max_batch_size=8, max_seq_len=64),
+                        ColocatedConfig(switch_timeout_s=3, release_weights=True),
+                        temperature=1.0, max_new_tokens=4, total_steps=10)  # fmt: skip
+        one = w.slice(procs=0)
+
+        async def scenario():
+            task, tok = build_task(TaskConfig(digits=1, num_test=16)), AutoTokenizer.from_pretrained(model_dir)
+            reqs = [GenerateRequest(input_ids=tok.encode("1+2="), sampling=SamplingParams(max_new_tokens=4, n=4, seed=3))]
+            results = await one.generate.call_one(reqs).within(60)
+            batch = score_job(task, tok, RolloutJob(problems=[Problem(id=0, prompt="1+2=", answer="3")],
+                                                    prompt_ids=[reqs[0].input_ids], results=results, group_ids=[0])).encoded
+            await one.train_step.call_one(batch, 0).within(60)
+            with pytest.raises(ValueError, match="policy version must be an integer"):
+                await one.reshard_receive.call_one("1").within(60)  # stands in for any failed write
+            with pytest.raises(TimeoutError, match="colocated.switch_timeout_s"):
+                await one.generate.call_one(_requests(1, 3, seed=7)).within(60)
+            await one.reshard_receive.call_one(1).within(60)
+            out = await one.generate.call_one(_requests(1, 3, seed=7)).within(60)
+            assert out[0].completions[0].versions == [1, 1, 1]
+
+        asyncio.run(scenario())
+    finally:
+        procs.stop()
+
+
 @pytest.mark.parametrize("overrides, key", [
     (["placement=colocated", "rollout.num_workers=2"], "rollout.num_workers"),
     (["placement=colocated", "reshard.transport=object_store"], "reshard.transport"),

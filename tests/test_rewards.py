@@ -234,15 +234,18 @@ def test_non_finite_rewards_are_marked_and_numpy_or_torch_scalars_are_numbers():
     sample is marked instead. numpy and 0-d torch scalars are numbers like any other."""
     import numpy as np
 
+    from fractions import Fraction
+
     values = [float("nan"), float("inf"), np.float32(0.5), np.int64(1), torch.tensor(0.25),
-              RewardOutput(reward=1.0, info={"x": float("nan")}), {"reward": float("-inf")}, True]  # fmt: skip
+              RewardOutput(reward=1.0, info={"x": float("nan")}), {"reward": float("-inf")}, True,
+              10**400, Fraction(10**400, 3)]  # too large for a float: marked, never the whole job  # fmt: skip
 
     def by_index(problem: Problem, completion: str):
         return values[problem.id]
 
     problems = [Problem(id=i, prompt="", answer="") for i in range(len(values))]
     out = asyncio.run(as_reward(by_index, timeout_s=5).score(problems, [""] * len(values)))
-    assert [o.reward if o else None for o in out] == [None, None, 0.5, 1.0, 0.25, None, None, 1.0]
+    assert [o.reward if o else None for o in out] == [None, None, 0.5, 1.0, 0.25, None, None, 1.0, None, None]
     assert all(type(o.reward) is float for o in out if o)
 
     @batched_reward
@@ -263,6 +266,32 @@ def test_non_finite_rewards_are_marked_and_numpy_or_torch_scalars_are_numbers():
     from meshrl.actors.reward import call_reward
 
     assert call_reward(NanTask(), problems[0], "") == (RewardOutput(reward=0.0), True)
+
+
+def test_an_async_function_behind_a_plain_wrapper_is_awaited():
+    """A functools.wraps decorator or a lambda hides an async def from iscoroutinefunction: its
+    coroutines were never awaited and every sample was marked failed."""
+    import functools
+
+    async def exact(problem: Problem, completion: str) -> float:
+        await asyncio.sleep(0)
+        return float(completion == problem.answer)
+
+    def logged(fn):
+        @functools.wraps(fn)
+        def wrapper(*args):
+            return fn(*args)
+        return wrapper
+
+    async def exact_batch(problems, completions):
+        return [float(c == p.answer) for p, c in zip(problems, completions)]
+
+    problems = [Problem(id=i, prompt="", answer=str(i)) for i in range(3)]
+    completions = ["0", "x", "2"]
+    for fn in (logged(exact), lambda p, c: exact(p, c)):
+        assert [o.reward for o in asyncio.run(as_reward(fn, timeout_s=5).score(problems, completions))] == [1.0, 0.0, 1.0]
+    batched = batched_reward(lambda ps, cs: exact_batch(ps, cs))
+    assert [o.reward for o in score(batched, problems, completions)] == [1.0, 0.0, 1.0]
 
 
 class _UserReward:

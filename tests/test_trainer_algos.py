@@ -106,3 +106,28 @@ def test_saving_before_the_first_update_does_not_change_training(tmp_path):
         got = params(t)
         for k in want:
             assert torch.equal(got[k], want[k]), k
+
+
+def test_a_checkpoint_of_other_models_is_refused_naming_what_differs(tmp_path):
+    """DCP fills the template's keys and ignores the rest: a deeper model's checkpoint, or one with a
+    critic, loaded into this trainer silently; a different width failed with only DCP's
+    'CheckpointException ranks:dict_keys([0])'."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from meshrl.actors.trainer_checkpoint import load_trainer_state, save_trainer_state
+
+    def make(layers: int, hidden: int, advantage: str) -> PolicyTrainer:
+        model_dir = tiny_model_dir(tmp_path / f"m{layers}-{hidden}", layers=layers, hidden=hidden)
+        algo = AlgoConfig(advantage=advantage, samples_per_prompt=1 if advantage == "gae" else 2)
+        return PolicyTrainer(model_dir, TrainerConfig(samples_per_step=8), algo, dp=DataParallel(None), temperature=1.0,
+                             max_new_tokens=8, total_steps=2)  # fmt: skip
+
+    save_trainer_state(make(2, 32, "gae"), tmp_path / "gae2")
+    with pytest.raises(ValueError, match=r"other models .*policy: 0 parameters missing .*not in this trainer"):
+        load_trainer_state(make(1, 32, "gae"), tmp_path / "gae2")  # a deeper model's
+    with pytest.raises(ValueError, match=r"other models .*critic: 0 parameters missing .* not in this trainer"):
+        load_trainer_state(make(2, 32, "grpo"), tmp_path / "gae2")  # a critic this trainer has not
+    with pytest.raises(CheckpointException) as info:
+        load_trainer_state(make(2, 64, "gae"), tmp_path / "gae2")  # same names, other shapes
+    assert any("Size mismatch" in note and "dp rank 0/1" in note for note in info.value.__notes__)
+    assert load_trainer_state(make(2, 32, "gae"), tmp_path / "gae2") == 0  # its own kind loads

@@ -240,3 +240,41 @@ def test_dropping_uniform_groups_equals_training_without_them(tmp_path, aggregat
     _close(_params(full), _params(part), atol=1e-6)
     with pytest.raises(ValueError, match="drop_uniform_groups"):
         AlgoConfig(advantage="gae", drop_uniform_groups=True)
+
+
+def _dp_axis_of_a_2d_mesh(rank: int, port: int, out: str) -> None:
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        dp = DataParallel(init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "dp")), axis="dp")
+        Path(out, f"{rank}").write_text(f"{dp.rank} {dp.size}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_data_parallel_sizes_the_dp_axis_of_a_2d_mesh(tmp_path):
+    """``size`` was the whole mesh's (4 on 2 x 2) while rank and group were the dp axis's (2): the
+    batch was cut in 4 shares and two were never trained."""
+    import time
+
+    import torch.multiprocessing as mp
+
+    from meshrl.mesh.distributed import free_port
+
+    ctx = mp.start_processes(_dp_axis_of_a_2d_mesh, args=(free_port(), str(tmp_path)), nprocs=4, start_method="spawn",
+                             join=False)
+    deadline = time.monotonic() + 120
+    try:
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            assert time.monotonic() < deadline, "the 4 processes did not finish within 120 s"
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.terminate()
+    got = sorted((tmp_path / str(r)).read_text() for r in range(4))
+    assert got == ["0 2", "0 2", "1 2", "1 2"]

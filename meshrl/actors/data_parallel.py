@@ -46,7 +46,8 @@ class DataParallel:
         if mesh is None:
             self.rank, self.size, self.group = 0, 1, None
         else:
-            self.rank, self.size, self.group = mesh.get_local_rank(axis), mesh.size(), mesh.get_group(axis)
+            # the dp axis's size: on a 2-D mesh mesh.size() is every rank of it, not this axis's
+            self.rank, self.size, self.group = mesh.get_local_rank(axis), mesh[axis].size(), mesh.get_group(axis)
 
     @property
     def sharded(self) -> bool:

@@ -288,7 +288,7 @@ class HybridWorker(Actor):
             try:
                 metrics = await self._on_trainer(self.trainer.train_step, encoded_samples, version)
             except BaseException:
-                self.colo.to_rollout(None)
+                self.colo.to_rollout(None)  # (if this fails too, the gate stays closed: see reshard_receive)
                 self._gate.open.set()
                 raise
             metrics = self.colo.finish_train(metrics)
@@ -307,10 +307,11 @@ class HybridWorker(Actor):
     async def reshard_receive(self, version: int) -> PushStats:
         """The hand-over: the trainer's weights into the engine as ``version``, and back to rollout mode."""
         async with self._switch:
-            try:
-                return self.colo.to_rollout(version)
-            finally:
-                self._gate.open.set()
+            # A failed hand-over keeps the gate closed: the engine may hold restored-but-unwritten or half-
+            # written weights, so rollout calls wait (and time out naming the switch) until one succeeds
+            stats = self.colo.to_rollout(version)
+            self._gate.open.set()
+            return stats
 
     @endpoint
     async def gather_weights(self) -> int:

@@ -155,7 +155,7 @@ async def _score(reward: Reward, problems: list[Problem], texts: list[str], time
     for out in scored:
         try:
             outs.append(None if out is None else to_reward_output(out))
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, ArithmeticError) as exc:
             log.warning("%s.score: a result is marked reward_failed: %s", name, exc)
             outs.append(None)
     return outs

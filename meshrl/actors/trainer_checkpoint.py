@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 if TYPE_CHECKING:
     from meshrl.actors.policy_trainer import PolicyTrainer
@@ -103,10 +104,46 @@ def save_trainer_state(t: PolicyTrainer, path: str | Path) -> None:
     try:
         with _quiet_single_process():
             dcp.save(_sharded_state(t), checkpoint_id=str(path), process_group=t.dp.group, no_dist=not t.dp.sharded)
-    except Exception as exc:
-        exc.add_note(f"dp rank {t.dp.rank}/{t.dp.size} saving the trainer state to {path} (every rank must call it)")
+    except (Exception, CheckpointException) as exc:  # DCP's own error is a BaseException
+        exc.add_note(f"dp rank {t.dp.rank}/{t.dp.size} saving the trainer state to {path} (every rank must call "
+                     f"it){_why(exc)}")
         raise
     torch.save(_small_state(t), path / f"rank{t.dp.rank}.pt")
+
+
+def _why(exc: BaseException) -> str:
+    """DCP's CheckpointException names only the failing ranks: add the first rank's own error."""
+    failures = getattr(exc, "failures", None) or {}
+    for rank, failure in failures.items():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        return f": rank {rank}: {type(inner).__name__}: {str(inner)[:300]}"
+    return ""
+
+
+def _flat_keys(d: dict[str, Any], prefix: str) -> set[str]:
+    out: set[str] = set()
+    for k, v in d.items():
+        out |= _flat_keys(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}"}
+    return out
+
+
+def _check_same_models(path: Path, state: dict[str, Any], names: list[str]) -> None:
+    """Refuse a checkpoint of other models: DCP fills the template's keys and ignores the rest, so a
+    deeper model's checkpoint, or one with a critic, would load into this trainer without a word."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    problems = []
+    for name in ("policy", "critic"):
+        want = _flat_keys(state[name], f"{name}.") if name in names else set()
+        have = {k for k in saved if k.startswith(f"{name}.")}
+        if have - want or want - have:
+            extra, missing = sorted(have - want), sorted(want - have)
+            problems.append(f"{name}: {len(missing)} parameters missing (e.g. {missing[:2]}), {len(extra)} not in this "
+                            f"trainer (e.g. {extra[:2]})")
+    if problems:
+        raise ValueError(f"{path} holds other models than this trainer's ({'; '.join(problems)}): resume with the "
+                         "model and algorithm (critic or not) that wrote it")
 
 
 def load_trainer_state(t: PolicyTrainer, path: str | Path) -> int:
@@ -119,11 +156,12 @@ def load_trainer_state(t: PolicyTrainer, path: str | Path) -> int:
         raise FileNotFoundError(f"{path} is not a trainer checkpoint (no rank0.pt): pass the directory "
                                 "save_trainer_state wrote (a run checkpoint's trainer/ folder)")
     state = _sharded_state(t)  # templates with this run's sharding; DCP reshards into them
+    _check_same_models(path, state, [name for name, _, _ in _models(t)])
     try:
         with _quiet_single_process():
             dcp.load(state, checkpoint_id=str(path), process_group=t.dp.group, no_dist=not t.dp.sharded)
-    except Exception as exc:
-        exc.add_note(f"dp rank {t.dp.rank}/{t.dp.size} loading the trainer state from {path}")
+    except (Exception, CheckpointException) as exc:
+        exc.add_note(f"dp rank {t.dp.rank}/{t.dp.size} loading the trainer state from {path}{_why(exc)}")
         raise
     for name, model, optim in _models(t):
         set_state_dict(model, optim, model_state_dict=state[name], optim_state_dict=state[f"{name}_optim"])

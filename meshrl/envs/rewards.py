@@ -62,7 +62,10 @@ def to_reward_output(value: Any) -> RewardOutput:
 def finite_number(value: Any, what: str) -> float:
     """``float(value)``, refusing NaN and infinities: one of them in a group's rewards would turn
     every advantage of the group (and the step's loss) into NaN."""
-    x = float(value.item() if getattr(value, "ndim", None) == 0 else value)  # numpy / torch scalars
+    try:
+        x = float(value.item() if getattr(value, "ndim", None) == 0 else value)  # numpy / torch scalars
+    except OverflowError:  # a Python int or Fraction beyond float's range
+        raise ValueError(f"{what} must be a finite number, got one too large for a float") from None
     if not math.isfinite(x):
         raise ValueError(f"{what} must be a finite number, got {x}")
     return x
@@ -105,6 +108,8 @@ class FunctionReward:
                     values = (await _in_threads(self.fn, [(list(problems), list(completions))], timeout))[0]
                     if isinstance(values, BaseException):
                         raise values
+                    if inspect.isawaitable(values):  # an async function behind a plain wrapper or a lambda
+                        values = await asyncio.wait_for(values, timeout)
                 if len(values) != len(completions):
                     raise ValueError(f"batched reward returned {len(values)} results for {len(completions)} completions")
                 return [to_reward_output(v) for v in values]
@@ -126,7 +131,19 @@ class FunctionReward:
             values = await asyncio.gather(*(one(p, c) for p, c in zip(problems, completions)))
         else:
             values = await _in_threads(self.fn, list(zip(problems, completions)), timeout)
+            if any(inspect.isawaitable(v) for v in values):  # an async function behind a plain wrapper or a lambda
+                values = await asyncio.gather(*(_awaited(v, timeout) for v in values))
         return [_checked(self, v) for v in values]
+
+
+async def _awaited(value: Any, timeout: float) -> Any:
+    """``value``, awaited (bounded) if it is awaitable; a failure is returned, as ``_in_threads`` does."""
+    if not inspect.isawaitable(value):
+        return value
+    try:
+        return await asyncio.wait_for(value, timeout)
+    except Exception as exc:  # TimeoutError included
+        return exc
 
 
 def _checked(reward: Any, value: Any) -> RewardOutput | None:
@@ -135,7 +152,7 @@ def _checked(reward: Any, value: Any) -> RewardOutput | None:
         return None
     try:
         return to_reward_output(value)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, ArithmeticError) as exc:
         _warn(reward, exc)
         return None
 
