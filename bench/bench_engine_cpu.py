@@ -17,7 +17,7 @@ sequences), ``fixed`` (``default`` with equal prompt lengths: no padding for HF 
 ``num_return_sequences`` prefills every copy), ``wide`` (hidden 64, 512 sequences, 12 new tokens), ``long`` (``default`` with 40 new tokens: decode
 dominates),
 ``example_ppo`` / ``example_grpo`` (the workload of examples/async_ppo.py: 4-6-token prompts,
-4 new tokens, 64 sequences in flight).
+4 new tokens; 64 sequences in flight for PPO, 64 prompts x 4 samples for GRPO).
 
 Timing is CPU time of this process (``time.process_time``), not wall time: the machine is shared
 and both sides run on one thread, so CPU time is the cost that does not depend on the neighbours.
@@ -48,9 +48,9 @@ CASES = {  # hidden, layers, prompts, n, (min, max) prompt tokens, new_tokens
     "wide": (64, 2, 512, 1, (8, 16), 12),
     "long": (128, 4, 256, 1, (8, 16), 40),
     # What examples/async_ppo.py asks of its engine: "37+45="-sized prompts, 4-token answers,
-    # 64 requests in flight (16 prompts x 4 requests, PPO) or 16 prompts x 4 samples (GRPO).
+    # 16 prompts x 4 requests in flight: 64 sequences (PPO) or, with 4 samples each, 256 (GRPO).
     "example_ppo": (128, 4, 64, 1, (4, 6), 4),
-    "example_grpo": (128, 4, 16, 4, (4, 6), 4),
+    "example_grpo": (128, 4, 64, 4, (4, 6), 4),
 }
 ROUNDS = 5
 _times: dict[str, float] = {}

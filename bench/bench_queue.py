@@ -11,13 +11,11 @@ in ``extra_info``. Ray is started as the pipeline starts it (``ensure_ray``). Ca
 - ``queue_pickle``: ``put`` / ``get_batch`` with ``list[Sample]`` pickled by Ray.
 - ``floor_echo``: the same bytes through a do-nothing async actor (Ray's own cost, no queue).
 - ``queue_inprocess``: the queue's own logic, no Ray.
-- ``reference_train_step``: one forward/backward/AdamW step of a Qwen2 model shaped like the
-  embedded default on 32 samples, to put the queue's time for those samples in proportion (its
-  share of a step; both scale linearly with samples).
-
-Simplification on purpose: the reference step builds the embedded default's shape from
-``transformers`` directly (64-token sequences, a stand-in vocabulary) rather than its tokenizer
-and warm start.
+- ``reference_train_step``: the library's own train step (``PolicyTrainer.train_step``, GRPO: the
+  cheapest one) of the embedded default on 256 samples shaped like the example's, as
+  ``bench_trainer.py`` times it, to put the queue's time for 256 samples in proportion (its share
+  of a step). The queue's samples are larger than the example's (about 1 KB against a dozen
+  tokens), so the share is an upper bound.
 """
 
 from __future__ import annotations
@@ -33,10 +31,13 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 from meshrl.queues import QueueConfig, Sample, SampleQueue, decode_samples, encode_samples  # noqa: E402
 
+from bench_trainer import ALGOS, model_dir  # noqa: E402,F401 (a fixture: the embedded default's checkpoint)
+from bench_trainer import batch as trainer_batch  # noqa: E402
+
 BATCH = 256
 GROUP = 8
 BATCHES = 40
-STEP_SAMPLES = 32  # the reference step's batch; a few tens of ms, like the embedded default's
+STEP_SAMPLES = 256  # the reference step's batch (bench_trainer.SAMPLES)
 ROUNDS = 5
 _results: dict[str, float] = {}
 
@@ -216,31 +217,20 @@ def test_queue_inprocess(benchmark):
     _report(benchmark, "queue_inprocess")
 
 
-def test_reference_train_step(benchmark):
+def test_reference_train_step(benchmark, model_dir):
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    torch.manual_seed(0)
+    from meshrl.actors import TrainerConfig
+    from meshrl.actors.data_parallel import DataParallel
+    from meshrl.actors.policy_trainer import PolicyTrainer
+
     torch.set_num_threads(1)
-    # The embedded default's shape (meshrl/embedded/model.py: Qwen2, about 1M parameters,
-    # 64-token sequences); the vocabulary is a stand-in for its small task tokenizer.
-    vocab, seq = 64, 64
-    model = Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=vocab, hidden_size=128, intermediate_size=512, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq,
-        tie_word_embeddings=True))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    tokens = torch.randint(0, vocab, (STEP_SAMPLES, seq))  # [B, T]
-
-    def step():
-        loss = model(input_ids=tokens, labels=tokens).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        return loss.item()
-
-    loss = benchmark.pedantic(step, rounds=3, warmup_rounds=1)
-    assert loss == loss  # not NaN
+    algo = ALGOS["grpo"]
+    trainer = PolicyTrainer(model_dir, TrainerConfig(samples_per_step=STEP_SAMPLES), algo, dp=DataParallel(None),
+                            temperature=1.0, max_new_tokens=8, total_steps=5)  # fmt: skip
+    batches = iter([trainer_batch(s, algo.samples_per_prompt) for s in range(4)])
+    metrics = benchmark.pedantic(lambda: trainer.train_step(next(batches), 0), rounds=3, warmup_rounds=1)
+    assert metrics["skipped_updates"] == 0
     step_s = benchmark.stats.stats.median
     benchmark.extra_info["ms_per_step"] = round(step_s * 1e3, 1)
     benchmark.extra_info["samples_per_step"] = STEP_SAMPLES
@@ -271,7 +261,7 @@ def _print_summary(step_s: float) -> None:
     if "queue_inprocess" in r:
         lines.append(f"queue_inprocess {r['queue_inprocess']:10,.0f} samples/s  (no Ray)")
     queue_s = STEP_SAMPLES / enc
-    lines.append(f"{STEP_SAMPLES} samples through the queue {queue_s * 1e3:.2f} ms vs a reference "
+    lines.append(f"{STEP_SAMPLES} samples through the queue {queue_s * 1e3:.2f} ms vs the GRPO "
                  f"train step on them {step_s * 1e3:.0f} ms: queue share of a step "
                  f"{queue_s / (queue_s + step_s):.1%}")
     print("\n" + "\n".join(lines))

@@ -2,7 +2,8 @@
 
 Run: ``OMP_NUM_THREADS=1 pytest bench/bench_trainer.py --benchmark-only``. Cases, each a full
 ``PolicyTrainer.train_step`` (pack, no-grad passes, advantages, micro-batches, AdamW) on 256
-samples shaped like the example's (a 7-token "a+b=" prompt, 2-8 response tokens), single-threaded:
+samples a little longer than the example's (7-token prompts where the task's "a+b=" are 4-6 tokens;
+2-7 response tokens, EOS included), single-threaded:
 
 - ``ppo``: the example's default (GAE with a critic: value pass, critic forward/backward too);
 - ``grpo``: 8 samples per prompt, no critic;

@@ -140,7 +140,7 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, work: str) -> None
 def report(args: argparse.Namespace, rows: list[dict], params: int) -> None:
     print(f"\nPolicyTrainer, dp={args.dp} ({'gloo/CPU' if args.cpu else 'NCCL'}), {'tiny' if args.tiny else 'Qwen2.5-0.5B'} "
           f"shape, algo={args.algo}, {args.samples} samples x ({args.prompt_len} + {args.response_len}) tokens per step, "
-          f"tokens_per_microbatch={args.tokens_per_microbatch}, mixed precision={not args.no_mixed_precision}, "
+          f"tokens_per_microbatch={args.tokens_per_microbatch}, mixed precision={not args.no_mixed_precision and not args.cpu}, "
           f"activation checkpointing={args.activation_checkpointing}; policy parameters {params:,}\n")  # fmt: skip
     mem = "peak GiB allocated" if not args.cpu else "peak RSS GiB"
     print(f"| rank | device | step s (median) | tokens/s (all ranks, prompt + response) | {mem} | setup s | checkpoint s | HF export s |")

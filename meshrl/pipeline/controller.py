@@ -120,7 +120,10 @@ class Pipeline:
 
     @property
     def policy_version(self) -> int:
-        """The policy version the engines serve (0 before the first weight push)."""
+        """The newest policy version pushed to the engines (0 before the first push). At
+        queue.max_staleness >= 1 the trainer goes on once it has sent, so the engines may still be
+        switching to it (within the staleness bound); each completion's ``versions`` say which
+        weights produced it, and ``evaluate()`` waits for the switch."""
         return self._train.version if self._train is not None else 0
 
     @property
@@ -451,15 +454,18 @@ class Pipeline:
 
     async def generate(self, prompts: Sequence[str], *, max_new_tokens: int | None = None,
                        temperature: float = 0.0) -> list[str]:  # fmt: skip
-        """Complete ``prompts`` on the rollout engines at the current ``policy_version`` (greedy
+        """Complete ``prompts`` on the rollout engines, on the weights they serve (``policy_version``, or
+        the one before while a push lands; greedy
         by default; ``max_new_tokens`` defaults to rollout.max_new_tokens)."""
         rollout = await self._running("Pipeline.generate")
         return await evaluation.generate(rollout, prompts, max_new_tokens=max_new_tokens or self.cfg.rollout.max_new_tokens,
                                          temperature=temperature)  # fmt: skip
 
     async def evaluate(self) -> dict[str, Any]:
-        """Held-out accuracy (and reward metrics) now, at the current policy version; also logged."""
+        """Held-out accuracy (and reward metrics) now, at the current policy version (once every
+        engine serves it); also logged."""
         await self._running("Pipeline.evaluate")
+        await self._train.settle()  # a detached push lands first: the record's version is the one evaluated
         return await self._evaluate()
 
     async def export_hf(self, path: str | os.PathLike) -> str:
