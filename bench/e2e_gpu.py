@@ -23,7 +23,9 @@ Measured (``meshrl.pipeline.timeline``) over the steady-state window — from th
 
 - samples/s and (response) tokens/s trained; mean staleness of the trained samples;
 - phase times of the synchronous run (η = 0): T_gen (rollout side: generate ∪ score, per step) and
-  T_train (train step), and the ideal overlap speedup (T_gen + T_train) / max(T_gen, T_train);
+  T_train (train step), and the ideal overlap speedup (T_gen + T_train) / max(T_gen, T_train)
+  (the two phases' overlap alone; the synchronous step also holds its push and gaps, which overlap
+  may hide too, so a ratio a little above 1 is possible: ``meshrl.pipeline.timeline``);
 - achieved speedup = samples/s of η over samples/s of η = 0, and its ratio to the ideal;
 - idle fraction of each role (rollout engine, reward, trainer) from the per-role timeline;
 - weight-sync time per push, and as a share of a train step.

@@ -14,7 +14,10 @@ module turns the spans into what the overlap claim is judged by:
 - **phase times** per train step in the window: ``t_gen_s`` (the union of every rollout and reward
   span: the wall time the rollout side worked), ``t_train_s`` (train steps), ``t_sync_s`` (one
   weight push), and the ideal overlap speedup ``(t_gen + t_train) / max(t_gen, t_train)`` that a
-  synchronous run's phase times promise.
+  synchronous run's phase times promise: the overlap of the two phases alone, not an upper bound
+  (a synchronous step also holds its push and the gaps between phases, which overlap can hide too,
+  so a run may reach slightly more; ``t_step_s / max(t_gen, t_train)`` of the synchronous run is
+  the bound).
 
 Simplification on purpose: a span is busy for its whole length, even while an engine waits on a
 paused batch or runs a batch too small to fill the device; the timeline says who waits, not how
@@ -131,7 +134,9 @@ def timeline_summary(spans: Sequence[dict[str, Any]], warmup_steps: int = 1) -> 
     steps ending in it), ``idle`` ({lane: fraction}), ``t_gen_s``, ``t_train_s``, ``t_sync_s``
     (mean push; 0 without pushes), ``pushes``, ``t_step_s`` (window / steps) and
     ``ideal_speedup`` ((t_gen + t_train) / max(t_gen, t_train): what overlapping the two phases
-    of this run would give). Empty (``steps`` 0) when no train step finished.
+    of this run would give; not an upper bound, see the module docstring) and ``max_speedup``
+    (``t_step_s / max(t_gen, t_train)``: the bound, with push and gaps hidden too). Empty
+    (``steps`` 0) when no train step finished.
     """
     window, steps = steady_window(spans, warmup_steps)
     window_s = length(window)
@@ -156,6 +161,7 @@ def timeline_summary(spans: Sequence[dict[str, Any]], warmup_steps: int = 1) -> 
         "t_gen_s": t_gen, "t_train_s": t_train, "t_sync_s": sum(pushes) / len(pushes) if pushes else 0.0,
         "pushes": len(pushes), "t_step_s": window_s / steps,
         "ideal_speedup": (t_gen + t_train) / busiest if busiest > 0 else 1.0,
+        "max_speedup": window_s / steps / busiest if busiest > 0 else 1.0,
     }  # fmt: skip
 
 
