@@ -376,3 +376,38 @@ def test_text_leaves_out_the_matched_stop_token_unless_no_stop_trim(hf):
     assert trimmed["output_ids"] == kept["output_ids"] == free["output_ids"][:2]
     assert trimmed["meta_info"]["finish_reason"]["matched"] == free["output_ids"][1]
     assert trimmed["text"] == tok.decode(free["output_ids"][:1]) and kept["text"] == tok.decode(free["output_ids"][:2])
+
+
+def test_release_and_resume_memory_occupation(hf):
+    """SGLang's memory endpoints (a colocated trainer takes the device): the engine must be idle;
+    while released /health is 503 and /generate says why; weights need the contiguous buffer
+    (--enable-memory-saver) and come back empty until a version is written; the KV cache alone
+    comes back as it was."""
+    async def main():
+        engine = TorchEngine.from_hf_model(hf, config=TorchEngineConfig(max_batch_size=8, max_seq_len=80,
+                                                                         contiguous_weights=True))
+        greedy = {"input_ids": P0, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+        async with serve(engine) as s:
+            _, before = await post(s, "/generate", greedy)
+            busy = asyncio.ensure_future(post(s, "/generate", {"input_ids": P1, "sampling_params": {"max_new_tokens": 70}}))
+            await until(lambda: engine.num_running > 0, "a request running")
+            refused = await post(s, "/release_memory_occupation", {"tags": ["kv_cache"]})
+            await busy
+            bad = await post(s, "/release_memory_occupation", {"tags": ["gpu"]})
+            released = await post(s, "/release_memory_occupation", {"tags": ["kv_cache"]})
+            health = await get(s, "/health")
+            blocked = await post(s, "/generate", greedy)
+            resumed = await post(s, "/resume_memory_occupation", {"tags": ["kv_cache"]})
+            _, after = await post(s, "/generate", greedy)
+            both = await post(s, "/release_memory_occupation", {})
+            weights_gone = engine.weights_released
+            await post(s, "/resume_memory_occupation", {"tags": None})
+            return before, refused, bad, released, health, blocked, resumed, after, both, weights_gone
+
+    before, refused, bad, released, health, blocked, resumed, after, both, weights_gone = asyncio.run(main())
+    assert refused[0] == 400 and "busy engine" in refused[1]["error"]["message"]
+    assert bad[0] == 400 and "tags must be" in bad[1]["error"]["message"]
+    assert released[0] == 200 and health == (503, "memory released")
+    assert blocked[0] == 503 and "memory is released" in blocked[1]["error"]["message"]
+    assert resumed[0] == 200 and after["output_ids"] == before["output_ids"]
+    assert both[0] == 200 and weights_gone

@@ -16,6 +16,8 @@ TorchEngine does not implement (``min_p``, penalties, ``stop`` strings, grammars
 at their neutral value, anything else is a 400 naming the field; ``pause_generation`` supports
 ``abort`` and ``in_place`` (not ``retract``). Text in/out works only when the checkpoint directory
 has a ``tokenizer.json``; otherwise the server behaves like SGLang with ``skip_tokenizer_init``.
+``/release_memory_occupation`` always frees the KV cache (and the weights when asked and started
+with ``--enable-memory-saver``), and ``/resume_memory_occupation`` brings everything back at once.
 """
 
 from __future__ import annotations
@@ -99,6 +101,18 @@ def _flag(d: dict[str, Any], key: str, where: str = "/generate") -> bool:
     if value is None or isinstance(value, bool):
         return bool(value)
     raise BadRequest(f"{where}: {key} must be true or false, got {value!r}")
+
+
+_MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
+
+
+def _memory_tags(body: dict[str, Any], where: str) -> set[str]:
+    tags = body.get("tags")
+    if tags is None:
+        return {"kv_cache", "weights"}
+    if not isinstance(tags, list) or not tags or any(t not in _MEMORY_TAGS for t in tags):
+        raise BadRequest(f"{where}: tags must be null or a non-empty list of {list(_MEMORY_TAGS)}, got {tags!r}")
+    return set(tags)
 
 
 def _sampling(d: dict[str, Any]) -> SamplingParams:
@@ -246,6 +260,8 @@ class _Server:
             return error_response(400, str(exc))
         except TimeoutError as exc:
             return error_response(504, str(exc))
+        except RuntimeError as exc:  # the memory is released (/resume_memory_occupation first), or a step failed
+            return error_response(503, str(exc))
         if results is None:  # the client went away: its requests were aborted; nobody reads a reply
             return web.Response(status=499, text="client closed the connection; its requests were aborted\n")
         latency = time.perf_counter() - t0
@@ -255,8 +271,9 @@ class _Server:
         return web.json_response(outs[0] if single and len(outs) == 1 else outs)
 
     async def health(self, request: web.Request) -> web.Response:
-        if self.engine.is_paused or self.engine.is_updating:
-            return web.Response(status=503, text="paused" if self.engine.is_paused else "updating weights")
+        if self.engine.is_paused or self.engine.is_updating or self.engine.memory_released:
+            return web.Response(status=503, text="paused" if self.engine.is_paused else "updating weights"
+                                if self.engine.is_updating else "memory released")
         return web.Response(status=200)
 
     async def health_generate(self, request: web.Request) -> web.Response:
@@ -323,6 +340,24 @@ class _Server:
             return web.Response(status=200, text="Cache flushed.\n")
         return web.Response(status=400, text="Cache not flushed: there are running or waiting requests.\n")
 
+    async def release_memory(self, request: web.Request) -> web.Response:
+        """SGLang's ``/release_memory_occupation`` (a colocated trainer takes the device): ``tags``
+        "kv_cache" and/or "weights" (null: both). TorchEngine frees the KV cache with any release, and
+        the weights too when asked (they need ``--enable-memory-saver``: one contiguous buffer)."""
+        tags = _memory_tags(await read_json(request, default={}), "/release_memory_occupation")
+        try:
+            self.engine.release_memory(weights="weights" in tags)
+        except RuntimeError as exc:  # busy, or weights without a contiguous buffer
+            return error_response(400, f"/release_memory_occupation: {exc}")
+        return web.json_response({"success": True, "message": f"released {sorted(tags)}"})
+
+    async def resume_memory(self, request: web.Request) -> web.Response:
+        """SGLang's ``/resume_memory_occupation``: everything released comes back at once (whatever the
+        tags); released weights hold no values until a whole version is written."""
+        _memory_tags(await read_json(request, default={}), "/resume_memory_occupation")
+        recaptured = self.engine.restore_memory()
+        return web.json_response({"success": True, "message": "resumed" + (" (CUDA graphs re-captured)" if recaptured else "")})
+
     async def get_weights_by_name(self, request: web.Request) -> web.Response:
         body = await read_json(request)
         name, rows = body.get("name"), body.get("truncate_size", 100)
@@ -366,6 +401,7 @@ def make_app(engine: TorchEngine, *, tokenizer: Any = None, server_args: dict[st
         ("POST", "/abort_request", s.abort_request), ("GET", "/flush_cache", s.flush_cache),
         ("POST", "/flush_cache", s.flush_cache), ("POST", "/get_weights_by_name", s.get_weights_by_name),
         ("GET", "/get_weights_by_name", s.get_weights_by_name), *weights.routes(), *openai.routes(),
+        ("POST", "/release_memory_occupation", s.release_memory), ("POST", "/resume_memory_occupation", s.resume_memory),
         *extra_routes,
     ]
     for method, path, handler in routes:
@@ -409,6 +445,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-seq-len", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--enable-memory-saver", action="store_true",
+                   help="keep the weights in one buffer, so /release_memory_occupation can free them too")
     p.add_argument("--compat-version", default=SGLANG_COMPAT_VERSION,
                    help="SGLang release whose HTTP surface to show (weight-update branches differ by version)")
     a = p.parse_args(argv)
@@ -416,7 +454,8 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     cfg = TorchEngineConfig(dtype=a.dtype, device=a.device, max_batch_size=a.max_batch_size,
-                            max_seq_len=a.max_seq_len, seed=a.seed, cuda_graphs=not a.no_cuda_graphs)
+                            max_seq_len=a.max_seq_len, seed=a.seed, cuda_graphs=not a.no_cuda_graphs,
+                            contiguous_weights=a.enable_memory_saver)
     engine = TorchEngine.from_pretrained(a.model, cfg)
     app = make_app(engine, tokenizer=load_tokenizer(a.model), compat_version=a.compat_version,
                    server_args={"host": a.host, "port": a.port, "model_path": a.model})
