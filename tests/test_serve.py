@@ -411,3 +411,23 @@ def test_release_and_resume_memory_occupation(hf):
     assert blocked[0] == 503 and "memory is released" in blocked[1]["error"]["message"]
     assert resumed[0] == 200 and after["output_ids"] == before["output_ids"]
     assert both[0] == 200 and weights_gone
+
+
+def test_sampling_seed_exists_from_the_version_the_server_shows(hf):
+    """SGLang added sampling_seed in 0.5.23: a server showing an older release refuses it, as that
+    release would, so an adapter's version branches meet the same answers as against SGLang."""
+    async def main():
+        runner = web.AppRunner(make_app(make_engine(hf), compat_version="0.5.10"))
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        try:
+            url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+            async with aiohttp.ClientSession(url, timeout=TIMEOUT) as s:
+                return await post(s, "/generate", {"input_ids": P0, "sampling_params": {"max_new_tokens": 2,
+                                                                                        "sampling_seed": 3}})
+        finally:
+            await runner.cleanup()
+
+    status, out = asyncio.run(main())
+    assert status == 400 and "sampling_seed" in out["error"]["message"] and "0.5.10" in out["error"]["message"]

@@ -103,6 +103,12 @@ def _flag(d: dict[str, Any], key: str, where: str = "/generate") -> bool:
     raise BadRequest(f"{where}: {key} must be true or false, got {value!r}")
 
 
+def _version(text: str) -> tuple[int, int, int]:
+    from meshrl.reshard.sglang import parse_version  # (reshard imports engines: not at module level)
+
+    return parse_version(text)
+
+
 _MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 
 
@@ -219,6 +225,9 @@ class _Server:
         for s in sps:
             if isinstance(s, dict):
                 _flag(s, "no_stop_trim")
+                if s.get("sampling_seed") is not None and _version(self.compat_version) < (0, 5, 23):
+                    raise BadRequest(f"unknown sampling param 'sampling_seed': it came with SGLang 0.5.23, and this "
+                                     f"server shows {self.compat_version} (--compat-version)")
         # a server-made id must never be a client's rid (SGLang uses uuid4 hex as well)
         reqs = [GenerateRequest(input_ids=p, sampling=_sampling(s), request_id=r or uuid.uuid4().hex)
                 for p, s, r in zip(batch, sps, rids)]
