@@ -170,13 +170,15 @@ async def _in_threads(fn: Callable, calls: list[tuple], timeout_s: float) -> lis
     results: list[Any] = [None] * len(calls)
     start = 0
     while start < len(calls):
-        state = {"index": start, "since": time.monotonic(), "abandoned": False}
+        # "current" is (index, start time), stored as one tuple: a reader never pairs a new index with
+        # the previous call's start time (which would time out a call that just began)
+        state: dict[str, Any] = {"current": (start, time.monotonic()), "abandoned": False}
         done = asyncio.get_running_loop().create_future()
         loop = asyncio.get_running_loop()
 
         def work(lo: int = start, state: dict = state, done: asyncio.Future = done) -> None:
             for i in range(lo, len(calls)):
-                state["index"], state["since"] = i, time.monotonic()
+                state["current"] = (i, time.monotonic())
                 try:
                     value: Any = fn(*calls[i])
                 except Exception as exc:  # the caller marks the sample
@@ -188,7 +190,8 @@ async def _in_threads(fn: Callable, calls: list[tuple], timeout_s: float) -> lis
 
         threading.Thread(target=work, name="meshrl-reward", daemon=True).start()
         while True:
-            wait = state["since"] + timeout_s - time.monotonic()
+            i, since = state["current"]
+            wait = since + timeout_s - time.monotonic()
             if wait > 0:
                 try:
                     await asyncio.wait_for(asyncio.shield(done), wait)
@@ -196,9 +199,9 @@ async def _in_threads(fn: Callable, calls: list[tuple], timeout_s: float) -> lis
                     pass
             if done.done():
                 return results
-            if time.monotonic() - state["since"] >= timeout_s:  # the current call is stuck
+            i, since = state["current"]
+            if time.monotonic() - since >= timeout_s:  # the current call is stuck
                 state["abandoned"] = True
-                i = state["index"]
                 results[i] = TimeoutError(f"reward call took longer than {timeout_s:g}s")
                 start = i + 1
                 break
