@@ -9,7 +9,8 @@ first run), then trains it with RL: rollout, reward and training run at once as 
 by a staleness-bounded queue. It prints one line per step and writes, under run.output_dir,
 metrics.jsonl, timeline.jsonl, plots.png, config.yaml and final/ (a Hugging Face checkpoint).
 Ctrl-C stops cleanly: the steps in flight finish, a checkpoint is written (``run.resume=latest``
-continues from it) and final/ is exported; a second Ctrl-C aborts at once.
+continues from it) and final/ is exported; a second Ctrl-C aborts (once the warm start, if one is
+running, has finished: it runs in a thread that cannot be interrupted).
 """
 
 from __future__ import annotations
@@ -56,12 +57,12 @@ async def run_until_interrupted(pipeline: Pipeline) -> dict:
               "final/ are written; Ctrl-C again to abort", file=sys.stderr, flush=True)
         stopping.append(asyncio.ensure_future(pipeline.stop()))
 
-    with contextlib.suppress(NotImplementedError, RuntimeError):  # no signal handlers off the main thread
+    with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # no signal handlers off the main thread (uvloop: ValueError)
         loop.add_signal_handler(signal.SIGINT, interrupted)
     try:
         return await run
     finally:
-        with contextlib.suppress(NotImplementedError, RuntimeError):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.remove_signal_handler(signal.SIGINT)
         await asyncio.gather(*stopping, return_exceptions=True)
 

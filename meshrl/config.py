@@ -124,9 +124,16 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     so a second ``rollout:`` section would silently reset the first's keys to their defaults."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        # only the mapping's own keys must be unique: keys merged in (<<: *anchor) may be overridden
         seen: set = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
             key = self.construct_object(key_node, deep=deep)
+            try:
+                hash(key)
+            except TypeError:
+                raise yaml.constructor.ConstructorError(None, None, f"unhashable key {key!r}", key_node.start_mark) from None
             if key in seen:
                 raise yaml.constructor.ConstructorError(None, None, f"key {key!r} appears twice in one mapping",
                                                         key_node.start_mark)

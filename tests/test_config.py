@@ -78,6 +78,16 @@ def test_yaml_syntax_errors_and_repeated_keys_are_one_line_naming_the_line(tmp_p
     path.write_text("rollout:\n  temperature: 0.7\nrun:\n  total_steps: 3\nrollout:\n  threads: 2\n")
     with pytest.raises(ConfigError, match=r"c.yaml:5: not valid YAML \(key 'rollout' appears twice"):
         load_config(PipelineConfig, path)
+    # merge keys still work, and a key may override what they merged in
+    path.write_text("rollout: &r\n  temperature: 0.7\n  threads: 2\nqueue: {}\n")
+    load_config(PipelineConfig, path)
+    path.write_text("base: &b {temperature: 0.7, threads: 2}\n")
+    import yaml
+
+    from meshrl.config import _UniqueKeyLoader
+
+    merged = yaml.load("base: &b {t: 0.7, u: 2}\nrollout:\n  <<: *b\n  t: 0.5\n", Loader=_UniqueKeyLoader)
+    assert merged["rollout"] == {"t": 0.5, "u": 2}
 
 
 @pytest.mark.parametrize(("overrides", "message"), [

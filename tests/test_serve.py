@@ -431,3 +431,23 @@ def test_sampling_seed_exists_from_the_version_the_server_shows(hf):
 
     status, out = asyncio.run(main())
     assert status == 400 and "sampling_seed" in out["error"]["message"] and "0.5.10" in out["error"]["message"]
+
+
+def test_per_prompt_logprob_flags_and_an_abort_of_a_sample_id_that_is_not_running(hf):
+    """SGLang takes return_logprob as one boolean per prompt; an abort of ``job_1`` must not end a
+    request ``job`` that has one sample (only sample ids of a running n > 1 request map to it)."""
+    async def main():
+        engine = make_engine(hf)
+        async with serve(engine) as s:
+            st, outs = await post(s, "/generate", {"input_ids": [P0, P1], "return_logprob": [True, False],
+                                                   "sampling_params": {"max_new_tokens": 2}})
+            job = asyncio.ensure_future(post(s, "/generate", {"input_ids": P0, "rid": "job", "sampling_params": {
+                "max_new_tokens": 60, "ignore_eos": True}}))
+            await until(lambda: engine.num_running > 0, "job running")
+            await post(s, "/abort_request", {"rid": "job_1"})
+            _, done = await job
+            return st, outs, done
+
+    st, outs, done = asyncio.run(main())
+    assert st == 200 and "output_token_logprobs" in outs[0]["meta_info"] and "output_token_logprobs" not in outs[1]["meta_info"]
+    assert done["meta_info"]["finish_reason"]["type"] == "length"

@@ -115,3 +115,25 @@ def test_samples_of_an_n_request_are_named_and_aborted_the_sglang_way():
     assert [c.finish_reason for c in aborted.completions] == ["abort"] * 3
     assert all(len(c.output_ids) < 70 for c in aborted.completions)
     assert status == 200 and ids == ["ids_0", "ids_1"]
+
+
+def test_a_generation_that_never_got_a_slot_says_so():
+    async def main():
+        engine = make_engine(hf_model())
+        async with serving(engine) as url:
+            client = SGLangEngine(url, config=SGLangEngineConfig(max_connections=1, generate_timeout_s=30.0))
+            try:
+                await client.pause("keep")
+                held = asyncio.ensure_future(client.generate([GenerateRequest(
+                    input_ids=[1, 2], sampling=SamplingParams(max_new_tokens=4))]))
+                while not engine._waiting:
+                    assert not held.done(), held
+                    await asyncio.sleep(0.01)
+                with pytest.raises(TimeoutError, match="no free slot within 0.5s .*not sent"):
+                    await client.request("POST", "/generate", {"input_ids": [3]}, timeout_s=0.5)
+                await client.pause("abort")  # ends the held one
+                assert (await held)[0].completions[0].finish_reason == "abort"
+            finally:
+                await client.close()
+
+    asyncio.run(main())

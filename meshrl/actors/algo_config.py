@@ -8,6 +8,8 @@ string per step.
 
 from __future__ import annotations
 
+import math
+
 from typing import Any, Literal
 
 import msgspec
@@ -85,9 +87,10 @@ class AlgoConfig(msgspec.Struct, frozen=True, kw_only=True):
                              f"not {self.advantage}")
         if self.kl_coef < 0:
             raise ValueError(f"algo.kl_coef must be >= 0, got {self.kl_coef}")
-        for name in ("clip_low", "clip_high"):
-            if not 0 < getattr(self, name) < 1:
-                raise ValueError(f"algo.{name} must be in (0, 1), got {getattr(self, name)}")
+        if not 0 < self.clip_low < 1:
+            raise ValueError(f"algo.clip_low must be in (0, 1), got {self.clip_low}")
+        if not 0 < self.clip_high < math.inf:
+            raise ValueError(f"algo.clip_high must be a finite number > 0, got {self.clip_high}")
         if self.dual_clip is not None and not self.dual_clip > 1:
             raise ValueError(f"algo.dual_clip must be > 1 (or null), got {self.dual_clip}")
         for name in ("gamma", "lam"):

@@ -59,8 +59,8 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     minibatches_per_step: int = 1
     """Optimiser updates per pass (the batch is split into this many mini-batches)."""
     sync_interval: int = 1
-    """Train steps between weight publishes; each publish is one policy version. The last step
-    always publishes, so the final evaluation and checkpoint are of the exported weights."""
+    """Train steps between weight publishes; each publish is one policy version. A run whose last
+    step falls between publishes pushes once more before its final evaluation (of the exported weights)."""
     threads: int = 1
     """torch intra-op threads in each trainer process."""
     seed: int = 0
@@ -102,9 +102,10 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
         for name in ("lr", "critic_lr"):  # 0 is allowed: a run that only measures (no update)
             if not 0 <= getattr(self, name) < math.inf:
                 raise ValueError(f"trainer.{name} must be a finite number >= 0, got {getattr(self, name)}")
-        for name in ("max_grad_norm", "collective_timeout_s"):
-            if not 0 < getattr(self, name) < math.inf:
-                raise ValueError(f"trainer.{name} must be a finite number > 0, got {getattr(self, name)}")
+        if not self.max_grad_norm > 0:  # .inf: no clipping
+            raise ValueError(f"trainer.max_grad_norm must be > 0 (.inf: no clipping), got {self.max_grad_norm}")
+        if not 0 < self.collective_timeout_s < math.inf:
+            raise ValueError(f"trainer.collective_timeout_s must be a finite number > 0, got {self.collective_timeout_s}")
         if not self.weight_decay >= 0:
             raise ValueError(f"trainer.weight_decay must be >= 0, got {self.weight_decay}")
         if not all(0 <= b < 1 for b in self.betas):

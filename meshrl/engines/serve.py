@@ -109,6 +109,15 @@ def _version(text: str) -> tuple[int, int, int]:
     return parse_version(text)
 
 
+def _per_prompt(body: dict[str, Any], key: str, n: int) -> list[bool]:
+    value = body.get(key)
+    if isinstance(value, list):
+        if len(value) != n:
+            raise BadRequest(f"/generate: {key} has {len(value)} values for {n} prompts")
+        return list(value)
+    return [bool(value)] * n
+
+
 _MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 
 
@@ -190,8 +199,12 @@ class _Server:
         for k in _NULL_FIELDS:
             if body.get(k):
                 raise BadRequest(f"/generate field {k!r} is not supported by TorchEngine")
-        for key in ("stream", "return_logprob", "return_text_in_logprobs"):
-            _flag(body, key)
+        _flag(body, "stream")
+        for key in ("return_logprob", "return_text_in_logprobs"):  # SGLang: one boolean, or one per prompt
+            if not isinstance(body.get(key), list):
+                _flag(body, key)
+            elif not all(isinstance(v, bool) for v in body[key]):
+                raise BadRequest(f"/generate: {key} must be true or false, or a list of them, got {body[key]!r}")
         if body.get("stream"):
             raise BadRequest("stream=true is not supported by this server: send stream=false")
         if body.get("logprob_start_len", -1) not in (-1, None) or body.get("top_logprobs_num") \
@@ -274,9 +287,9 @@ class _Server:
         if results is None:  # the client went away: its requests were aborted; nobody reads a reply
             return web.Response(status=499, text="client closed the connection; its requests were aborted\n")
         latency = time.perf_counter() - t0
-        outs = [self._out(res, j, c, r.sampling, bool(body.get("return_logprob")),
-                          bool(body.get("return_text_in_logprobs")), latency, keep)
-                for r, res, keep in zip(reqs, results, no_trim) for j, c in enumerate(res.completions)]
+        logprob, text = (_per_prompt(body, key, len(reqs)) for key in ("return_logprob", "return_text_in_logprobs"))
+        outs = [self._out(res, j, c, r.sampling, lp, tx, latency, keep)
+                for r, res, keep, lp, tx in zip(reqs, results, no_trim, logprob, text) for j, c in enumerate(res.completions)]
         return web.json_response(outs[0] if single and len(outs) == 1 else outs)
 
     async def health(self, request: web.Request) -> web.Response:
@@ -339,7 +352,7 @@ class _Server:
             # SGLang names sample j of an n > 1 request "{rid}_{j}" and aborts it alone; TorchEngine
             # aborts whole requests, so a sample's id ends its request (an unknown rid is a no-op)
             parent, _, j = rid.rpartition("_")
-            if not self.engine.is_running(rid) and parent and j.isdigit() and self.engine.is_running(parent):
+            if not self.engine.is_running(rid) and parent and j.isdigit() and int(j) < self.engine.samples_of(parent):
                 rid = parent
             await self.engine.abort(rid)
         return web.Response(status=200)
@@ -353,7 +366,10 @@ class _Server:
         """SGLang's ``/release_memory_occupation`` (a colocated trainer takes the device): ``tags``
         "kv_cache" and/or "weights" (null: both). TorchEngine frees the KV cache with any release, and
         the weights too when asked (they need ``--enable-memory-saver``: one contiguous buffer)."""
-        tags = _memory_tags(await read_json(request, default={}), "/release_memory_occupation")
+        body = await read_json(request, default={})
+        tags = _memory_tags(body, "/release_memory_occupation")
+        if body.get("tags") is None and not self.engine.config.contiguous_weights:
+            tags.discard("weights")  # null means all this server can release: the KV cache alone here
         try:
             self.engine.release_memory(weights="weights" in tags)
         except RuntimeError as exc:  # busy, or weights without a contiguous buffer

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import uuid
 from typing import Any, Iterable, Sequence
 
@@ -137,29 +138,29 @@ class SGLangEngine:
         attempts = 1 + (self.config.retries if path in _RETRY_SAFE else 0)
         where = f"{method} {self.url}{path}"
         for attempt in range(attempts):
-            try:
-                async with contextlib.AsyncExitStack() as stack:
-                    if path == "/generate":  # generations queue here, not in the pool control calls need
-                        try:
-                            await asyncio.wait_for(self._generating.acquire(), timeout)
-                        except asyncio.TimeoutError:
-                            raise TimeoutError(f"{where}: no free slot within {timeout}s (max_connections="
-                                               f"{self.config.max_connections} generations in flight)") from None
-                        stack.callback(self._generating.release)
+            async with contextlib.AsyncExitStack() as stack:
+                if path == "/generate":  # generations queue here, not in the pool control calls need
+                    try:
+                        await asyncio.wait_for(self._generating.acquire(), timeout)
+                    except asyncio.TimeoutError:
+                        raise TimeoutError(f"{where}: no free slot within {timeout}s (max_connections="
+                                           f"{self.config.max_connections} generations in flight); not sent") from None
+                    stack.callback(self._generating.release)
+                try:
                     resp = await stack.enter_async_context(session.request(
                         method, self.url + path, json=body, timeout=aiohttp.ClientTimeout(total=timeout)))
                     if resp.content_type == "application/json":
                         return resp.status, await resp.json()
                     return resp.status, await resp.text()
-            except asyncio.TimeoutError:
-                raise TimeoutError(f"{where}: no reply within {timeout}s") from None
-            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:  # refused, reset, cut short
-                if attempt + 1 == attempts:
-                    raise ConnectionError(f"{where}: {type(exc).__name__}: {exc} (after {attempts} attempts)") from exc
-                await asyncio.sleep(delay)
-                delay *= 2
-            except ValueError as exc:  # a JSON body that does not parse
-                raise RuntimeError(f"{where}: the reply is not valid JSON ({exc})") from exc
+                except asyncio.TimeoutError:
+                    raise TimeoutError(f"{where}: no reply within {timeout}s") from None
+                except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:  # refused, reset, cut short
+                    if attempt + 1 == attempts:
+                        raise ConnectionError(f"{where}: {type(exc).__name__}: {exc} (after {attempts} attempts)") from exc
+                except json.JSONDecodeError as exc:  # a JSON body that does not parse
+                    raise RuntimeError(f"{where}: the reply is not valid JSON ({exc})") from exc
+            await asyncio.sleep(delay)
+            delay *= 2
         raise AssertionError("unreachable")
 
     async def _ok(self, path: str, body: dict[str, Any] | None = None, method: str = "POST") -> Any:

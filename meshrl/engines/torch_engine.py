@@ -408,6 +408,11 @@ class TorchEngine:
         """Whether ``request_id`` is in flight (waiting or generating)."""
         return request_id in self._requests
 
+    def samples_of(self, request_id: str) -> int:
+        """``n`` of ``request_id`` while it is in flight, else 0."""
+        p = self._requests.get(request_id)
+        return p.request.sampling.n if p is not None else 0
+
     async def abort(self, request_id: str) -> None:
         """End one request now; its result holds the tokens so far, ``finish_reason="abort"``."""
         self._abort(request_id, "aborted by request")

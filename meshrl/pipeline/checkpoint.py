@@ -85,8 +85,9 @@ class RunState(msgspec.Struct, kw_only=True):
 
 def run_fingerprint(cfg: Any) -> dict[str, Any]:
     """The settings a resumed run must share with the run it continues: the model, the task (the prompt
-    position counts into its training split) and the shape of what the queue and the trainer hold
-    (group size, a critic or not). Everything else (learning rate, steps, staleness) may change."""
+    position counts into its training split) and the algorithm's shape (group size, and the advantage
+    estimator, which decides whether a critic is trained; grpo and rloo count as different, to be
+    safe). Everything else (learning rate, steps, staleness) may change."""
     return {
         "model": msgspec.to_builtins(cfg.model), "task": msgspec.to_builtins(cfg.task),
         "algo.samples_per_prompt": cfg.algo.samples_per_prompt, "algo.advantage": cfg.algo.advantage,

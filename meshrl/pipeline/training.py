@@ -60,6 +60,7 @@ class TrainLoop:
         self.evals: list[asyncio.Task] = []
         """Held-out evaluations started every run.eval_every steps."""
         self.push_phases: dict[str, float] = {}
+        self._phases_logged = True
         """The last finished distributed push's parts (sync/send_s, sync/transfer_s, ...), logged with
         the step that finished it."""
         reshard = cfg.reshard
@@ -70,6 +71,8 @@ class TrainLoop:
         self._armed: asyncio.Task | None = None
         self._flipping: asyncio.Task | None = None
         """A detached push whose engines may not all serve its version yet."""
+        self._flip_error: BaseException | None = None
+        """A detached push's failure, raised by every later ``settle``."""
 
     async def run(self) -> None:
         """Train until ``run.total_steps`` or until the rollout side's ``stopping`` is set."""
@@ -116,7 +119,7 @@ class TrainLoop:
             self.log.step({
                 "step": self.step, "version": self.version, **metrics,
                 "step_time_s": now - last_end, "batch_wait_s": t1 - t0, "sync_time_s": sync_s,
-                **(self.push_phases if pushed else {}),
+                **self._unlogged_phases(),
                 "tokens_per_s": (generated - window[0][1]) / max(now - window[0][0], 1e-9), "generated_tokens": generated,
                 **{f"queue/{k}": v for k, v in queue_m.items() if isinstance(v, (int, float))},
             })  # fmt: skip
@@ -132,11 +135,26 @@ class TrainLoop:
                 await self.settle()  # evaluated at the version the step record names
                 self.evals.append(asyncio.create_task(self._evaluate()))
         await self.settle()
+        if self.step == cfg.run.total_steps and not self._pushes_after(self.step):
+            # off the cadence, after the end checkpoint: the final evaluation is of the weights the run
+            # exports (final/), whatever total_steps is; the queue is not told (no batch follows)
+            t0 = self.log.now()
+            self.version = await self.push(self.version + 1)
+            await self.settle()
+            self.log.span("sync", "push_weights", t0, self.log.now(), version=self.version)
+
+    def _unlogged_phases(self) -> dict[str, float]:
+        """The last finished push's parts, once: with the step that finished it (a detached push
+        finishes during a later step, which need not push itself)."""
+        if self._phases_logged:
+            return {}
+        self._phases_logged = True
+        return self.push_phases
 
     def _pushes_after(self, step: int) -> bool:
-        """Every trainer.sync_interval steps, and after the last: the final evaluation and checkpoint
-        are of the weights the run exports, whatever total_steps is."""
-        return step % self.cfg.trainer.sync_interval == 0 or step == self.cfg.run.total_steps
+        """Every trainer.sync_interval steps: the queue's admission counts on that cadence (a push
+        off it, checkpointed, would put a resumed run's admission a version out of step)."""
+        return step % self.cfg.trainer.sync_interval == 0
 
     async def _arm(self, version: int) -> None:
         await self.settle()  # the engines take one version at a time
@@ -146,14 +164,20 @@ class TrainLoop:
     async def settle(self) -> None:
         """Until every engine serves the newest pushed version and the queue has it (a detached
         push's second half); a failed one raises here."""
+        if self._flip_error is not None:  # every caller hears of a failed flip, not only the first
+            raise self._flip_error
         if self._flipping is not None:
             flipping = self._flipping
             try:
                 stats = await flipping
+            except BaseException as exc:
+                if not isinstance(exc, asyncio.CancelledError) or flipping.cancelled():
+                    self._flip_error = exc
+                raise
             finally:
                 if self._flipping is flipping:
                     self._flipping = None
-            self.push_phases = {f"sync/{k}": v for k, v in stats.phases.items()}
+            self.push_phases, self._phases_logged = {f"sync/{k}": v for k, v in stats.phases.items()}, False
 
     async def push(self, version: int, *, publish: bool = False) -> int:
         """Send the trainer's weights to every engine as ``version``; returns it. ``publish``: then
@@ -172,7 +196,7 @@ class TrainLoop:
                 self._flipping = asyncio.ensure_future(self._flip(push, publish))
                 return version
             stats = await self._flip(push, publish)
-            self.push_phases = {f"sync/{k}": v for k, v in stats.phases.items()}
+            self.push_phases, self._phases_logged = {f"sync/{k}": v for k, v in stats.phases.items()}, False
             return stats.version
         if self.cfg.trainer.dp > 1 or self.cfg.trainer.device == "cuda":
             # a collective over the dp ranks: rank 0 then holds the full tensors push_weights exports
