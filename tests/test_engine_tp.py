@@ -10,12 +10,12 @@ import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
 
 from meshrl.engines import GenerateRequest, SamplingParams, TorchEngine, TorchEngineConfig
 from meshrl.engines.layout import EngineLayout, ModelSpec
 from meshrl.mesh.distributed import free_port
+from processes import run_processes
 
 torch.set_num_threads(1)
 
@@ -88,16 +88,7 @@ def _rank_main(rank: int, path: str, port: int, out_dir: str) -> None:
 def test_tp2_generates_what_tp1_generates(tmp_path):
     hf = hf_model()
     hf.save_pretrained(tmp_path / "ckpt")
-    ctx = mp.start_processes(_rank_main, args=(str(tmp_path / "ckpt"), free_port(), str(tmp_path)), nprocs=2,
-                             start_method="spawn", join=False)
-    deadline = time.monotonic() + 120
-    try:
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            assert time.monotonic() < deadline, "TP ranks did not finish within 120 s"
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.terminate()
+    run_processes(_rank_main, (str(tmp_path / "ckpt"), free_port(), str(tmp_path)), 2, timeout_s=120, what="TP ranks")
     ref = asyncio.run(TorchEngine.from_pretrained(str(tmp_path / "ckpt"), TorchEngineConfig(
         max_batch_size=4, max_seq_len=32)).generate(REQS))
     for rank in range(2):

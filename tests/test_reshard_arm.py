@@ -15,9 +15,9 @@ import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from meshrl.mesh.distributed import free_ports
+from processes import run_processes
 
 TIMEOUT_S = 10.0
 
@@ -124,12 +124,4 @@ def _main(proc: int, ports: list[int]) -> None:
 @pytest.mark.slow
 def test_armed_receives_colocated_sender_and_rejoin():
     ports = free_ports(4)
-    ctx = mp.start_processes(_main, args=(ports,), nprocs=2, start_method="spawn", join=False)
-    deadline = time.monotonic() + 120
-    try:
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            assert time.monotonic() < deadline, "processes did not finish within 120 s"
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.terminate()
+    run_processes(_main, (ports,), 2, timeout_s=120, what="the armed-receive processes")

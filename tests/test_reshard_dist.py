@@ -17,9 +17,9 @@ import time
 import msgspec
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from meshrl.mesh.distributed import free_ports
+from processes import run_processes
 
 # (dp, tp, engine dtype, tied embeddings)
 CASES = [(1, 1, "float32", True), (1, 2, "float32", False), (2, 1, "float32", True), (2, 2, "bfloat16", False),
@@ -212,12 +212,4 @@ def _main(proc: int, all_ports: list[list[int]]) -> None:
 def test_fsdp2_to_tp_engines_bit_exact():
     flat = free_ports(3 * (len(CASES) + 1))
     ports = [flat[i:i + 3] for i in range(0, len(flat), 3)]
-    ctx = mp.start_processes(_main, args=(ports,), nprocs=NPROCS, start_method="spawn", join=False)
-    deadline = time.monotonic() + 150
-    try:
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            assert time.monotonic() < deadline, "reshard processes did not finish within 150 s"
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.terminate()
+    run_processes(_main, (ports,), NPROCS, timeout_s=150, what="reshard processes")

@@ -15,7 +15,6 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from meshrl.actors import AlgoConfig, TrainerConfig
 from meshrl.actors.data_parallel import DataParallel
@@ -23,6 +22,7 @@ from meshrl.actors.policy_trainer import NonFiniteStepsError, PolicyTrainer
 from meshrl.actors.trainer_checkpoint import load_trainer_state, save_trainer_state
 from meshrl.queues import Sample
 from meshrl.mesh.distributed import free_port
+from processes import run_processes
 
 torch.set_num_threads(1)
 STEPS = 5
@@ -115,7 +115,7 @@ def dp2_run(tmp_path_factory):
     """5 steps at dp=2 (checkpoint after 3, resumed copy of steps 4-5, HF export) in 2 processes."""
     root = tmp_path_factory.mktemp("fsdp")
     model_dir = tiny_model_dir(root / "model")
-    mp.start_processes(_rank_main, args=(free_port(), model_dir, str(root)), nprocs=2, start_method="spawn", join=True)
+    run_processes(_rank_main, (free_port(), model_dir, str(root)), 2, timeout_s=300, what="the dp=2 trainer ranks")
     return model_dir, root, torch.load(root / "dp2.pt")
 
 
@@ -260,21 +260,6 @@ def _dp_axis_of_a_2d_mesh(rank: int, port: int, out: str) -> None:
 def test_data_parallel_sizes_the_dp_axis_of_a_2d_mesh(tmp_path):
     """``size`` was the whole mesh's (4 on 2 x 2) while rank and group were the dp axis's (2): the
     batch was cut in 4 shares and two were never trained."""
-    import time
-
-    import torch.multiprocessing as mp
-
-    from meshrl.mesh.distributed import free_port
-
-    ctx = mp.start_processes(_dp_axis_of_a_2d_mesh, args=(free_port(), str(tmp_path)), nprocs=4, start_method="spawn",
-                             join=False)
-    deadline = time.monotonic() + 120
-    try:
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            assert time.monotonic() < deadline, "the 4 processes did not finish within 120 s"
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.terminate()
+    run_processes(_dp_axis_of_a_2d_mesh, (free_port(), str(tmp_path)), 4, timeout_s=120, what="the 4 ranks")
     got = sorted((tmp_path / str(r)).read_text() for r in range(4))
     assert got == ["0 2", "0 2", "1 2", "1 2"]
