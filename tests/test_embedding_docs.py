@@ -34,7 +34,7 @@ def test_every_snippet_of_the_embedding_docs_runs(ray_cluster, tmp_path, monkeyp
 
     found = blocks()
     assert [lang for lang, _ in found] == ["yaml", "python", "python", "python", "python", "python", "python", "python",
-                                           "bash", "python"]  # fmt: skip
+                                           "bash", "python", "bash", "python"]  # fmt: skip
     docs_yaml = tmp_path / "docs_run.yaml"
     docs_yaml.write_text(found[0][1])
     meshrl.load_config(meshrl.PipelineConfig, str(docs_yaml))  # the page's YAML is a valid config
@@ -59,6 +59,9 @@ rollout: {{prompts_per_request: 2, max_new_tokens: 3, episode: {{max_turns: 2}}}
             else:
                 cmd = shlex.split(code.strip())
                 assert cmd[:3] == ["python", "-m", "meshrl.engines.serve"], cmd
+                if server is not None:  # the --tp server takes the same port
+                    server.terminate()
+                    server.wait(timeout=30)
                 env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
                 server = subprocess.Popen([sys.executable, *cmd[1:]], cwd=tmp_path, env=env, text=True,
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
@@ -72,5 +75,6 @@ rollout: {{prompts_per_request: 2, max_new_tokens: 3, episode: {{max_turns: 2}}}
     summary = ns["summary"]
     assert summary["steps"] == 4 and summary["stopped"] is False  # the resumed run finished the run
     assert (tmp_path / "runs" / "mine" / "checkpoints").is_dir()
+    assert ns["reply"]["success"] and "as version 7" in ns["reply"]["message"]  # the --tp 2 server took the load
     choice = ns["choice"]
     assert choice["token_ids"] and len(choice["meshrl"]["logprobs"]) == len(choice["token_ids"])

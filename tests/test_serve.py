@@ -451,3 +451,43 @@ def test_per_prompt_logprob_flags_and_an_abort_of_a_sample_id_that_is_not_runnin
     st, outs, done = asyncio.run(main())
     assert st == 200 and "output_token_logprobs" in outs[0]["meta_info"] and "output_token_logprobs" not in outs[1]["meta_info"]
     assert done["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_update_weights_from_disk(hf, tmp_path):
+    """SGLang's ``/update_weights_from_disk``: the checkpoint's weights serve the next request under
+    ``weight_version``; another model's checkpoint or a missing directory is a 400 that changes nothing."""
+    from safetensors.torch import save_file
+
+    new = {k: v * 0.7 if v.dim() == 2 else v for k, v in hf.state_dict().items()}
+    save_file({k: v.contiguous() for k, v in new.items() if k != "lm_head.weight"}, str(tmp_path / "model.safetensors"))
+    other = tmp_path / "other"
+    other.mkdir()
+    save_file({"model.embed_tokens.weight": torch.zeros(5, 3)}, str(other / "model.safetensors"))
+    req = GenerateRequest(input_ids=P0, sampling=SamplingParams(max_new_tokens=6, temperature=0))
+
+    async def expected():
+        eng = make_engine(hf)
+        before = await eng.generate([req])
+        await eng.update_weights(new.items(), 3)
+        return before[0].completions[0].output_ids, (await eng.generate([req]))[0].completions[0].output_ids
+
+    before, after = asyncio.run(expected())
+    assert before != after
+
+    async def main():
+        async with serve(make_engine(hf)) as s:
+            gen = {"input_ids": P0, "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
+            bad = [await post(s, "/update_weights_from_disk", {"model_path": str(other)}),
+                   await post(s, "/update_weights_from_disk", {"model_path": str(tmp_path / "missing")}),
+                   await post(s, "/update_weights_from_disk", {"model_path": str(tmp_path), "load_format": "pt"})]
+            still = await post(s, "/generate", gen)
+            ok = await post(s, "/update_weights_from_disk", {"model_path": str(tmp_path), "weight_version": "3"})
+            return bad, still, ok, await post(s, "/generate", gen)
+
+    bad, still, ok, now = asyncio.run(main())
+    for st, b in bad:
+        assert st == 400 and b["success"] is False and b["num_paused_requests"] == 0
+    assert "expected shape" in bad[0][1]["message"] and "no checkpoint directory" in bad[1][1]["message"]
+    assert still[1]["output_ids"] == before and still[1]["meta_info"]["weight_version"] == "0"
+    assert ok[0] == 200 and ok[1]["success"] is True
+    assert now[1]["output_ids"] == after and now[1]["meta_info"]["weight_version"] == "3"

@@ -11,6 +11,10 @@ The distributed weight-update endpoints (``/init_weights_update_group``, ``/begi
 so are OpenAI's ``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models`` (``openai_api.py``:
 token ids and behaviour log-probs in every answer, so meshrl can train on agent-driven rollouts).
 
+``--tp N`` runs N processes, one TP rank each (``schedule.py``): this one serves HTTP and the others
+follow its schedule; the distributed weight-update endpoints and the memory endpoints are then
+refused, and ``/update_weights_from_disk`` (each rank reads its shard) is how weights change.
+
 Simplifications, on purpose: no streaming; no input-token or top-k log-probs; sampling params that
 TorchEngine does not implement (``min_p``, penalties, ``stop`` strings, grammars) are accepted only
 at their neutral value, anything else is a 400 naming the field; ``pause_generation`` supports
@@ -324,7 +328,7 @@ class _Server:
         e = self.engine
         return web.json_response({
             **self.server_args, "version": self.compat_version, "engine": "meshrl.TorchEngine",
-            "model_path": e.model_path, "tp_size": 1, "dp_size": 1, "dtype": str(e.dtype).removeprefix("torch."),
+            "model_path": e.model_path, "tp_size": e.tp.size, "dp_size": 1, "dtype": str(e.dtype).removeprefix("torch."),
             "device": str(e.device), "max_running_requests": e.max_batch_size, "context_length": e.cache.max_seq_len,
             "max_total_num_tokens": e.max_batch_size * e.cache.max_seq_len, "random_seed": e.config.seed,
             "skip_tokenizer_init": self.tokenizer is None, "weight_version": str(e.version),
@@ -368,6 +372,9 @@ class _Server:
         the weights too when asked (they need ``--enable-memory-saver``: one contiguous buffer)."""
         body = await read_json(request, default={})
         tags = _memory_tags(body, "/release_memory_occupation")
+        if self.engine.tp.size > 1:
+            return error_response(400, "/release_memory_occupation is not served with --tp > 1 (it would free rank "
+                                       "0's memory only)")
         if body.get("tags") is None and not self.engine.config.contiguous_weights:
             tags.discard("weights")  # null means all this server can release: the KV cache alone here
         try:
@@ -394,6 +401,8 @@ class _Server:
             t = self.engine.get_weights_by_name(name)
         except KeyError as exc:
             raise BadRequest(f"/get_weights_by_name: {exc.args[0] if exc.args else name}") from None
+        except ValueError as exc:  # a TP shard cannot rebuild a whole tensor
+            raise BadRequest(f"/get_weights_by_name: {exc}") from None
         return web.json_response(t[:rows].float().tolist())
 
 
@@ -432,9 +441,13 @@ def make_app(engine: TorchEngine, *, tokenizer: Any = None, server_args: dict[st
     for method, path, handler in routes:
         app.router.add_route(method, path, handler)
 
-    async def stop_engine(app: web.Application) -> None:
-        await engine.shutdown()
+    async def start_engine(app: web.Application) -> None:
+        await engine.start()  # a TP leader's heartbeats start now, not at the first request
 
+    async def stop_engine(app: web.Application) -> None:
+        await engine.shutdown()  # (and a TP leader's followers)
+
+    app.on_startup.append(start_engine)
     app.on_shutdown.append(stop_engine)
     app.on_shutdown.append(weights.close)
     return app
@@ -474,17 +487,85 @@ def main(argv: list[str] | None = None) -> None:
                    help="keep the weights in one buffer, so /release_memory_occupation can free them too")
     p.add_argument("--compat-version", default=SGLANG_COMPAT_VERSION,
                    help="SGLang release whose HTTP surface to show (weight-update branches differ by version)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks: one process each (GPU i on CUDA); this one serves, the others "
+                        "follow its schedule")
+    p.add_argument("--tp-timeout-s", type=float, default=600.0,
+                   help="timeout of the TP ranks' collectives (start-up rendezvous included)")
     a = p.parse_args(argv)
+    if a.tp < 1:
+        p.error(f"--tp must be >= 1, got {a.tp}")
+    if a.tp > 1 and a.device not in ("auto", "cpu", "cuda"):
+        p.error(f"--tp {a.tp} places rank i on cuda:i: give --device auto, cuda or cpu, not {a.device!r}")
+    if a.tp > 1 and a.enable_memory_saver:
+        p.error("--enable-memory-saver is not supported with --tp > 1")
     import torch
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    cfg = TorchEngineConfig(dtype=a.dtype, device=a.device, max_batch_size=a.max_batch_size,
-                            max_seq_len=a.max_seq_len, seed=a.seed, cuda_graphs=not a.no_cuda_graphs,
-                            contiguous_weights=a.enable_memory_saver)
-    engine = TorchEngine.from_pretrained(a.model, cfg)
+    followers = None
+    if a.tp > 1:
+        import torch.multiprocessing as mp
+
+        from meshrl.mesh.distributed import free_port
+
+        rendezvous = free_port()
+        followers = mp.start_processes(_follower_main, args=(a, rendezvous), nprocs=a.tp - 1, start_method="spawn",
+                                       join=False)
+        engine = _engine(a, rank=0, rendezvous=rendezvous)
+    else:
+        engine = _engine(a)
     app = make_app(engine, tokenizer=load_tokenizer(a.model), compat_version=a.compat_version,
                    server_args={"host": a.host, "port": a.port, "model_path": a.model})
-    web.run_app(app, host=a.host, port=a.port, print=lambda msg: print(msg, flush=True))
+    try:
+        web.run_app(app, host=a.host, port=a.port, print=lambda msg: print(msg, flush=True))
+    finally:
+        if followers is not None:  # engine.shutdown (on_shutdown) told them to stop
+            deadline = time.monotonic() + 30
+            while not followers.join(timeout=max(0.1, deadline - time.monotonic())) and time.monotonic() < deadline:
+                pass
+            for proc in followers.processes:
+                if proc.is_alive():
+                    proc.terminate()
+
+
+def _engine(a: argparse.Namespace, rank: int = 0, rendezvous: int = 0) -> TorchEngine:
+    """The engine of TP rank ``rank`` (``a.tp`` > 1: joins the other ranks over 127.0.0.1:``rendezvous``)."""
+    import datetime
+
+    import torch
+
+    device, tp = a.device, None
+    if a.tp > 1:
+        import torch.distributed as dist
+
+        from meshrl.engines.tp import TensorParallel
+
+        cuda = a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
+        if cuda:
+            torch.cuda.set_device(rank)
+            device = f"cuda:{rank}"
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{rendezvous}", rank=rank,
+                                world_size=a.tp, timeout=datetime.timedelta(seconds=a.tp_timeout_s))
+        # schedule messages over gloo: no device sync per step for them under NCCL
+        control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=a.tp_timeout_s)) if cuda else None
+        tp = TensorParallel(rank=rank, size=a.tp, group=dist.group.WORLD, leader_driven=True, control_group=control)
+    cfg = TorchEngineConfig(dtype=a.dtype, device=device, max_batch_size=a.max_batch_size,
+                            max_seq_len=a.max_seq_len, seed=a.seed, cuda_graphs=not a.no_cuda_graphs,
+                            contiguous_weights=a.enable_memory_saver)
+    return TorchEngine.from_pretrained(a.model, cfg, tp=tp)
+
+
+def _follower_main(index: int, a: argparse.Namespace, rendezvous: int) -> None:
+    """TP rank ``index + 1`` of ``--tp``: build its shard, then run rank 0's schedule until it stops."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    engine = _engine(a, rank=index + 1, rendezvous=rendezvous)
+    try:
+        asyncio.run(engine.follow())
+    finally:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -16,8 +16,13 @@ not exist); 0.4.x takes one ``name``/``dtype``/``shape`` per call; ``load_format
 Unlike SGLang, the staging makes a failed update harmless: it is dropped, the engine stays on its
 version, and the reply says why (``success: false``). A receive that fails or times out leaves its
 group out of step with the trainer (gloo closes its connections on a timeout), so later updates
-over it are refused at once until it is destroyed and joined again. Simplification: the server is
-one rank (``tp_size`` 1), so it joins at ``rank_offset``.
+over it are refused at once until it is destroyed and joined again.
+
+``/update_weights_from_disk`` loads a checkpoint directory between two steps (nothing applied when a
+tensor does not fit). It is the one way to change weights of a ``--tp`` server: there every rank
+reads its own shard at the same step (``schedule.py``), while the distributed endpoints would reach
+rank 0 alone and are refused. Simplification: a one-rank server joins the trainer's group at
+``rank_offset``; a TP server does not join it.
 """
 
 from __future__ import annotations
@@ -30,12 +35,17 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from meshrl.engines.serve import BadRequest, read_json
+from meshrl.engines.serve import BadRequest, _flag, read_json
 from meshrl.engines.torch_engine import TorchEngine
 
 
 def _reply(ok: bool, message: str, status: int = 200) -> web.Response:
     return web.json_response({"success": ok, "message": message}, status=status)
+
+
+def _disk_reply(ok: bool, message: str) -> web.Response:
+    """``/update_weights_from_disk``'s answer: SGLang's fields, 400 on failure as SGLang does."""
+    return web.json_response({"success": ok, "message": message, "num_paused_requests": 0}, status=200 if ok else 400)
 
 
 def _version(text: str) -> tuple[int, int, int]:
@@ -84,12 +94,43 @@ class WeightSync:
 
     def routes(self) -> list[tuple[str, str, Any]]:
         out = [("POST", "/init_weights_update_group", self.init_group),
-               ("POST", "/update_weights_from_distributed", self.update), ("POST", "/update_weight_version", self.set_version)]
+               ("POST", "/update_weights_from_distributed", self.update)]
         if self.version >= (0, 5, 10):
             out.append(("POST", "/destroy_weights_update_group", self.destroy_group))
         if self.version >= (0, 5, 21):
             out += [("POST", "/begin_weight_update", self.begin), ("POST", "/end_weight_update", self.end)]
-        return out
+        if self.engine.tp.size > 1:  # rank 0 alone would receive (and stage) these; the followers never would
+            out = [(method, path, self._refused_under_tp) for method, path, _ in out]
+        return out + [("POST", "/update_weight_version", self.set_version),
+                      ("POST", "/update_weights_from_disk", self.from_disk)]
+
+    async def _refused_under_tp(self, request: web.Request) -> web.Response:
+        return _reply(False, f"{request.path} is not served with --tp > 1 (only rank 0 would receive the weights): "
+                             "use /update_weights_from_disk, which every rank reads", 400)
+
+    async def from_disk(self, request: web.Request) -> web.Response:
+        """SGLang's ``/update_weights_from_disk``: load a checkpoint directory's safetensors between two
+        steps (under TP every rank reads its own shard); ``weight_version`` labels it."""
+        b = await read_json(request)
+        path = b.get("model_path")
+        if not isinstance(path, str) or not path:
+            raise BadRequest(f"/update_weights_from_disk: model_path must be a checkpoint directory, got {path!r}")
+        if b.get("load_format") not in (None, "auto", "safetensors"):
+            return _disk_reply(False, f"load_format {b['load_format']!r}: TorchEngine reads safetensors only")
+        try:
+            version = None if b.get("weight_version") is None else int(b["weight_version"])
+        except (TypeError, ValueError):
+            return _disk_reply(False, f"weight_version must be an integer string for TorchEngine, got "
+                                      f"{b['weight_version']!r}")
+        if _flag(b, "abort_all_requests", "/update_weights_from_disk"):
+            self.engine.abort_all()
+        try:
+            n = await self.engine.update_weights_from_disk(path, version)
+        except (OSError, ValueError, RuntimeError) as exc:  # no such dir, another model's tensors, staging
+            return _disk_reply(False, f"update dropped, engine stays on version {self.engine.version}: "
+                                      f"{type(exc).__name__}: {exc}")
+        return _disk_reply(True, f"Succeeded to update model weights from {path} ({n} tensors) as version "
+                                 f"{self.engine.version}.")
 
     async def init_group(self, request: web.Request) -> web.Response:
         from meshrl.mesh.distributed import join_process_group

@@ -23,9 +23,13 @@ takes both back at the same sizes and re-captures the CUDA graphs only if an add
 (``graph_recaptures`` counts it). Restored weights are undefined until the caller writes a whole
 version (``write_params``); restored KV is zeroed where attention could read it before a write.
 
+Tensor parallelism (``tp.py``): either every rank gets the same calls between the same two steps
+(SPMD in rounds), or, with ``TensorParallel(leader_driven=True)``, only rank 0 takes calls and the
+others run ``await engine.follow()``: before each step rank 0 broadcasts what changed (``_record``),
+and they apply it (``_apply``) and run the same step.
+
 Simplifications, on purpose: one engine per process and per loop (moving to a new loop drops what
-was in flight on the old one); a request's samples are admitted together; no preemption; under
-tensor parallelism every rank must receive the same calls in the same order (pause before updating).
+was in flight on the old one); a request's samples are admitted together; no preemption.
 """
 
 from __future__ import annotations
@@ -45,9 +49,12 @@ from meshrl.engines.cuda_graphs import DecodeGraphs, default_bucket_sizes
 from meshrl.engines.kv_cache import KVCache
 from meshrl.engines.layout import ModelSpec
 from meshrl.engines.model import Transformer
+from meshrl.engines import schedule
+from meshrl.engines.schedule import ScheduleChannel
 from meshrl.engines.tp import TensorParallel
 from meshrl.engines.types import Completion, GenerateRequest, GenerateResult, PauseMode, SamplingParams
-from meshrl.engines.weights import StagedWeights, eos_token_ids, iter_safetensors, load_all, load_hf_config
+from meshrl.engines.weights import (StagedWeights, eos_token_ids, iter_safetensors, load_all, load_checkpoint,
+                                    load_hf_config)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -128,6 +135,12 @@ class TorchEngine:
         dtype = _DTYPES.get(config.dtype) or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
         self.device, self.dtype = dev, dtype
         tp = tp or TensorParallel()
+        self.tp = tp
+        self._channel = ScheduleChannel(tp, dev) if tp.is_leader or tp.is_follower else None
+        self._log: list[list] | None = [] if tp.is_leader else None
+        """Leader-driven TP, rank 0: what changed since the last broadcast (see ``_record``)."""
+        self._sealed: tuple[StagedWeights, int] | None = None  # a follower's ended stage, until rank 0 flips to it
+        self._sealed_event = asyncio.Event()
         self.model = Transformer(self.spec, dtype=dtype, device=dev, tp_rank=tp.rank, tp_size=tp.size,
                                  all_reduce=tp.all_reduce)
         self._weights = self._make_weights_contiguous() if config.contiguous_weights else None
@@ -283,6 +296,7 @@ class TorchEngine:
         Waits at most ``generate_timeout_s`` for the engine (which may be paused); on timeout or
         cancellation the unfinished requests are aborted.
         """
+        self._leader_only("generate")
         if self.cache.released or self.weights_released:
             raise RuntimeError("generate on an engine whose memory is released (release_memory): call "
                                "restore_memory (and write a whole version if the weights were released) first")
@@ -290,7 +304,7 @@ class TorchEngine:
             self._validate(r)
         self._ensure_step_task()
         loop = asyncio.get_running_loop()
-        pending, rids = [], set()
+        accepted, rids = [], set()
         for r in requests:
             rid = r.request_id
             while not rid or (not r.request_id and (rid in self._requests or rid in rids)):
@@ -299,10 +313,8 @@ class TorchEngine:
                 raise ValueError(f"request_id {rid!r} is already in flight")
             rids.add(rid)
             seed = r.sampling.seed if r.sampling.seed is not None else self._rng.getrandbits(32)
-            pending.append(_Pending(r, rid, seed, loop.create_future()))
-        for p in pending:
-            self._requests[p.rid] = p
-            self._waiting.append(p)
+            accepted.append((r, rid, seed))
+        pending = [self._enqueue(r, rid, seed, loop.create_future()) for r, rid, seed in accepted]
         self._wake.set()
         try:
             return list(await asyncio.wait_for(asyncio.gather(*(p.future for p in pending)),
@@ -333,10 +345,19 @@ class TorchEngine:
         try:
             while True:
                 if self._paused or not (self._waiting or self._batch.size):
+                    self._publish(step=False)  # followers learn of pauses, aborts and flips now, not at the next step
                     self._wake.clear()
-                    # idle: woken by generate() or resume(); an idle engine needs no timeout
-                    await self._wake.wait()
+                    # idle: woken by generate() or resume(); an idle engine needs no timeout, but its
+                    # followers' broadcasts have one: keep them fed
+                    if self._channel is None:
+                        await self._wake.wait()
+                    else:
+                        try:
+                            await asyncio.wait_for(self._wake.wait(), self.tp.heartbeat_s)
+                        except asyncio.TimeoutError:
+                            self._publish(step=False, heartbeat=True)
                     continue
+                self._publish(step=True)
                 self.step()
                 await asyncio.sleep(0)  # lets pause/abort/weight updates/new requests run between steps
         except Exception as exc:  # a failed step fails every caller instead of hanging them
@@ -346,6 +367,10 @@ class TorchEngine:
                 if not p.future.done():
                     p.future.set_exception(err)
             self._drop_all()
+            try:
+                self._publish(step=False)  # followers drop theirs too, if the group still works
+            except Exception:
+                pass
 
     def step(self) -> None:
         """Admit what fits (one prefill), then one decode step of the running batch."""
@@ -393,6 +418,7 @@ class TorchEngine:
         p = self._requests.get(rid)
         if p is None:
             return False
+        self._record(["abort", rid])
         if p in self._waiting:
             self._waiting.remove(p)
             p.completions = [Completion(output_ids=[], logprobs=[], finish_reason="abort", versions=[])
@@ -415,6 +441,7 @@ class TorchEngine:
 
     async def abort(self, request_id: str) -> None:
         """End one request now; its result holds the tokens so far, ``finish_reason="abort"``."""
+        self._leader_only("abort")
         self._abort(request_id, "aborted by request")
 
     def abort_all(self) -> None:
@@ -425,18 +452,23 @@ class TorchEngine:
         """Stop stepping. ``"abort"`` ends all requests in flight; ``"keep"`` keeps them for resume."""
         if mode not in ("abort", "keep"):
             raise ValueError(f"pause mode must be 'abort' or 'keep', got {mode!r}")
+        self._leader_only("pause")
         self._paused = True
+        self._record(["pause"])
         if mode == "abort":
             self.abort_all()
 
     async def resume(self) -> None:
         """Continue stepping (kept sequences first, then waiting requests)."""
+        self._leader_only("resume")
         self._paused = False
+        self._record(["resume"])
         if self._wake is not None:
             self._wake.set()
 
     def _drop_all(self) -> None:
         """Forget every request (their futures are failed, or belong to a loop that is gone)."""
+        self._record(["drop"])
         self._waiting.clear()
         self._requests.clear()
         self._batch.reset()  # no device reads: the step that failed may have left the batch half-updated
@@ -496,6 +528,9 @@ class TorchEngine:
         if self._stage is not None:
             raise RuntimeError("begin_weight_update: a weight update is already staging; end it (end_weight_update) "
                                "or drop it (abort_weight_update) first")
+        if self._sealed is not None:
+            raise RuntimeError(f"begin_weight_update on TP rank {self.tp.rank}: version {self._sealed[1]} is staged "
+                               "and waits for rank 0's flip to it; end that update on rank 0 first")
         self._stage = StagedWeights(self.model)
 
     async def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -510,8 +545,13 @@ class TorchEngine:
             raise RuntimeError("end_weight_update without begin_weight_update")
         version = _version_number(version)  # before anything is applied: a bad one leaves the stage open
         stage, self._stage = self._stage, None
+        if self.tp.is_follower:  # goes live when rank 0's flip to `version` reaches this rank (_flip_sealed)
+            self._sealed = (stage, version)
+            self._sealed_event.set()
+            return
         stage.apply()
-        self.set_version(version)
+        self._set_version(version)
+        self._record(["flip", version])
 
     def staged_params(self) -> dict[str, torch.Tensor]:
         """Inside an update: staging copies of the local parameters (engine names) for writers that speak
@@ -523,26 +563,33 @@ class TorchEngine:
     def live_params(self) -> dict[str, torch.Tensor]:
         """The parameters the steps read (engine names), for writers that fill them in place while the
         engine is paused (``ReshardConfig.apply = "in_place"``); the caller sets the version after."""
+        self._no_in_place("live_params")
         if self._stage is not None:
             raise RuntimeError("live_params during a staged weight update: end or abort it first")
         return self.model.params
 
     async def abort_weight_update(self) -> None:
-        """Drop whatever was staged; the engine keeps serving its current version."""
-        self._stage = None
+        """Drop whatever was staged (and a follower's ended stage); the engine keeps serving its version."""
+        self._stage = self._sealed = None
 
     def write_params(self, write: Callable[[dict[str, torch.Tensor]], None], version: int) -> None:
         """``write(live params)``, then serve them as ``version``: synchronous, so between two steps, with
         no staging copy (colocated pushes whose sources all sit in this process)."""
+        self._no_in_place("write_params")
         if self._stage is not None:
             raise RuntimeError("write_params during a staged weight update: end or abort it first")
         version = _version_number(version)
         with torch.no_grad():
             write(self.model.params)
-        self.set_version(version)
+        self._set_version(version)
 
     def set_version(self, version: int) -> None:
         """Label the current weights as policy ``version`` (SGLang's ``/update_weight_version``)."""
+        self._leader_only("set_version")
+        self._set_version(version)
+        self._record(["version", self._version])
+
+    def _set_version(self, version: int) -> None:
         self._version = _version_number(version)
         self._batch.mark_version(self._version)
 
@@ -558,13 +605,30 @@ class TorchEngine:
             raise
         await self.end_weight_update(version)
 
+    async def update_weights_from_disk(self, path: str, version: int | None = None) -> int:
+        """Load a checkpoint directory's safetensors (any subset of the model's tensors) as ``version``
+        (default: the current one), between two steps; returns the tensors loaded. Nothing is applied
+        when a name or shape does not fit. Under a TP leader each follower reads its own shard of the
+        same files at the same step boundary (they must see ``path`` too)."""
+        self._leader_only("update_weights_from_disk")
+        version = self._version if version is None else _version_number(version)
+        if self._stage is not None:
+            raise RuntimeError("update_weights_from_disk during a staged weight update: end or abort it first")
+        n = load_checkpoint(self.model, path)
+        self._set_version(version)
+        self._record(["load", path, version])
+        return n
+
     def get_weights_by_name(self, hf_name: str) -> torch.Tensor:
         """The current value of one HF-named weight, unfused (unsharded engines only)."""
         return self.model.get_hf(hf_name)
 
     async def shutdown(self) -> None:
-        """Abort everything and stop the step task."""
+        """Abort everything and stop the step task (and, on a TP leader, the followers' ``follow``)."""
         self.abort_all()
+        if self._log is not None:
+            events, self._log = self._log, []
+            self._channel.send(events, step=False, stop=True)
         if self._task is not None and not self._task.done():
             self._task.cancel()
             try:
@@ -572,3 +636,52 @@ class TorchEngine:
             except (asyncio.CancelledError, Exception):
                 pass
         self._task = None
+
+    # ---- leader-driven tensor parallelism (tp.py) ----------------------------------------------
+
+    async def start(self) -> None:
+        """Start the step task now rather than at the first ``generate`` (a TP leader's heartbeats keep
+        its followers from the group's timeout; a server calls this at startup)."""
+        self._leader_only("start")
+        self._ensure_step_task()
+
+    def _leader_only(self, what: str) -> None:
+        if self.tp.is_follower:
+            raise RuntimeError(f"{what} on TP rank {self.tp.rank}, which follows rank 0's schedule "
+                               "(leader_driven): make generation and control calls on rank 0")
+
+    def _no_in_place(self, what: str) -> None:
+        if self.tp.leader_driven and self.tp.size > 1:
+            raise RuntimeError(f"{what} is refused under a leader-driven TP engine: an in-place write needs every "
+                               "rank paused at the same step; stage the weights (begin/load/end_weight_update)")
+
+    def _record(self, event: list) -> None:
+        """Leader: remember a change of the schedule for the next broadcast (followers ``_apply`` it)."""
+        if self._log is not None:
+            self._log.append(event)
+
+    def _publish(self, *, step: bool, heartbeat: bool = False) -> None:
+        """Leader: broadcast what changed and whether a step follows (nothing, when neither nor a heartbeat)."""
+        if self._log is None or not (step or heartbeat or self._log):
+            return
+        events, self._log = self._log, []
+        self._channel.send(events, step=step)
+
+    async def follow(self) -> None:
+        """Leader-driven TP, ranks other than 0: run rank 0's schedule until rank 0 shuts down.
+
+        Each message's changes are applied in rank 0's order, then its step runs; weight updates
+        staged here meanwhile go live at rank 0's flip to their version (``schedule.follow``). Fails
+        (and drops what runs) when a step fails or no message arrives within the group's timeout."""
+        if not self.tp.is_follower:
+            raise RuntimeError("follow() is for leader-driven TP ranks other than 0 "
+                               f"(this is rank {self.tp.rank}, leader_driven={self.tp.leader_driven})")
+        await schedule.follow(self)
+
+    def _enqueue(self, request: GenerateRequest, rid: str, seed: int, future: asyncio.Future) -> _Pending:
+        """Queue a validated request for admission (and, on a TP leader, for the followers)."""
+        p = _Pending(request, rid, seed, future)
+        self._requests[rid] = p
+        self._waiting.append(p)
+        self._record(["add", rid, list(request.input_ids), msgspec.to_builtins(request.sampling), seed])
+        return p

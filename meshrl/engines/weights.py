@@ -130,3 +130,15 @@ class StagedWeights:
         self.pieces.clear()
         self.whole = {}
         return n
+
+
+def load_checkpoint(model: Transformer, path: str) -> int:
+    """Read a checkpoint directory's safetensors into ``model`` at once (this rank's shard); nothing is
+    applied when a name or shape does not fit. Returns the tensors applied."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no checkpoint directory {path!r}")
+    stage = StagedWeights(model)
+    stage.add(iter_safetensors(path))
+    if not stage.pieces:
+        raise ValueError(f"{path!r} holds no weights of this model")
+    return stage.apply()
