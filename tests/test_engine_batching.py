@@ -7,6 +7,7 @@ a weight update shows up exactly where the per-token versions flip.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 import torch
@@ -427,3 +428,75 @@ def test_from_hf_model_stops_on_the_generation_configs_eos_too(tmp_path):
     model.generation_config.eos_token_id = [3, 7]
     model.save_pretrained(tmp_path)
     assert TorchEngine.from_hf_model(model).eos_ids == TorchEngine.from_pretrained(str(tmp_path)).eos_ids == (3, 7)
+
+
+# ---- generate_stream ---------------------------------------------------------------------------
+
+async def _collect(eng: TorchEngine, r: GenerateRequest) -> tuple[list[list], list[list[int]]]:
+    """Every delta of a stream, and each sample's tokens put back together."""
+    deltas, ids = [], [[] for _ in range(r.sampling.n)]
+    async for d in eng.generate_stream(r):
+        deltas.append(d)
+        ids[d.index] += d.output_ids
+    return deltas, ids
+
+
+@pytest.mark.parametrize("lagged", [False, True])
+def test_stream_deltas_add_up_to_the_completions(hf, lagged):
+    """Streamed with other requests running, stop tokens (checked a step late when ``lagged``) and a
+    weight flip mid-stream: each sample's deltas add up to its ``generate`` completion, only its last
+    delta has a finish reason, and no delta holds a token past a stop."""
+    free = asyncio.run(engine(hf).generate([req(p, max_new_tokens=16) for p in PROMPTS[:3]]))
+    stops = [(r.completions[0].output_ids[3 + 2 * i],) for i, r in enumerate(free)]
+    reqs = [req(p, f"s{i}", max_new_tokens=16, temperature=0.9, seed=i, n=2, stop_token_ids=stops[i])
+            for i, p in enumerate(PROMPTS[:3])]
+    other = hf_model(seed=1).state_dict()
+
+    async def run(stream: bool):
+        eng = engine(hf, max_batch_size=8, stream_interval_steps=2)
+        eng._batch.lagged_stops = lagged
+        busy = asyncio.create_task(eng.generate([req(PROMPTS[5], "busy", max_new_tokens=30, ignore_eos=True)]))
+        await wait_steps(eng, 2)
+        tasks = [asyncio.create_task(_collect(eng, r) if stream else eng.generate([r])) for r in reqs]
+        await wait_steps(eng, 5)
+        await eng.update_weights(other.items(), version=1)
+        out = [await asyncio.wait_for(t, 20) for t in tasks]
+        await busy
+        return out
+
+    plain, streamed = asyncio.run(run(False)), asyncio.run(run(True))
+    flipped = 0
+    for [res], (deltas, ids) in zip(plain, streamed):
+        assert ids == [c.output_ids for c in res.completions]
+        for j, c in enumerate(res.completions):
+            mine = [d for d in deltas if d.index == j]
+            assert [d.finish_reason for d in mine] == [None] * (len(mine) - 1) + [c.finish_reason]
+            assert sum((d.versions for d in mine), []) == c.versions
+            assert sum((d.logprobs for d in mine), []) == pytest.approx(c.logprobs, abs=1e-5)
+            if c.finish_reason == "stop":
+                assert all(c.output_ids[-1] not in d.output_ids for d in mine[:-1])
+            flipped += len(set(c.versions)) > 1
+            if len(c.output_ids) >= 8:
+                assert len(mine) > 2  # several reads, not one at the end
+    assert flipped  # some sample has tokens of both versions
+
+
+def test_leaving_a_stream_early_aborts_it_and_waiting_aborts_end_it(hf):
+    async def main():
+        eng = engine(hf)
+        r = req(PROMPTS[0], "early", max_new_tokens=40, ignore_eos=True)
+        async with contextlib.aclosing(eng.generate_stream(r)) as stream:
+            async for _ in stream:
+                break
+        left_running = eng.num_running
+        await eng.pause("keep")
+        stream = eng.generate_stream(req(PROMPTS[1], "waiting", n=2))
+        await eng.abort("waiting")  # never admitted: both samples end at once, as aborts
+        ended = [d async for d in stream]
+        with pytest.raises(ValueError, match="outside"):
+            eng.generate_stream(req([V + 5], "bad"))  # checked at the call, not at the first delta
+        return left_running, eng.is_running("early"), ended
+
+    left_running, still, ended = asyncio.run(main())
+    assert left_running == 0 and not still
+    assert sorted((d.index, d.finish_reason, d.output_ids) for d in ended) == [(0, "abort", []), (1, "abort", [])]

@@ -135,7 +135,7 @@ def test_bad_requests_get_one_line_openai_errors(model_dir):
             out = []
             for path, body in [
                 ("/v1/completions", {"prompt": "1+1=", "max_tokns": 3}),
-                ("/v1/completions", {"prompt": "1+1=", "stream": True}),
+                ("/v1/completions", {"prompt": "1+1=", "stream": True, "stream_options": {"include_usage": 1}}),
                 ("/v1/completions", {"prompt": "1+1=", "max_tokens": 500}),
                 ("/v1/completions", {"prompt": [1.5]}),
                 ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}),
@@ -150,7 +150,7 @@ def test_bad_requests_get_one_line_openai_errors(model_dir):
     answers = asyncio.run(main())
     assert all(st == 400 and set(body) == {"error"} and "\n" not in body["error"]["message"] for st, body in answers)
     messages = [body["error"]["message"] for _, body in answers]
-    for got, want in zip(messages, ["unknown fields ['max_tokns']", "stream=true", "max_seq_len", "prompt must be",
+    for got, want in zip(messages, ["unknown fields ['max_tokns']", "stream_options", "max_seq_len", "prompt must be",
                                     "tools=", "messages must be", "temperature", "not valid JSON"]):  # fmt: skip
         assert want in got, (want, got)
 
@@ -239,3 +239,68 @@ def test_a_client_that_disconnects_has_its_chat_request_aborted(model_dir):
             assert st == 200 and len(out["choices"][0]["token_ids"]) == 2
 
     asyncio.run(main())
+
+
+async def events(s: aiohttp.ClientSession, path: str, body: dict) -> list:
+    """The ``data:`` events of a streamed answer (``[DONE]`` as the string)."""
+    import json
+
+    async with s.post(path, json={**body, "stream": True}) as r:
+        assert r.status == 200 and r.content_type == "text/event-stream", await r.text()
+        out = []
+        async for line in r.content:
+            line = line.decode().strip()
+            if line.startswith("data: "):
+                out.append(line[6:] if line[6:] == "[DONE]" else json.loads(line[6:]))
+        return out
+
+
+def test_streamed_answers_add_up_to_the_plain_ones(model_dir):
+    """``stream: true`` on both endpoints, with stop strings of one and two characters, n=2 and
+    logprobs: the chunks of each choice put together are the non-streamed choice (text, token ids,
+    meshrl log-probs and versions, finish reason, usage)."""
+    messages = [{"role": "user", "content": "1+2="}]
+
+    async def main():
+        async with serve(model_dir, TorchEngineConfig(max_batch_size=8, stream_interval_steps=1)) as (s, engine):
+            free = (await post(s, "/v1/chat/completions", {"messages": messages, "max_tokens": 12, "temperature": 0}))[1]
+            text = free["choices"][0]["message"]["content"]
+            cases = [("/v1/chat/completions", {"messages": messages, "max_tokens": 12, "temperature": 0, "stop": [text[2:4]],
+                                               "logprobs": True}),
+                     ("/v1/chat/completions", {"messages": messages, "max_tokens": 12, "temperature": 0.9, "n": 2,
+                                               "seed": 1, "stop": text[3]}),
+                     ("/v1/completions", {"prompt": ["7+1=", "3+3="], "max_tokens": 8, "temperature": 1.0, "n": 2,
+                                          "seed": 2, "logprobs": 1}),
+                     ("/v1/completions", {"prompt": "12+3=", "max_tokens": 10, "temperature": 0, "stop": [text[1:4]]})]
+            out = []
+            for path, body in cases:
+                plain = (await post(s, path, body))[1]
+                streamed = await events(s, path, {**body, "stream_options": {"include_usage": True}})
+                out.append((path, plain, streamed))
+            return out, engine.num_running
+
+    out, running = asyncio.run(main())
+    assert running == 0
+    for path, plain, streamed in out:
+        chat = path.endswith("chat/completions")
+        assert streamed[-1] == "[DONE]" and streamed[-2]["choices"] == [] and streamed[-2]["usage"] == plain["usage"]
+        chunks = streamed[:-2]
+        assert all(c["object"] == ("chat.completion.chunk" if chat else "text_completion") for c in chunks)
+        assert len({c["id"] for c in chunks}) == 1
+        if chat:
+            assert all(ch["delta"] == {"role": "assistant", "content": ""} for ch in chunks[0]["choices"])
+            chunks = chunks[1:]
+        for want in plain["choices"]:
+            mine = [ch for c in chunks for ch in c["choices"] if ch["index"] == want["index"]]
+            text = "".join(ch["delta"].get("content", "") if chat else ch["text"] for ch in mine)
+            assert text == (want["message"]["content"] if chat else want["text"]), (path, want["index"])
+            assert sum((ch["token_ids"] for ch in mine), []) == want["token_ids"]
+            assert sum((ch["meshrl"]["logprobs"] for ch in mine), []) == want["meshrl"]["logprobs"]
+            assert sum((ch["meshrl"]["versions"] for ch in mine), []) == want["meshrl"]["versions"]
+            assert [ch["finish_reason"] for ch in mine] == [None] * (len(mine) - 1) + [want["finish_reason"]]
+            if len(want["token_ids"]) >= 6:
+                assert len(mine) > 2  # streamed in pieces, not in one
+            if want["logprobs"] is not None:
+                got = sum((ch["logprobs"]["content" if chat else "token_logprobs"] for ch in mine), [])
+                assert got == (want["logprobs"]["content"] if chat else want["logprobs"]["token_logprobs"])
+    assert {ch["finish_reason"] for _, plain, _ in out for ch in plain["choices"]} >= {"stop", "length"}

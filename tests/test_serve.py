@@ -8,6 +8,7 @@ the engine called directly.
 from __future__ import annotations
 
 import asyncio
+import json
 import contextlib
 import time
 
@@ -208,7 +209,7 @@ def test_bad_requests_are_400_naming_the_field(hf):
                 ({"input_ids": P0, "sampling_params": {"max_tokens": 4}}, "max_tokens"),
                 ({"input_ids": P0, "sampling_params": {"min_p": 0.1}}, "min_p"),
                 ({"input_ids": P0, "sampling_params": {"top_p": 0.0}}, "top_p"),
-                ({"input_ids": P0, "stream": True}, "stream"),
+                ({"input_ids": P0, "stream": "yes"}, "stream"),
                 ({"text": "hello"}, "no tokenizer"),
                 ({"input_ids": [[1, 2], []]}, "input_ids"),
                 ({"input_ids": P0, "frobnicate": 1}, "frobnicate"),
@@ -491,3 +492,83 @@ def test_update_weights_from_disk(hf, tmp_path):
     assert still[1]["output_ids"] == before and still[1]["meta_info"]["weight_version"] == "0"
     assert ok[0] == 200 and ok[1]["success"] is True
     assert now[1]["output_ids"] == after and now[1]["meta_info"]["weight_version"] == "3"
+
+
+async def _events(s: aiohttp.ClientSession, body: dict) -> tuple[int, list]:
+    """POST /generate with stream=true; the parsed ``data:`` events, ``[DONE]`` as the string."""
+    async with s.post("/generate", json={**body, "stream": True}) as r:
+        if r.status != 200:
+            return r.status, [await r.json()]
+        assert r.content_type == "text/event-stream"
+        events = []
+        async for line in r.content:
+            line = line.decode().strip()
+            if line.startswith("data: "):
+                data = line[len("data: "):]
+                events.append(data if data == "[DONE]" else json.loads(data))
+        return r.status, events
+
+
+class ChunkMeta(Meta):
+    finish_reason: FinishStop | FinishLength | FinishAbort | None  # null until the sample's last chunk
+
+
+class Chunk(msgspec.Struct):
+    output_ids: list[int]
+    meta_info: ChunkMeta
+
+
+def test_generate_stream_chunks_add_up_to_the_answer(hf):
+    """``stream: true``: SGLang's server-sent events, each with the output so far and a null
+    finish_reason until the last, then ``[DONE]``; the last chunks equal the non-streamed answer."""
+    body1 = {"input_ids": P0, "return_logprob": True, "rid": "s1",
+             "sampling_params": {"max_new_tokens": 12, "temperature": 0.9, "sampling_seed": 4}}
+    body2 = {"input_ids": [P1, P0], "sampling_params": {"max_new_tokens": 7, "temperature": 0.8, "n": 2,
+                                                       "sampling_seed": 5}}
+
+    async def main():
+        eng = TorchEngine.from_hf_model(hf, config=TorchEngineConfig(max_batch_size=8, max_seq_len=80,
+                                                                      stream_interval_steps=2))
+        async with serve(eng) as s:
+            plain1 = await post(s, "/generate", body1)
+            plain2 = await post(s, "/generate", body2)
+            st1, ev1 = await _events(s, body1)
+            st2, ev2 = await _events(s, body2)
+            bad = await _events(s, {"input_ids": [100000], "sampling_params": {"max_new_tokens": 2}})
+            return plain1, plain2, (st1, ev1), (st2, ev2), bad, eng.num_running
+
+    plain1, plain2, (st1, ev1), (st2, ev2), bad, running = asyncio.run(main())
+    assert st1 == 200 and ev1[-1] == "[DONE]" and len(ev1) >= 5  # 12 tokens, read every 2 steps
+    chunks = [msgspec.convert(e, Chunk) for e in ev1[:-1]]
+    lengths = [len(c.output_ids) for c in chunks]
+    assert lengths == sorted(lengths) and lengths[-1] == 12
+    assert all(c.meta_info.finish_reason is None for c in chunks[:-1])
+    for c in chunks:  # each chunk's output is a prefix of the whole
+        assert c.output_ids == plain1[1]["output_ids"][: len(c.output_ids)]
+        assert len(c.meta_info.output_token_logprobs) == len(c.output_ids)
+    assert msgspec.to_builtins(chunks[-1].meta_info.finish_reason) == plain1[1]["meta_info"]["finish_reason"]
+    assert chunks[-1].meta_info.output_token_logprobs == [tuple(x) for x in plain1[1]["meta_info"]["output_token_logprobs"]]
+    assert st2 == 200 and ev2[-1] == "[DONE]"
+    last = {}
+    for e in ev2[:-1]:
+        last[e["index"]] = e
+    assert sorted(last) == [0, 1, 2, 3]
+    assert [last[i]["output_ids"] for i in range(4)] == [o["output_ids"] for o in plain2[1]]
+    assert all(last[i]["meta_info"]["finish_reason"]["type"] == "length" for i in range(4))
+    assert bad[0] == 400 and "outside" in bad[1][0]["error"]["message"]
+    assert running == 0
+
+
+def test_generate_stream_client_going_away_aborts_it(hf):
+    async def main():
+        eng = make_engine(hf)
+        async with serve(eng) as s:
+            body = {"input_ids": P0, "stream": True, "sampling_params": {"max_new_tokens": 70, "ignore_eos": True}}
+            await eng.pause("keep")  # the request waits until the client has gone
+            async with s.post("/generate", json=body) as r:
+                assert r.status == 200 and eng.num_waiting == 1
+            await until(lambda: eng.num_waiting == 0, "the stream's request to be aborted", timeout_s=10)
+            await eng.resume()
+            return eng.steps, eng.num_running
+
+    assert asyncio.run(main()) == (0, 0)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from meshrl.engines.types import Completion, Engine, GenerateRequest, GenerateResult, SamplingParams
+from meshrl.engines.types import Completion, Engine, GenerateRequest, GenerateResult, SamplingParams, StreamDelta
 
 _LAZY = {
     "TorchEngine": "meshrl.engines.torch_engine",
@@ -22,7 +22,7 @@ _LAZY = {
     "make_app": "meshrl.engines.serve",
 }
 
-__all__ = ["Completion", "Engine", "GenerateRequest", "GenerateResult", "SamplingParams", *_LAZY]
+__all__ = ["Completion", "Engine", "GenerateRequest", "GenerateResult", "SamplingParams", "StreamDelta", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

@@ -191,6 +191,11 @@ class RunningBatch:
                                 cols=(_TOK, _POS, _OCOL, _SEED))
         return ist[:b, _TOK]  # a view: read it before the next step overwrites it
 
+    @property
+    def unconfirmed_tokens(self) -> int:
+        """Newest tokens per row whose stop check is still in flight (lagged checks): 1 or 0."""
+        return 1 if self._pending is not None else 0
+
     def sampling_flags(self) -> tuple[bool, bool, bool]:
         """(any greedy, all greedy, any top-k/top-p) over the running rows, from host counters."""
         return self.n_greedy > 0, self.n_greedy == self.size, self.n_filtered > 0

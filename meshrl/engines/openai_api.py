@@ -8,8 +8,13 @@ produced them, whether or not the request asked for OpenAI ``logprobs``; those a
 OpenAI's shape when asked. Chat messages are rendered with the tokenizer's chat template, or, for a
 model without one, with ``SIMPLE_CHAT_TEMPLATE`` (``role: content`` lines, then ``assistant:``).
 
-Simplifications on purpose: no streaming, no ``tools`` / function calling (agents parse tool
-calls from the text), no ``echo``, ``top_logprobs`` and penalties only at their neutral values.
+``stream: true`` answers with server-sent events in OpenAI's chunk shapes (``chat.completion.chunk``
+with a ``delta``, or ``text_completion`` pieces), each also carrying the chunk's ``token_ids`` and
+``meshrl`` log-probs and versions, then a ``usage`` chunk when ``stream_options.include_usage``, then
+``data: [DONE]``. Text that could be the start of a stop string is held back until it is not.
+
+Simplifications on purpose: no ``tools`` / function calling (agents parse tool calls from the
+text), no ``echo``, ``top_logprobs`` and penalties only at their neutral values.
 A stop string that is one token stops generation there; a longer one cuts the text after
 generation (generation runs on to EOS or ``max_tokens``), and ``token_ids`` end with the token
 that completed it. A request ended by ``/pause_generation`` (mode ``abort``, as before a weight update)
@@ -28,7 +33,8 @@ from typing import Any
 
 from aiohttp import web
 
-from meshrl.engines.serve import BadRequest, error_response, read_json, until_disconnect
+from meshrl.engines.serve import _DISCONNECT_POLL_S, BadRequest, error_response, read_json, sse, until_disconnect
+from meshrl.engines.streaming import Merged
 from meshrl.engines.types import GenerateRequest, SamplingParams
 
 __all__ = ["SIMPLE_CHAT_TEMPLATE", "OpenAIServer", "render_simple_chat"]
@@ -43,7 +49,7 @@ _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",
                    "parallel_tool_calls"}  # fmt: skip
 _NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "echo": False, "best_of": 1,
             "suffix": None, "top_logprobs": 0, "tools": None, "tool_choice": None, "response_format": None,
-            "stream_options": None, "parallel_tool_calls": None}  # fmt: skip
+            "parallel_tool_calls": None}  # fmt: skip
 _ALSO_NEUTRAL = {"response_format": {"type": "text"}, "parallel_tool_calls": True, "tool_choice": "none"}
 """OpenAI's defaults, as clients that always send them spell them."""
 
@@ -82,8 +88,12 @@ class OpenAIServer:
         unknown = sorted(k for k in body if k not in allowed)
         if unknown:
             raise BadRequest(f"{endpoint}: unknown fields {unknown}")
-        if body.get("stream"):
-            raise BadRequest(f"{endpoint}: stream=true is not supported by this server: send stream=false")
+        if not isinstance(body.get("stream", False), (bool, type(None))):
+            raise BadRequest(f"{endpoint}: stream must be true or false, got {body['stream']!r}")
+        options = body.get("stream_options")
+        if options is not None and not (isinstance(options, dict) and set(options) <= {"include_usage"}
+                                        and isinstance(options.get("include_usage", False), bool)):
+            raise BadRequest(f"{endpoint}: stream_options may hold include_usage (true or false) only, got {options!r}")
         for key, neutral in _NEUTRAL.items():
             if body.get(key) not in (neutral, None, [], {}) and body.get(key) != _ALSO_NEUTRAL.get(key):
                 raise BadRequest(f"{endpoint}: {key}={body[key]!r} is not supported by TorchEngine (only {neutral!r})")
@@ -193,6 +203,9 @@ class OpenAIServer:
             prompts = self._prompts(body["prompt"])
             stops, single = self._stops(body)
             max_tokens = 16 if body.get("max_tokens") is None else body["max_tokens"]  # OpenAI's default; 0 is a 400
+            if body.get("stream"):
+                return await self._stream(request, body, prompts, self._sampling(body, max_tokens, single), stops,
+                                          chat=False)
             choices = await self._generate(request, prompts, self._sampling(body, max_tokens, single), stops)
         except BadRequest as exc:
             return error_response(400, str(exc))
@@ -234,6 +247,9 @@ class OpenAIServer:
             # no limit means "up to the context" in OpenAI's API: at most 128 tokens, and never past max_seq_len
             room = max(1, min(128, self.engine.cache.max_seq_len - len(prompt_ids)))
             max_tokens = next((body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None), room)
+            if body.get("stream"):
+                return await self._stream(request, body, [prompt_ids], self._sampling(body, max_tokens, single), stops,
+                                          chat=True)
             choices = await self._generate(request, [prompt_ids], self._sampling(body, max_tokens, single), stops)
         except BadRequest as exc:
             return error_response(400, str(exc))
@@ -253,6 +269,125 @@ class OpenAIServer:
                                   "model": body.get("model") or self.model_name, "choices": out,
                                   "usage": self._usage(choices, [prompt_ids])})  # fmt: skip
 
+    # -- streaming ----------------------------------------------------------------------------
+
+    async def _stream(self, request: web.Request, body: dict[str, Any], prompts: list[list[int]],
+                      sampling: SamplingParams, stops: list[str], *, chat: bool) -> web.StreamResponse:
+        """``stream: true``: one chunk per choice per engine read (``stream_interval_steps``)."""
+        requests = [GenerateRequest(input_ids=p, sampling=sampling, request_id=f"oai-{next(self._ids)}") for p in prompts]
+        streams = []
+        try:
+            for r in requests:  # checked and queued now: a bad request is a 400 before any header
+                streams.append(self.engine.generate_stream(r))
+        except ValueError as exc:
+            for r in requests[: len(streams)]:
+                await self.engine.abort(r.request_id)
+            raise BadRequest(str(exc)) from None
+        n = sampling.n
+        choices = [_StreamedChoice(prompts[k // n]) for k in range(len(prompts) * n)]
+        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{next(self._ids)}",
+                "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
+                "model": body.get("model") or self.model_name}
+        merged = Merged(streams)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        try:
+            await resp.prepare(request)
+            if chat:
+                await sse(resp, {**head, "choices": [{"index": k, "delta": {"role": "assistant", "content": ""},
+                                                      "logprobs": None, "finish_reason": None}
+                                                     for k in range(len(choices))]})  # fmt: skip
+            while True:
+                try:
+                    got = await merged.next(_DISCONNECT_POLL_S)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError as exc:  # paused past generate_timeout_s: the engine aborted it
+                    await sse(resp, {"error": {"message": str(exc), "type": "timeout", "code": 504}})
+                    return resp
+                if got is None:
+                    if request.transport is None or request.transport.is_closing():
+                        return resp  # the client went away: close() aborts what runs
+                    continue
+                i, delta = got
+                c = choices[i * n + delta.index]
+                piece = c.add(delta, self, stops, sampling.stop_token_ids)
+                if piece is None:
+                    continue
+                await sse(resp, {**head, "choices": [self._chunk_choice(i * n + delta.index, piece, body, chat)]})
+                if all(choices[i * n + j].done for j in range(n)) and self.engine.is_running(requests[i].request_id):
+                    await self.engine.abort(requests[i].request_id)  # every choice hit a stop string: free its rows
+            if (body.get("stream_options") or {}).get("include_usage"):
+                done = [{"ids": c.sent_ids} for c in choices]
+                await sse(resp, {**head, "choices": [], "usage": self._usage(done, prompts)})
+            await resp.write(b"data: [DONE]\n\n")
+        except ConnectionResetError:
+            pass  # the client went away
+        finally:
+            await merged.close()
+        return resp
+
+    def _chunk_choice(self, index: int, piece: dict[str, Any], body: dict[str, Any], chat: bool) -> dict[str, Any]:
+        ids, lps, text, finish = piece["ids"], piece["logprobs"], piece["text"], piece["finish"]
+        out: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": None, "token_ids": ids,
+                               "meshrl": {"logprobs": lps, "versions": piece["versions"]}}
+        if chat:
+            out["delta"] = {"content": text} if text or finish is None else {}
+            if body.get("logprobs"):
+                out["logprobs"] = {"content": [{"token": (s := self._token_text(t)), "logprob": lp, "bytes": list(s.encode()),
+                                                "top_logprobs": []} for t, lp in zip(ids, lps)]}  # fmt: skip
+        else:
+            out["text"] = text
+            if body.get("logprobs") is not None:
+                tokens = [self._token_text(t) for t in ids]
+                offsets = list(itertools.accumulate([piece["offset"]] + [len(t) for t in tokens[:-1]]))
+                out["logprobs"] = {"tokens": tokens, "token_logprobs": lps, "text_offset": offsets if tokens else [],
+                                   "top_logprobs": [{t: lp} for t, lp in zip(tokens, lps)]}  # fmt: skip
+        return out
+
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
                                                               "owned_by": "meshrl"}]})  # fmt: skip
+
+
+class _StreamedChoice:
+    """One streamed choice: what the engine produced and what was sent of it."""
+
+    __slots__ = ("prompt_ids", "ids", "logprobs", "versions", "sent_ids", "sent_text", "done")
+
+    def __init__(self, prompt_ids: list[int]):
+        self.prompt_ids = prompt_ids
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.sent_ids: list[int] = []
+        self.sent_text = 0  # characters of the text sent
+        self.done = False
+
+    def add(self, delta: Any, server: OpenAIServer, stops: list[str], stop_ids: tuple[int, ...]) -> dict[str, Any] | None:
+        """Take an engine delta; the piece to send now (None: nothing new to say)."""
+        if self.done:  # cut at a stop string already: the rest of the sample is not the answer's
+            return None
+        self.ids += delta.output_ids
+        self.logprobs += delta.logprobs
+        self.versions += delta.versions
+        finish, text, end = delta.finish_reason, server._decode(self.ids), len(self.ids)
+        cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+        if cut >= 0:  # as the whole answer is cut: up to the token that completed the stop string
+            end, text, finish = server._stop_end(self.ids, stops), text[:cut], "stop"
+        elif finish == "stop" and self.ids and self.ids[-1] in stop_ids:
+            text = server._decode(self.ids[:-1])  # a one-token stop string is not part of the text
+        elif finish is None:  # hold back what may be the start of a stop string, or half a character
+            hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+            text = text[: len(text) - hold]
+            while text.endswith("\ufffd"):
+                text = text[:-1]
+        start = len(self.sent_ids)
+        new_text = text[self.sent_text:]
+        if finish is None and not new_text and end == start:
+            return None
+        piece = {"ids": self.ids[start:end], "logprobs": self.logprobs[start:end], "versions": self.versions[start:end],
+                 "text": new_text, "finish": finish, "offset": self.sent_text}
+        self.sent_ids = self.ids[:end]
+        self.sent_text = max(self.sent_text, len(text))
+        self.done = finish is not None
+        return piece

@@ -15,10 +15,15 @@ token ids and behaviour log-probs in every answer, so meshrl can train on agent-
 follow its schedule; the distributed weight-update endpoints and the memory endpoints are then
 refused, and ``/update_weights_from_disk`` (each rank reads its shard) is how weights change.
 
-Simplifications, on purpose: no streaming; no input-token or top-k log-probs; sampling params that
-TorchEngine does not implement (``min_p``, penalties, ``stop`` strings, grammars) are accepted only
-at their neutral value, anything else is a 400 naming the field; ``pause_generation`` supports
-``abort`` and ``in_place`` (not ``retract``). Text in/out works only when the checkpoint directory
+``stream: true`` answers with server-sent events as SGLang does by default: each chunk holds one
+sample's whole output so far (``finish_reason`` null until its last chunk, ``index`` when there
+are several outputs), then ``data: [DONE]``; chunks come every ``stream_interval_steps`` decode
+steps (``streaming.py``).
+
+Simplifications, on purpose: no incremental streaming output; no input-token or top-k log-probs;
+sampling params that TorchEngine does not implement (``min_p``, penalties, ``stop`` strings,
+grammars) are accepted only at their neutral value, anything else is a 400 naming the field;
+``pause_generation`` supports ``abort`` and ``in_place`` (not ``retract``). Text in/out works only when the checkpoint directory
 has a ``tokenizer.json``; otherwise the server behaves like SGLang with ``skip_tokenizer_init``.
 ``/release_memory_occupation`` always frees the KV cache (and the weights when asked and started
 with ``--enable-memory-saver``), and ``/resume_memory_occupation`` brings everything back at once.
@@ -28,15 +33,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import time
 import uuid
-from typing import Any, Awaitable, Callable, Iterable
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 
 from aiohttp import web
 
+from meshrl.engines.streaming import Merged
 from meshrl.engines.torch_engine import TorchEngine, TorchEngineConfig
-from meshrl.engines.types import Completion, GenerateRequest, GenerateResult, SamplingParams
+from meshrl.engines.types import Completion, GenerateRequest, GenerateResult, SamplingParams, StreamDelta
 
 _DISCONNECT_POLL_S = 0.5
 """How often a waiting ``/generate`` checks whether its client is still connected."""
@@ -171,6 +178,11 @@ def _spans(versions: list[int]) -> list[dict[str, Any]]:
     return spans
 
 
+async def sse(resp: web.StreamResponse, data: Any) -> None:
+    """One server-sent event: ``data: <json>`` and a blank line."""
+    await resp.write(b"data: " + json.dumps(data).encode() + b"\n\n")
+
+
 async def until_disconnect(request: web.Request, work: Awaitable[Any]) -> Any:
     """``await work``, cancelled (its requests aborted, as SGLang does) when the client disconnects;
     then None. aiohttp does not cancel handlers itself (``handler_cancellation`` is off)."""
@@ -209,8 +221,6 @@ class _Server:
                 _flag(body, key)
             elif not all(isinstance(v, bool) for v in body[key]):
                 raise BadRequest(f"/generate: {key} must be true or false, or a list of them, got {body[key]!r}")
-        if body.get("stream"):
-            raise BadRequest("stream=true is not supported by this server: send stream=false")
         if body.get("logprob_start_len", -1) not in (-1, None) or body.get("top_logprobs_num") \
                 or body.get("token_ids_logprob"):
             raise BadRequest("only output-token log-probs are supported (logprob_start_len=-1, no top_logprobs_num)")
@@ -252,8 +262,10 @@ class _Server:
 
     def _out(self, res: GenerateResult, j: int, c: Completion, sp: SamplingParams, return_logprob: bool,
              with_text: bool, latency_s: float, no_stop_trim: bool = False) -> dict[str, Any]:
-        if c.finish_reason == "stop":
-            reason: dict[str, Any] = {"type": "stop", "matched": c.output_ids[-1]}
+        if c.finish_reason is None:  # a streamed chunk before the sample's last
+            reason: dict[str, Any] | None = None
+        elif c.finish_reason == "stop":
+            reason = {"type": "stop", "matched": c.output_ids[-1]}
         elif c.finish_reason == "length":
             reason = {"type": "length", "length": sp.max_new_tokens}
         else:
@@ -276,9 +288,11 @@ class _Server:
             out = {"text": self.tokenizer.decode(shown), **out}
         return out
 
-    async def generate(self, request: web.Request) -> web.Response:
+    async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await read_json(request)
         reqs, single, no_trim = self._requests(body)
+        if body.get("stream"):
+            return await self._generate_stream(request, body, reqs, no_trim)
         t0 = time.perf_counter()
         try:
             results = await until_disconnect(request, self.engine.generate(reqs))
@@ -295,6 +309,60 @@ class _Server:
         outs = [self._out(res, j, c, r.sampling, lp, tx, latency, keep)
                 for r, res, keep, lp, tx in zip(reqs, results, no_trim, logprob, text) for j, c in enumerate(res.completions)]
         return web.json_response(outs[0] if single and len(outs) == 1 else outs)
+
+    async def _generate_stream(self, request: web.Request, body: dict[str, Any], reqs: list[GenerateRequest],
+                               no_trim: list[bool]) -> web.StreamResponse:
+        """``stream: true``: server-sent events as SGLang sends them by default: one ``data:`` chunk per
+        sample per read (``stream_interval_steps``) holding the sample's whole output so far (not
+        incremental), ``finish_reason`` null until its last chunk, ``index`` (the output's position,
+        prompt-major) when there is more than one output, then ``data: [DONE]``."""
+        streams: list[AsyncIterator[StreamDelta]] = []
+        try:
+            for r in reqs:  # each is checked and queued now: a bad one is a 400 before any header is sent
+                streams.append(self.engine.generate_stream(r))
+        except (ValueError, RuntimeError) as exc:
+            for r in reqs[: len(streams)]:
+                await self.engine.abort(r.request_id)
+            return error_response(400 if isinstance(exc, ValueError) else 503, str(exc))
+        logprob, text = (_per_prompt(body, key, len(reqs)) for key in ("return_logprob", "return_text_in_logprobs"))
+        many = len(reqs) > 1 or any(r.sampling.n > 1 for r in reqs)
+        so_far = [[Completion(output_ids=[], logprobs=[], finish_reason=None, versions=[]) for _ in range(r.sampling.n)]
+                  for r in reqs]
+        t0, merged = time.perf_counter(), Merged(streams)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        try:
+            await resp.prepare(request)
+            while True:
+                try:
+                    got = await merged.next(_DISCONNECT_POLL_S)
+                except StopAsyncIteration:
+                    await resp.write(b"data: [DONE]\n\n")
+                    break
+                except Exception as exc:  # the engine failed or timed out: said in the stream, as SGLang does
+                    await sse(resp, {"error": {"message": f"{type(exc).__name__}: {exc}"}})
+                    break
+                if got is None:
+                    if request.transport is None or request.transport.is_closing():
+                        break  # the client went away: close() aborts what runs
+                    continue
+                i, delta = got
+                c = so_far[i][delta.index]
+                c.output_ids += delta.output_ids
+                c.logprobs += delta.logprobs
+                c.versions += delta.versions
+                c.finish_reason = delta.finish_reason
+                res = GenerateResult(request_id=reqs[i].request_id, prompt_tokens=len(reqs[i].input_ids),
+                                     completions=so_far[i])
+                out = self._out(res, delta.index, c, reqs[i].sampling, logprob[i], text[i], time.perf_counter() - t0,
+                                no_trim[i])
+                if many:
+                    out["index"] = sum(r.sampling.n for r in reqs[:i]) + delta.index
+                await sse(resp, out)
+        except ConnectionResetError:
+            pass  # the client went away
+        finally:
+            await merged.close()
+        return resp
 
     async def health(self, request: web.Request) -> web.Response:
         if self.engine.is_paused or self.engine.is_updating or self.engine.memory_released:

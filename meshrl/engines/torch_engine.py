@@ -39,7 +39,7 @@ import collections
 import itertools
 import numbers
 import random
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, AsyncIterator, Callable, Iterable, Sequence
 
 import msgspec
 import torch
@@ -51,8 +51,9 @@ from meshrl.engines.layout import ModelSpec
 from meshrl.engines.model import Transformer
 from meshrl.engines import schedule
 from meshrl.engines.schedule import ScheduleChannel
+from meshrl.engines.streaming import Streams
 from meshrl.engines.tp import TensorParallel
-from meshrl.engines.types import Completion, GenerateRequest, GenerateResult, PauseMode, SamplingParams
+from meshrl.engines.types import Completion, GenerateRequest, GenerateResult, PauseMode, SamplingParams, StreamDelta
 from meshrl.engines.weights import (StagedWeights, eos_token_ids, iter_safetensors, load_all, load_checkpoint,
                                     load_hf_config)
 
@@ -88,6 +89,8 @@ class TorchEngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Policy version of the weights the engine starts with."""
     generate_timeout_s: float = 3600.0
     """How long one ``generate`` call may wait for its requests before aborting them."""
+    stream_interval_steps: int = 1
+    """``generate_stream``: decode steps between two reads of the streamed samples' new tokens."""
     contiguous_weights: bool = False
     """Hold every parameter in one allocation, so ``release_memory(weights=True)`` frees it at once and
     ``restore_memory`` gets it back, most often at the same address (set by the colocated mode)."""
@@ -95,8 +98,9 @@ class TorchEngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPES):
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if self.max_batch_size < 1 or self.max_prefill_tokens < 1:
-            raise ValueError("max_batch_size and max_prefill_tokens must be >= 1")
+        if self.max_batch_size < 1 or self.max_prefill_tokens < 1 or self.stream_interval_steps < 1:
+            raise ValueError(f"max_batch_size, max_prefill_tokens and stream_interval_steps must be >= 1, got "
+                             f"{self.max_batch_size}, {self.max_prefill_tokens} and {self.stream_interval_steps}")
         if self.max_seq_len < 0 or self.kv_cache_bytes < 0:
             raise ValueError(f"max_seq_len and kv_cache_bytes must be >= 0 (0: derived), got {self.max_seq_len} "
                              f"and {self.kv_cache_bytes}")
@@ -182,6 +186,7 @@ class TorchEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self.steps = 0  # decode steps run (a metric)
+        self._streams = Streams(config.stream_interval_steps)
 
     def _capture_graphs(self) -> None:
         self._graphs = None  # the old graphs (and their memory pool) go first
@@ -296,9 +301,60 @@ class TorchEngine:
         Waits at most ``generate_timeout_s`` for the engine (which may be paused); on timeout or
         cancellation the unfinished requests are aborted.
         """
-        self._leader_only("generate")
+        pending = self._submit(requests, "generate")
+        try:
+            return list(await asyncio.wait_for(asyncio.gather(*(p.future for p in pending)),
+                                               self.config.generate_timeout_s))
+        except asyncio.TimeoutError:
+            left = [p.rid for p in pending if self._requests.get(p.rid) is p]  # (futures got cancelled)
+            for rid in left:
+                self._abort(rid, "generate timed out")
+            raise TimeoutError(f"generate: {len(left)} of {len(pending)} requests unfinished after "
+                               f"{self.config.generate_timeout_s}s ({self._state_line()}); they were aborted") from None
+        except asyncio.CancelledError:
+            for p in pending:
+                if self._requests.get(p.rid) is p:
+                    self._abort(p.rid, "generate was cancelled")
+            raise
+
+    def generate_stream(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
+        """``generate`` for one request, as it runs: each sample's new tokens (``StreamDelta``), read
+        every ``stream_interval_steps`` decode steps, then its finish reason on its last delta; the
+        iteration ends when every sample has ended. Call it on the engine's event loop: the request is
+        checked and queued at once (a bad one raises here, not at the first ``__anext__``).
+
+        Waits at most ``generate_timeout_s`` in all; leaving the iteration early (``break``, or a
+        cancelled reader: close it with ``contextlib.aclosing``) aborts the request."""
+        [p] = self._submit([request], "generate_stream")
+        return self._deltas(p, self._streams.open(p, request.sampling.n))
+
+    async def _deltas(self, p: _Pending, queue: asyncio.Queue) -> AsyncIterator[StreamDelta]:
+        loop = asyncio.get_running_loop()
+        deadline, left = loop.time() + self.config.generate_timeout_s, p.request.sampling.n
+        try:
+            while left:
+                try:
+                    item = await asyncio.wait_for(queue.get(), max(0.0, deadline - loop.time()))
+                except asyncio.TimeoutError:
+                    raise TimeoutError(f"generate_stream: request {p.rid!r} unfinished after "
+                                       f"{self.config.generate_timeout_s}s ({self._state_line()}); it was aborted") from None
+                if isinstance(item, BaseException):  # the step loop failed
+                    raise item
+                left -= item.finish_reason is not None
+                yield item
+        finally:
+            self._streams.close(p)
+            if self._requests.get(p.rid) is p:
+                self._abort(p.rid, "generate_stream was left early")
+
+    def _state_line(self) -> str:
+        return f"paused={self._paused}, running={self._batch.size}, waiting={len(self._waiting)}"
+
+    def _submit(self, requests: Sequence[GenerateRequest], what: str) -> list[_Pending]:
+        """Validate ``requests``, give them ids and seeds, and queue them for the step loop."""
+        self._leader_only(what)
         if self.cache.released or self.weights_released:
-            raise RuntimeError("generate on an engine whose memory is released (release_memory): call "
+            raise RuntimeError(f"{what} on an engine whose memory is released (release_memory): call "
                                "restore_memory (and write a whole version if the weights were released) first")
         for r in requests:
             self._validate(r)
@@ -316,21 +372,7 @@ class TorchEngine:
             accepted.append((r, rid, seed))
         pending = [self._enqueue(r, rid, seed, loop.create_future()) for r, rid, seed in accepted]
         self._wake.set()
-        try:
-            return list(await asyncio.wait_for(asyncio.gather(*(p.future for p in pending)),
-                                               self.config.generate_timeout_s))
-        except asyncio.TimeoutError:
-            left = [p.rid for p in pending if self._requests.get(p.rid) is p]  # (futures got cancelled)
-            for rid in left:
-                self._abort(rid, "generate timed out")
-            raise TimeoutError(f"generate: {len(left)} of {len(pending)} requests unfinished after "
-                               f"{self.config.generate_timeout_s}s (paused={self._paused}, running="
-                               f"{self._batch.size}, waiting={len(self._waiting)}); they were aborted") from None
-        except asyncio.CancelledError:
-            for p in pending:
-                if self._requests.get(p.rid) is p:
-                    self._abort(p.rid, "generate was cancelled")
-            raise
+        return pending
 
     def _ensure_step_task(self) -> None:
         loop = asyncio.get_running_loop()
@@ -366,6 +408,7 @@ class TorchEngine:
             for p in list(self._requests.values()):
                 if not p.future.done():
                     p.future.set_exception(err)
+            self._streams.fail(err)
             self._drop_all()
             try:
                 self._publish(step=False)  # followers drop theirs too, if the group still works
@@ -384,6 +427,8 @@ class TorchEngine:
                 tok = self._core(b, self._batch.seq_len(), sampling_flags=self._batch.sampling_flags())
             self._deliver(self._batch.after_decode(tok))
             self.steps += 1
+            if self._streams:
+                self._streams.after_step(self._batch, self.steps)
 
     def _admit(self) -> None:
         chosen, rows, longest = [], 0, 0
@@ -402,12 +447,16 @@ class TorchEngine:
         for seq, completion in finished:
             p: _Pending = seq.owner
             p.completions[seq.index] = completion
+            if self._streams:
+                self._streams.finished(p, seq.index, completion)
             p.remaining -= 1
             if p.remaining == 0:
                 self._resolve(p)
 
     def _resolve(self, p: _Pending) -> None:
         self._requests.pop(p.rid, None)
+        if self._streams:
+            self._streams.resolved(p, p.completions)
         if not p.future.done():
             p.future.set_result(GenerateResult(request_id=p.rid, prompt_tokens=len(p.request.input_ids),
                                                completions=list(p.completions)))
@@ -469,6 +518,7 @@ class TorchEngine:
     def _drop_all(self) -> None:
         """Forget every request (their futures are failed, or belong to a loop that is gone)."""
         self._record(["drop"])
+        self._streams.clear()
         self._waiting.clear()
         self._requests.clear()
         self._batch.reset()  # no device reads: the step that failed may have left the batch half-updated

@@ -131,6 +131,19 @@ class Completion(msgspec.Struct, kw_only=True):
         return min(self.versions) if self.versions else -1
 
 
+class StreamDelta(msgspec.Struct, kw_only=True):
+    """What one sample of a streamed request (``TorchEngine.generate_stream``) produced since its last delta."""
+
+    index: int
+    """The sample (``0 .. n-1``)."""
+    output_ids: list[int]
+    """New token ids (possibly none in a sample's last delta), in order; never sent twice."""
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: FinishReason | None = None
+    """Set on the sample's last delta only; the concatenated deltas then equal its ``Completion``."""
+
+
 class GenerateResult(msgspec.Struct, kw_only=True):
     """The ``n`` completions of one request, in sample order."""
 

@@ -1,0 +1,144 @@
+"""Streamed requests of a TorchEngine: which tokens of each sample are new, read once per interval.
+
+``TorchEngine.generate_stream`` opens a stream for its request; after every ``interval_steps``-th
+decode step the engine calls ``after_step``, which reads the new tokens of every streamed sample
+that runs (one gather of their rows' output buffers: a device -> host copy, and on CUDA a sync,
+made only while some stream is open) and queues them as ``StreamDelta``s. A sample's last delta
+(``finished``, or ``resolved`` for requests that ended before they ran) carries the rest of its
+``Completion`` and its finish reason, so the deltas of a sample always add up to its completion.
+
+Under lagged stop checks (CUDA) a row's newest token may still turn out to follow a stop token;
+it is sent one step later, once confirmed (``RunningBatch.unconfirmed_tokens``).
+
+Simplifications, on purpose: deltas are cut at step boundaries (no per-token timing); text is the
+server's business (``serve.py``, ``openai_api.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import torch
+
+from meshrl.engines.types import Completion, StreamDelta
+
+
+class _Stream:
+    __slots__ = ("queue", "sent", "done")
+
+    def __init__(self, n: int):
+        self.queue: asyncio.Queue[StreamDelta | BaseException] = asyncio.Queue()
+        self.sent = [0] * n  # tokens of each sample already queued
+        self.done = [False] * n
+
+
+class Streams:
+    """Open streams by request (the engine's ``_Pending``)."""
+
+    def __init__(self, interval_steps: int):
+        self.interval_steps = interval_steps
+        self._open: dict[Any, _Stream] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._open)
+
+    def open(self, owner: Any, n: int) -> asyncio.Queue:
+        stream = self._open[owner] = _Stream(n)
+        return stream.queue
+
+    def close(self, owner: Any) -> None:
+        self._open.pop(owner, None)
+
+    @torch.no_grad()
+    def after_step(self, batch: Any, steps: int) -> None:
+        """Queue the confirmed new tokens of every running streamed sample (every ``interval_steps``)."""
+        if steps % self.interval_steps:
+            return
+        rows, spans = [], []
+        for seq in batch.running():
+            stream = self._open.get(seq.owner)
+            if stream is None:
+                continue
+            upto = int(batch.olen[seq.row]) - batch.unconfirmed_tokens
+            if upto > stream.sent[seq.index]:
+                rows.append(seq.row)
+                spans.append((seq, stream, stream.sent[seq.index], upto))
+        if not rows:
+            return
+        lo, hi = min(s[2] for s in spans), max(s[3] for s in spans)
+        idx = torch.tensor(rows, device=batch.out_tok.device)
+        toks = batch.out_tok[idx, lo:hi].tolist()  # host sync on CUDA: only while a stream is open
+        lps = batch.out_lp[idx, lo:hi].tolist()
+        for (seq, stream, a, b), tk, lp in zip(spans, toks, lps):
+            stream.queue.put_nowait(StreamDelta(index=seq.index, output_ids=tk[a - lo: b - lo], logprobs=lp[a - lo: b - lo],
+                                                versions=seq.versions(b)[a:]))
+            stream.sent[seq.index] = b
+
+    def finished(self, owner: Any, index: int, completion: Completion) -> None:
+        """A sample ended: queue the rest of its completion with the finish reason."""
+        stream = self._open.get(owner)
+        if stream is None or stream.done[index]:
+            return
+        a = stream.sent[index]
+        stream.queue.put_nowait(StreamDelta(index=index, output_ids=completion.output_ids[a:],
+                                            logprobs=completion.logprobs[a:], versions=completion.versions[a:],
+                                            finish_reason=completion.finish_reason))
+        stream.sent[index], stream.done[index] = len(completion.output_ids), True
+
+    def resolved(self, owner: Any, completions: list[Completion]) -> None:
+        """A request ended (an abort before it ran included): end every sample not ended yet."""
+        for j, c in enumerate(completions):
+            if c is not None:
+                self.finished(owner, j, c)
+        self._open.pop(owner, None)  # its reader holds the queue
+
+    def clear(self) -> None:
+        """Forget every stream (the engine dropped its requests; readers already got ``fail``'s error,
+        or belong to an event loop that is gone)."""
+        self._open.clear()
+
+    def fail(self, exc: BaseException) -> None:
+        """A step failed: every open stream raises ``exc`` to its reader."""
+        for stream in self._open.values():
+            stream.queue.put_nowait(exc)
+
+
+class Merged:
+    """Several ``generate_stream`` iterators read as one, for servers: ``(stream index, delta)`` items
+    in arrival order. ``close`` (always call it) cancels the readers, which aborts what still runs."""
+
+    def __init__(self, streams: list[Any]):
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._tasks = [asyncio.ensure_future(self._pump(i, s)) for i, s in enumerate(streams)]
+        self.left = len(streams)
+
+    async def _pump(self, i: int, stream: Any) -> None:
+        try:
+            async for delta in stream:
+                self._queue.put_nowait((i, delta))
+        except Exception as exc:  # an engine error: the reader raises it
+            self._queue.put_nowait((i, exc))
+        finally:
+            self._queue.put_nowait((i, None))
+
+    async def next(self, timeout_s: float) -> tuple[int, StreamDelta] | None:
+        """The next delta; None when none came within ``timeout_s`` (the caller may check its client).
+        Raises an engine error, and ``StopAsyncIteration`` once every stream has ended."""
+        while self.left:
+            try:
+                i, item = await asyncio.wait_for(self._queue.get(), timeout_s)
+            except asyncio.TimeoutError:
+                return None
+            if item is None:
+                self.left -= 1
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            return i, item
+        raise StopAsyncIteration
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
