@@ -244,6 +244,41 @@ def test_host_runs_at_most_a_few_steps_ahead_of_the_gpu():
     assert max(ahead) <= RUN_AHEAD_STEPS + 1, ahead
 
 
+@pytest.mark.gpu
+@needs_cuda
+def test_streams_add_up_to_generate_with_graphs_and_lagged_stops():
+    """CUDA graphs, lagged stop checks, a read every step: each sample's deltas add up to what
+    ``generate`` returns, and no delta before the last holds the stop token."""
+    hf = _hf_cuda()
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() == 2:
+                p.mul_(6.0)
+    cfg = TorchEngineConfig(dtype="bfloat16", device="cuda", max_batch_size=8, max_seq_len=96)
+    prompts = [list(range(3 + i, 20 + 3 * i)) for i in range(4)]
+    free = [r.completions[0].output_ids for r in asyncio.run(TorchEngine.from_hf_model(hf, config=cfg).generate(
+        [GenerateRequest(input_ids=p, sampling=SamplingParams(max_new_tokens=24, temperature=0)) for p in prompts]))]
+    reqs = [GenerateRequest(input_ids=p, request_id=f"s{i}", sampling=SamplingParams(
+        max_new_tokens=24, temperature=0, stop_token_ids=(free[i][4 + 3 * i],))) for i, p in enumerate(prompts)]
+
+    async def run(stream: bool):
+        eng = TorchEngine.from_hf_model(hf, config=cfg)
+        assert eng._batch.lagged_stops and eng._graphs is not None
+
+        async def one(r):
+            if not stream:
+                return (await eng.generate([r]))[0].completions[0].output_ids, None
+            deltas = [d async for d in eng.generate_stream(r)]
+            return sum((d.output_ids for d in deltas), []), deltas
+
+        return await asyncio.gather(*(one(r) for r in reqs))
+
+    plain, streamed = asyncio.run(run(False)), asyncio.run(run(True))
+    for (ids, _), (got, deltas) in zip(plain, streamed):
+        assert got == ids and len(deltas) > 2
+        assert all(ids[-1] not in d.output_ids for d in deltas[:-1]) and deltas[-1].finish_reason is not None
+
+
 def _patch_interpreter_scalars() -> None:
     """Triton's interpreter keeps scalars as 1-element arrays, which NumPy 2 refuses to ``int()`` (a
     loop bounded by a loaded value fails); give its module an ``int`` that accepts them."""
