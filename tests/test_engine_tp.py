@@ -135,6 +135,8 @@ async def _lead(engine: TorchEngine, path: str) -> dict:
     b = asyncio.ensure_future(engine.generate([LEAD["b"]]))  # joins three steps late
     c = asyncio.ensure_future(engine.generate([LEAD["c"]]))
     await _wait_steps(engine, 8)
+    while not engine.is_running("c"):
+        await asyncio.sleep(0)
     await engine.abort("c")
     out = {"a": await a, "b": await b, "c": await c}
     s0 = engine.steps
@@ -148,12 +150,25 @@ async def _lead(engine: TorchEngine, path: str) -> dict:
     out["e"] = await engine.generate([LEAD["e"]])
     await engine.update_weights(_version_state(path, 2).items(), version=2)  # the follower ends its v2 late
     out["f"] = await engine.generate([LEAD["f"]])
+    try:  # rank 1 cannot read this checkpoint (see _follow): no rank may change weights
+        await engine.update_weights_from_disk(path, 3)
+        out["disk"] = "loaded"
+    except RuntimeError as exc:
+        out["disk"] = str(exc)
+    out["f_again"] = await engine.generate([LEAD["f"]])
     await engine.shutdown()
+    await engine.shutdown()  # a second call does nothing (it used to wait on followers that are gone)
     return {k: [(c.output_ids, c.logprobs, c.finish_reason, c.versions) for c in r[0].completions]
-            for k, r in out.items()}
+            if isinstance(r, list) else r for k, r in out.items()}
 
 
 async def _follow(engine: TorchEngine, path: str) -> dict:
+    from meshrl.engines import schedule
+
+    def unreadable(model, where):  # this rank alone cannot read checkpoints (a missing mount, say)
+        raise OSError(f"{where}: permission denied")
+
+    schedule.stage_checkpoint = unreadable
     refused = []
     for call in (lambda: engine.generate([LEAD["a"]]), lambda: engine.pause("keep"), lambda: engine.abort("a")):
         try:
@@ -227,6 +242,7 @@ def test_leader_driven_tp_follows_calls_made_at_any_step(tmp_path):
             assert torch.allclose(torch.tensor(lps), torch.tensor(c.logprobs), atol=1e-5), k
             assert versions == c.versions, k
     assert lead["e"][0][3] == [1] * 12 and lead["f"][0][3] == [2] * 12
+    assert "could not read its shard" in lead["disk"] and lead["f_again"] == lead["f"]  # all or nothing
     assert lead["e"][0][0] != lead["f"][0][0]  # the two versions do generate differently
 
 
@@ -265,8 +281,10 @@ def test_server_with_tp2_takes_requests_at_any_time_and_loads_weights_from_disk(
             long = asyncio.ensure_future(post("/generate", body(LEAD["c"])))
             await asyncio.sleep(0.005)
             assert (await post("/pause_generation", {"mode": "in_place"}))[0] == 200  # c cannot finish first
-            async with s.post("/abort_request", json={"rid": "c"}) as r:
-                assert r.status == 200
+            while not long.done():  # (until c's own /generate has reached the server)
+                async with s.post("/abort_request", json={"rid": "c"}) as r:
+                    assert r.status == 200
+                await asyncio.sleep(0.05)
             await asyncio.sleep(0.3)
             assert (await post("/continue_generation", {}))[0] == 200
             for k, task in zip("abdc", [first, *later, long]):
@@ -312,3 +330,57 @@ def test_server_with_tp2_takes_requests_at_any_time_and_loads_weights_from_disk(
     assert got["disk"][0] == 200 and got["disk"][1]["success"]
     assert got["bad_disk"][0] == 400 and "no checkpoint directory" in got["bad_disk"][1]["message"]
     assert got["e"][1]["meta_info"]["weight_version"] == "1"
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(c) for c in f.read().split()]
+
+
+def _cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode()
+
+
+@pytest.mark.slow
+def test_server_with_tp2_stops_when_a_rank_dies_and_on_ctrl_c(tmp_path):
+    """A follower killed while serving stops ``serve --tp 2`` with an error (it used to go on answering
+    /health and fail every request); Ctrl-C to the whole process group stops it cleanly, exit 0."""
+    import signal
+    import subprocess
+    import sys
+
+    hf = hf_model()
+    hf.save_pretrained(tmp_path / "ckpt")
+
+    def start() -> tuple[subprocess.Popen, str]:
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "meshrl.engines.serve", "--model", str(tmp_path / "ckpt"),
+                                 "--port", str(port), "--tp", "2", "--device", "cpu", "--max-seq-len", "32"],
+                                env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        return proc, f"http://127.0.0.1:{port}"
+
+    proc, url = start()
+    try:
+        wait_healthy(proc, url)
+        follower = [c for c in _children(proc.pid) if "resource_tracker" not in _cmdline(c)]
+        assert len(follower) == 1, [_cmdline(c) for c in _children(proc.pid)]
+        os.kill(follower[0], signal.SIGKILL)
+        rc = proc.wait(timeout=60)
+        log = proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert rc != 0 and "TP rank 1 exited with code -9" in log, log[-2000:]
+
+    proc, url = start()
+    try:
+        wait_healthy(proc, url)
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: every process of the group gets it
+        rc = proc.wait(timeout=60)
+        log = proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert rc == 0 and "Traceback" not in log, log[-2000:]

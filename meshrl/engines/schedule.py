@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 from typing import Any
 
 import msgspec
@@ -29,7 +30,7 @@ import torch.distributed as dist
 
 from meshrl.engines.tp import TensorParallel
 from meshrl.engines.types import GenerateRequest, SamplingParams
-from meshrl.engines.weights import load_checkpoint
+from meshrl.engines.weights import stage_checkpoint
 
 _STEP, _STOP = 1, 2  # header flags
 
@@ -59,6 +60,12 @@ class ScheduleChannel:
             data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
             dist.broadcast(data.to(self.device), group=self.group, group_src=0)
         self.messages += 1
+
+    def agree(self, ok: bool) -> bool:
+        """Every rank's ``ok``, and-ed (an all-reduce over the group): for all-or-nothing steps."""
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item())
 
     def recv(self) -> tuple[list, bool, bool]:
         """Follower: the next message as ``(events, step, stop)``; blocks (call it from a thread)."""
@@ -117,9 +124,17 @@ async def _apply(engine: Any, event: list, loop: asyncio.AbstractEventLoop) -> N
         await _flip_sealed(engine, event[1])
     elif kind == "version":
         engine._set_version(event[1])
-    elif kind == "load":  # rank 0 read the same checkpoint between the same two steps
-        load_checkpoint(engine.model, event[1])
-        engine._set_version(event[2])
+    elif kind == "load":  # rank 0 staged the same checkpoint: all apply it, or none does
+        _, path, version = event
+        try:
+            stage, ok = stage_checkpoint(engine.model, path), True
+        except Exception as exc:
+            print(f"TP rank {engine.tp.rank}: could not read its shard of {path!r}: {type(exc).__name__}: {exc}",
+                  file=sys.stderr, flush=True)
+            stage, ok = None, False
+        if engine._channel.agree(ok):
+            stage.apply()
+            engine._set_version(version)
     elif kind == "drop":
         engine._drop_all()
     else:
@@ -145,3 +160,4 @@ async def _flip_sealed(engine: Any, version: int) -> None:
     engine._sealed = None
     stage.apply()
     engine._set_version(version)
+    engine._flipped_event.set()

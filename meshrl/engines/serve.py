@@ -35,6 +35,7 @@ import argparse
 import asyncio
 import json
 import os
+import sys
 import time
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
@@ -365,6 +366,8 @@ class _Server:
         return resp
 
     async def health(self, request: web.Request) -> web.Response:
+        if self.engine.broken is not None:
+            return web.Response(status=503, text=self.engine.broken)
         if self.engine.is_paused or self.engine.is_updating or self.engine.memory_released:
             return web.Response(status=503, text="paused" if self.engine.is_paused else "updating weights"
                                 if self.engine.is_updating else "memory released")
@@ -570,7 +573,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    followers = None
+    followers, watch, stopped_in_order = None, None, False
     if a.tp > 1:
         import torch.multiprocessing as mp
 
@@ -578,22 +581,56 @@ def main(argv: list[str] | None = None) -> None:
 
         rendezvous = free_port()
         followers = mp.start_processes(_follower_main, args=(a, rendezvous), nprocs=a.tp - 1, start_method="spawn",
-                                       join=False)
-        engine = _engine(a, rank=0, rendezvous=rendezvous)
-    else:
-        engine = _engine(a)
-    app = make_app(engine, tokenizer=load_tokenizer(a.model), compat_version=a.compat_version,
-                   server_args={"host": a.host, "port": a.port, "model_path": a.model})
+                                       join=False, daemon=True)
+        watch = _FollowerWatch(followers.processes)
     try:
+        engine = _engine(a, rank=0, rendezvous=rendezvous) if followers is not None else _engine(a)
+        app = make_app(engine, tokenizer=load_tokenizer(a.model), compat_version=a.compat_version,
+                       server_args={"host": a.host, "port": a.port, "model_path": a.model})
+        if watch is not None:
+            watch.serving = True
         web.run_app(app, host=a.host, port=a.port, print=lambda msg: print(msg, flush=True))
+        stopped_in_order = True  # engine.shutdown (on_shutdown) told the followers to stop
     finally:
-        if followers is not None:  # engine.shutdown (on_shutdown) told them to stop
-            deadline = time.monotonic() + 30
-            while not followers.join(timeout=max(0.1, deadline - time.monotonic())) and time.monotonic() < deadline:
-                pass
+        if followers is not None:
+            watch.stopping = True
+            deadline = time.monotonic() + (30 if stopped_in_order else 0)
+            while not all(p.exitcode is not None for p in followers.processes) and time.monotonic() < deadline:
+                time.sleep(0.1)
             for proc in followers.processes:
                 if proc.is_alive():
                     proc.terminate()
+    if watch is not None and watch.failed:
+        raise SystemExit(f"stopped: {watch.failed}")
+
+
+class _FollowerWatch:
+    """``--tp``: watches the follower processes from a thread. One that fails stops the server (while
+    it starts: at once, as rank 0 would wait for it until the group's timeout)."""
+
+    def __init__(self, processes: list[Any]):
+        import threading
+
+        self.processes, self.serving, self.stopping, self.failed = processes, False, False, ""
+        threading.Thread(target=self._run, name="tp-follower-watch", daemon=True).start()
+
+    def _run(self) -> None:
+        import signal
+
+        while not self.stopping:
+            for rank, proc in enumerate(self.processes, start=1):
+                if proc.exitcode not in (None, 0) and not self.stopping:
+                    self.failed = f"TP rank {rank} exited with code {proc.exitcode} (its error is above)"
+                    print(f"{self.failed}: stopping the server", file=sys.stderr, flush=True)
+                    if self.serving:
+                        os.kill(os.getpid(), signal.SIGTERM)  # run_app's graceful exit
+                    else:
+                        for p in self.processes:
+                            if p.is_alive():
+                                p.terminate()
+                        os._exit(1)
+                    return
+            time.sleep(0.5)
 
 
 def _engine(a: argparse.Namespace, rank: int = 0, rendezvous: int = 0) -> TorchEngine:
@@ -625,15 +662,24 @@ def _engine(a: argparse.Namespace, rank: int = 0, rendezvous: int = 0) -> TorchE
 
 def _follower_main(index: int, a: argparse.Namespace, rendezvous: int) -> None:
     """TP rank ``index + 1`` of ``--tp``: build its shard, then run rank 0's schedule until it stops."""
+    import signal
+    import traceback
+
     import torch
     import torch.distributed as dist
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every rank: rank 0 stops this one in order
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    engine = _engine(a, rank=index + 1, rendezvous=rendezvous)
     try:
+        engine = _engine(a, rank=index + 1, rendezvous=rendezvous)
         asyncio.run(engine.follow())
+    except BaseException:
+        print(f"TP rank {index + 1} failed:", file=sys.stderr, flush=True)
+        traceback.print_exc()  # (the spawn wrapper keeps it in a file nobody reads)
+        raise
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -126,7 +126,7 @@ class WeightSync:
             self.engine.abort_all()
         try:
             n = await self.engine.update_weights_from_disk(path, version)
-        except (OSError, ValueError, RuntimeError) as exc:  # no such dir, another model's tensors, staging
+        except Exception as exc:  # no such dir, another model's tensors, a half-written file, a staging update
             return _disk_reply(False, f"update dropped, engine stays on version {self.engine.version}: "
                                       f"{type(exc).__name__}: {exc}")
         return _disk_reply(True, f"Succeeded to update model weights from {path} ({n} tensors) as version "

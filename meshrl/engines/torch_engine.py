@@ -54,8 +54,8 @@ from meshrl.engines.schedule import ScheduleChannel
 from meshrl.engines.streaming import Streams
 from meshrl.engines.tp import TensorParallel
 from meshrl.engines.types import Completion, GenerateRequest, GenerateResult, PauseMode, SamplingParams, StreamDelta
-from meshrl.engines.weights import (StagedWeights, eos_token_ids, iter_safetensors, load_all, load_checkpoint,
-                                    load_hf_config)
+from meshrl.engines.weights import (StagedWeights, eos_token_ids, iter_safetensors, load_all, load_hf_config,
+                                    stage_checkpoint)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -142,9 +142,13 @@ class TorchEngine:
         self.tp = tp
         self._channel = ScheduleChannel(tp, dev) if tp.is_leader or tp.is_follower else None
         self._log: list[list] | None = [] if tp.is_leader else None
+        self._broken: str | None = None
+        """Why a leader-driven TP engine can no longer work (its group broke), else None."""
+        self._shut = False
         """Leader-driven TP, rank 0: what changed since the last broadcast (see ``_record``)."""
         self._sealed: tuple[StagedWeights, int] | None = None  # a follower's ended stage, until rank 0 flips to it
-        self._sealed_event = asyncio.Event()
+        self._sealed_event = asyncio.Event()  # set when a follower's stage is ended
+        self._flipped_event = asyncio.Event()  # set when it went live (or was dropped)
         self.model = Transformer(self.spec, dtype=dtype, device=dev, tp_rank=tp.rank, tp_size=tp.size,
                                  all_reduce=tp.all_reduce)
         self._weights = self._make_weights_contiguous() if config.contiguous_weights else None
@@ -247,6 +251,11 @@ class TorchEngine:
     @property
     def is_paused(self) -> bool:
         return self._paused
+
+    @property
+    def broken(self) -> str | None:
+        """Why this leader-driven TP engine can no longer serve (its group broke), else None."""
+        return self._broken
 
     @property
     def is_updating(self) -> bool:
@@ -379,13 +388,18 @@ class TorchEngine:
         if self._task is not None and not self._task.done() and self._loop is loop:
             return
         if self._loop is not None and self._loop is not loop:
+            old_task, old_loop = self._task, self._loop
+            if old_task is not None and not old_task.done() and not old_loop.is_closed():
+                old_loop.call_soon_threadsafe(old_task.cancel)  # it must not step (or publish) any more
+            self._wake = None  # (the old loop's)
             self._drop_all()  # futures of a previous loop cannot be resolved any more
         self._loop, self._wake = loop, asyncio.Event()
         self._task = loop.create_task(self._step_loop(), name="TorchEngine.step_loop")
 
     async def _step_loop(self) -> None:
-        try:
-            while True:
+        me = asyncio.current_task()
+        while self._task is me:  # a task left on another loop stops here
+            try:
                 if self._paused or not (self._waiting or self._batch.size):
                     self._publish(step=False)  # followers learn of pauses, aborts and flips now, not at the next step
                     self._wake.clear()
@@ -402,18 +416,17 @@ class TorchEngine:
                 self._publish(step=True)
                 self.step()
                 await asyncio.sleep(0)  # lets pause/abort/weight updates/new requests run between steps
-        except Exception as exc:  # a failed step fails every caller instead of hanging them
-            err = RuntimeError(f"TorchEngine step failed: {type(exc).__name__}: {exc}")
-            err.__cause__ = exc
-            for p in list(self._requests.values()):
-                if not p.future.done():
-                    p.future.set_exception(err)
-            self._streams.fail(err)
-            self._drop_all()
-            try:
-                self._publish(step=False)  # followers drop theirs too, if the group still works
-            except Exception:
-                pass
+            except Exception as exc:  # a failed step fails every caller instead of hanging them
+                err = RuntimeError(f"TorchEngine step failed: {type(exc).__name__}: {exc}")
+                err.__cause__ = exc
+                for p in list(self._requests.values()):
+                    if not p.future.done():
+                        p.future.set_exception(err)
+                self._streams.fail(err)
+                self._drop_all()
+                if self._broken is not None:
+                    return  # the TP group is gone: nothing more can be sent
+                # the loop goes on (idle): a TP leader's followers still need its heartbeats
 
     def step(self) -> None:
         """Admit what fits (one prefill), then one decode step of the running batch."""
@@ -536,6 +549,7 @@ class TorchEngine:
     def release_memory(self, *, weights: bool = False) -> None:
         """Free the KV cache (and the parameters with ``weights``) while nothing runs or waits; nothing
         may generate until ``restore_memory``."""
+        self._no_in_place("release_memory")
         if self._batch.size or self._waiting or self._stage is not None:
             raise RuntimeError(f"release_memory on a busy engine (running={self._batch.size}, waiting="
                                f"{len(self._waiting)}, updating={self._stage is not None}): let generate calls finish")
@@ -578,9 +592,13 @@ class TorchEngine:
         if self._stage is not None:
             raise RuntimeError("begin_weight_update: a weight update is already staging; end it (end_weight_update) "
                                "or drop it (abort_weight_update) first")
-        if self._sealed is not None:
-            raise RuntimeError(f"begin_weight_update on TP rank {self.tp.rank}: version {self._sealed[1]} is staged "
-                               "and waits for rank 0's flip to it; end that update on rank 0 first")
+        while self._sealed is not None:  # a follower: the version before waits for rank 0's flip to it
+            self._flipped_event.clear()
+            try:
+                await asyncio.wait_for(self._flipped_event.wait(), self.tp.flip_timeout_s)
+            except asyncio.TimeoutError:
+                raise RuntimeError(f"begin_weight_update on TP rank {self.tp.rank}: version {self._sealed[1]} is still "
+                                   f"staged after {self.tp.flip_timeout_s:g} s, waiting for rank 0's flip to it") from None
         self._stage = StagedWeights(self.model)
 
     async def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -621,6 +639,7 @@ class TorchEngine:
     async def abort_weight_update(self) -> None:
         """Drop whatever was staged (and a follower's ended stage); the engine keeps serving its version."""
         self._stage = self._sealed = None
+        self._flipped_event.set()
 
     def write_params(self, write: Callable[[dict[str, torch.Tensor]], None], version: int) -> None:
         """``write(live params)``, then serve them as ``version``: synchronous, so between two steps, with
@@ -664,9 +683,15 @@ class TorchEngine:
         version = self._version if version is None else _version_number(version)
         if self._stage is not None:
             raise RuntimeError("update_weights_from_disk during a staged weight update: end or abort it first")
-        n = load_checkpoint(self.model, path)
+        stage = stage_checkpoint(self.model, path)  # a bad checkpoint fails here, before any rank hears of it
+        if self._channel is not None:  # every rank stages its shard now; all apply, or none does
+            self._record(["load", path, version])
+            self._publish(step=False)
+            if not self._channel.agree(True):
+                raise RuntimeError(f"a TP follower could not read its shard of {path!r} (its log says why); no rank "
+                                   f"changed weights, the engine stays on version {self._version}")
+        n = stage.apply()
         self._set_version(version)
-        self._record(["load", path, version])
         return n
 
     def get_weights_by_name(self, hf_name: str) -> torch.Tensor:
@@ -675,10 +700,15 @@ class TorchEngine:
 
     async def shutdown(self) -> None:
         """Abort everything and stop the step task (and, on a TP leader, the followers' ``follow``)."""
+        if self._shut:
+            return
+        self._shut = True
         self.abort_all()
-        if self._log is not None:
-            events, self._log = self._log, []
-            self._channel.send(events, step=False, stop=True)
+        if self._log is not None and self._broken is None:
+            try:
+                self._publish(step=False, stop=True)
+            except Exception:  # the followers are gone already (e.g. they got the same Ctrl-C)
+                pass
         if self._task is not None and not self._task.done():
             self._task.cancel()
             try:
@@ -696,26 +726,40 @@ class TorchEngine:
         self._ensure_step_task()
 
     def _leader_only(self, what: str) -> None:
+        if self._broken is not None:
+            raise RuntimeError(f"{what}: {self._broken}")
         if self.tp.is_follower:
             raise RuntimeError(f"{what} on TP rank {self.tp.rank}, which follows rank 0's schedule "
                                "(leader_driven): make generation and control calls on rank 0")
 
     def _no_in_place(self, what: str) -> None:
         if self.tp.leader_driven and self.tp.size > 1:
-            raise RuntimeError(f"{what} is refused under a leader-driven TP engine: an in-place write needs every "
-                               "rank paused at the same step; stage the weights (begin/load/end_weight_update)")
+            raise RuntimeError(f"{what} is refused under a leader-driven TP engine: it would act on one rank at a "
+                               "step of its own (stage weights with begin/load/end_weight_update instead)")
 
     def _record(self, event: list) -> None:
-        """Leader: remember a change of the schedule for the next broadcast (followers ``_apply`` it)."""
+        """Leader: remember a change of the schedule for the next broadcast (followers ``_apply`` it),
+        and wake an idle step loop to send it now."""
         if self._log is not None:
             self._log.append(event)
+            if self._wake is not None:
+                self._wake.set()
 
-    def _publish(self, *, step: bool, heartbeat: bool = False) -> None:
-        """Leader: broadcast what changed and whether a step follows (nothing, when neither nor a heartbeat)."""
-        if self._log is None or not (step or heartbeat or self._log):
+    def _publish(self, *, step: bool, heartbeat: bool = False, stop: bool = False) -> None:
+        """Leader: broadcast what changed and whether a step follows (nothing, when neither nor a heartbeat).
+
+        A failed broadcast leaves the group out of step for good: the engine is then ``broken``."""
+        if self._log is None or not (step or heartbeat or stop or self._log):
             return
-        events, self._log = self._log, []
-        self._channel.send(events, step=step)
+        if self._broken is not None:
+            raise RuntimeError(self._broken)
+        try:
+            self._channel.send(self._log, step=step, stop=stop)
+        except Exception as exc:
+            self._broken = (f"the TP group is broken (a schedule broadcast to the followers failed: "
+                            f"{type(exc).__name__}: {exc}); restart every rank")
+            raise
+        self._log = []
 
     async def follow(self) -> None:
         """Leader-driven TP, ranks other than 0: run rank 0's schedule until rank 0 shuts down.
@@ -733,5 +777,5 @@ class TorchEngine:
         p = _Pending(request, rid, seed, future)
         self._requests[rid] = p
         self._waiting.append(p)
-        self._record(["add", rid, list(request.input_ids), msgspec.to_builtins(request.sampling), seed])
+        self._record(["add", rid, [int(t) for t in request.input_ids], msgspec.to_builtins(request.sampling), int(seed)])
         return p

@@ -54,9 +54,11 @@ class TensorParallel:
     """Group for the schedule broadcasts (e.g. a gloo group beside an NCCL ``group``); None: ``group``."""
     heartbeat_s: float = 1.0
     """Leader-driven: an idle leader's message interval; keep it well under the group's timeout."""
-    flip_timeout_s: float = 300.0
+    flip_timeout_s: float = 30.0
     """Leader-driven: how long a follower waits, at rank 0's flip to a version, for its own staged
-    weights of that version to be ended (``end_weight_update``)."""
+    weights of that version to be ended (``end_weight_update``), and a follower's next
+    ``begin_weight_update`` for that flip. Keep it under the group's timeout: rank 0's next broadcast
+    waits for the follower meanwhile (end every rank's update before rank 0's, and nothing waits)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:

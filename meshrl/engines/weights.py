@@ -132,13 +132,16 @@ class StagedWeights:
         return n
 
 
-def load_checkpoint(model: Transformer, path: str) -> int:
-    """Read a checkpoint directory's safetensors into ``model`` at once (this rank's shard); nothing is
-    applied when a name or shape does not fit. Returns the tensors applied."""
+def stage_checkpoint(model: Transformer, path: str) -> StagedWeights:
+    """A checkpoint directory's safetensors (this rank's shard), staged for ``apply``; raises, having
+    staged nothing usable, when a name or shape does not fit or the files cannot be read."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no checkpoint directory {path!r}")
     stage = StagedWeights(model)
-    stage.add(iter_safetensors(path))
+    try:
+        stage.add(iter_safetensors(path))
+    except KeyError as exc:  # a tensor name this model does not have
+        raise ValueError(f"{path!r}: {exc.args[0] if exc.args else exc}") from None
     if not stage.pieces:
         raise ValueError(f"{path!r} holds no weights of this model")
-    return stage.apply()
+    return stage
