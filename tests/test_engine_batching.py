@@ -489,13 +489,16 @@ def test_leaving_a_stream_early_aborts_it_and_waiting_aborts_end_it(hf):
             async for _ in stream:
                 break
         left_running = eng.num_running
+        async with contextlib.aclosing(eng.generate_stream(req(PROMPTS[2], "unread", max_new_tokens=40))):
+            pass  # closed before its first read: aborted all the same
+        unread = eng.is_running("unread")
         await eng.pause("keep")
         stream = eng.generate_stream(req(PROMPTS[1], "waiting", n=2))
         await eng.abort("waiting")  # never admitted: both samples end at once, as aborts
         ended = [d async for d in stream]
         with pytest.raises(ValueError, match="outside"):
             eng.generate_stream(req([V + 5], "bad"))  # checked at the call, not at the first delta
-        return left_running, eng.is_running("early"), ended
+        return left_running, eng.is_running("early") or unread, ended
 
     left_running, still, ended = asyncio.run(main())
     assert left_running == 0 and not still

@@ -271,7 +271,9 @@ def test_streamed_answers_add_up_to_the_plain_ones(model_dir):
                                                "seed": 1, "stop": text[3]}),
                      ("/v1/completions", {"prompt": ["7+1=", "3+3="], "max_tokens": 8, "temperature": 1.0, "n": 2,
                                           "seed": 2, "logprobs": 1}),
-                     ("/v1/completions", {"prompt": "12+3=", "max_tokens": 10, "temperature": 0, "stop": [text[1:4]]})]
+                     ("/v1/completions", {"prompt": "12+3=", "max_tokens": 10, "temperature": 0, "stop": [text[1:4]]}),
+                     ("/v1/completions", {"prompt": "5+5=", "max_tokens": 10, "temperature": 1.0, "seed": 4,
+                                          "stop": ["1", "22", "+3"], "logprobs": 1})]
             out = []
             for path, body in cases:
                 plain = (await post(s, path, body))[1]
@@ -303,4 +305,65 @@ def test_streamed_answers_add_up_to_the_plain_ones(model_dir):
             if want["logprobs"] is not None:
                 got = sum((ch["logprobs"]["content" if chat else "token_logprobs"] for ch in mine), [])
                 assert got == (want["logprobs"]["content"] if chat else want["logprobs"]["token_logprobs"])
+                if not chat:  # offsets run on across chunks, whatever text was held back
+                    assert sum((ch["logprobs"]["text_offset"] for ch in mine), []) == want["logprobs"]["text_offset"]
     assert {ch["finish_reason"] for _, plain, _ in out for ch in plain["choices"]} >= {"stop", "length"}
+
+
+def test_a_step_that_fails_mid_stream_ends_it_with_an_error_then_done(model_dir):
+    """The engine fails for real (its KV cache is taken away) after the first chunk: the stream says
+    so in an error event and ends with ``[DONE]``, and the server goes on serving."""
+    import json
+
+    async def main():
+        async with serve(model_dir) as (s, engine):
+            body = {"messages": [{"role": "user", "content": "1+2="}], "max_tokens": 40, "temperature": 0.0,
+                    "stream": True}
+            events = []
+            async with s.post("/v1/chat/completions", json=body) as r:
+                async for line in r.content:
+                    line = line.decode().strip()
+                    if line.startswith("data: "):
+                        events.append(line[6:] if line[6:] == "[DONE]" else json.loads(line[6:]))
+                        if len(events) == 2:
+                            engine.cache.release()  # the next decode step fails
+            engine.restore_memory()
+            after = await post(s, "/v1/chat/completions", {**body, "stream": False, "max_tokens": 3})
+            return events, after
+
+    events, (st, after) = asyncio.run(main())
+    assert events[-1] == "[DONE]" and "step failed" in events[-2]["error"]["message"], events[-3:]
+    assert st == 200 and len(after["choices"][0]["token_ids"]) == 3
+
+
+def test_sglang_generate_streams_text_a_few_tokens_at_a_time(model_dir):
+    """/generate ``stream: true`` with text: each chunk's text is a prefix of the last one (whole
+    characters only), and the last equals the unstreamed answer, per-token texts included."""
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    body = {"text": "12+30=", "return_logprob": True, "return_text_in_logprobs": True,
+            "sampling_params": {"max_new_tokens": 16, "temperature": 1.0, "sampling_seed": 3, "ignore_eos": True}}
+
+    async def main():
+        import json
+
+        from meshrl.engines.serve import load_tokenizer
+
+        async with serve(model_dir, tokenizer=load_tokenizer(model_dir)) as (s, _):
+            plain = await post(s, "/generate", body)
+            chunks = []
+            async with s.post("/generate", json={**body, "stream": True}) as r:
+                async for line in r.content:
+                    line = line.decode().strip()
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        chunks.append(json.loads(line[6:]))
+            return plain, chunks
+
+    (st, plain), chunks = asyncio.run(main())
+    assert st == 200 and len(chunks) > 3
+    final = chunks[-1]
+    assert final["text"] == plain["text"] == tok.decode(plain["output_ids"], skip_special_tokens=True)
+    assert final["meta_info"]["output_token_logprobs"] == plain["meta_info"]["output_token_logprobs"]
+    for c in chunks[:-1]:
+        assert final["text"].startswith(c["text"]) and "\ufffd" not in c["text"]
+        assert [x[2] for x in c["meta_info"]["output_token_logprobs"]] == [tok.decode([t], skip_special_tokens=True)
+                                                                           for t in c["output_ids"]]

@@ -535,9 +535,15 @@ def test_generate_stream_chunks_add_up_to_the_answer(hf):
             st1, ev1 = await _events(s, body1)
             st2, ev2 = await _events(s, body2)
             bad = await _events(s, {"input_ids": [100000], "sampling_params": {"max_new_tokens": 2}})
-            return plain1, plain2, (st1, ev1), (st2, ev2), bad, eng.num_running
+            await eng.pause("keep")  # so that a request queued by mistake would still be waiting below
+            mismatch = await _events(s, {"input_ids": [P0, P1], "return_logprob": [True],
+                                         "sampling_params": {"max_new_tokens": 2}})
+            queued = eng.num_waiting
+            await eng.resume()
+            return plain1, plain2, (st1, ev1), (st2, ev2), bad, eng.num_running, mismatch, queued
 
-    plain1, plain2, (st1, ev1), (st2, ev2), bad, running = asyncio.run(main())
+    plain1, plain2, (st1, ev1), (st2, ev2), bad, running, mismatch, queued = asyncio.run(main())
+    assert mismatch[0] == 400 and "return_logprob" in mismatch[1][0]["error"]["message"] and queued == 0
     assert st1 == 200 and ev1[-1] == "[DONE]" and len(ev1) >= 5  # 12 tokens, read every 2 steps
     chunks = [msgspec.convert(e, Chunk) for e in ev1[:-1]]
     lengths = [len(c.output_ids) for c in chunks]

@@ -34,7 +34,7 @@ from typing import Any
 from aiohttp import web
 
 from meshrl.engines.serve import _DISCONNECT_POLL_S, BadRequest, error_response, read_json, sse, until_disconnect
-from meshrl.engines.streaming import Merged
+from meshrl.engines.streaming import IncrementalText, Merged
 from meshrl.engines.types import GenerateRequest, SamplingParams
 
 __all__ = ["SIMPLE_CHAT_TEMPLATE", "OpenAIServer", "render_simple_chat"]
@@ -280,14 +280,15 @@ class OpenAIServer:
             for r in requests:  # checked and queued now: a bad request is a 400 before any header
                 streams.append(self.engine.generate_stream(r))
         except ValueError as exc:
-            for r in requests[: len(streams)]:
-                await self.engine.abort(r.request_id)
+            for st in streams:
+                await st.aclose()  # aborts it
             raise BadRequest(str(exc)) from None
         n = sampling.n
-        choices = [_StreamedChoice(prompts[k // n]) for k in range(len(prompts) * n)]
+        choices = [_StreamedChoice(prompts[k // n], self._decode) for k in range(len(prompts) * n)]
+        usage = (body.get("stream_options") or {}).get("include_usage", False)
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{next(self._ids)}",
                 "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
-                "model": body.get("model") or self.model_name}
+                "model": body.get("model") or self.model_name, **({"usage": None} if usage else {})}
         merged = Merged(streams)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         try:
@@ -301,8 +302,11 @@ class OpenAIServer:
                     got = await merged.next(_DISCONNECT_POLL_S)
                 except StopAsyncIteration:
                     break
-                except TimeoutError as exc:  # paused past generate_timeout_s: the engine aborted it
-                    await sse(resp, {"error": {"message": str(exc), "type": "timeout", "code": 504}})
+                except Exception as exc:  # paused past generate_timeout_s (aborted), or a failed step
+                    code = 504 if isinstance(exc, TimeoutError) else 500
+                    await sse(resp, {"error": {"message": f"{type(exc).__name__}: {exc}", "type": "server_error",
+                                               "code": code}})
+                    await resp.write(b"data: [DONE]\n\n")
                     return resp
                 if got is None:
                     if request.transport is None or request.transport.is_closing():
@@ -313,12 +317,12 @@ class OpenAIServer:
                 piece = c.add(delta, self, stops, sampling.stop_token_ids)
                 if piece is None:
                     continue
-                await sse(resp, {**head, "choices": [self._chunk_choice(i * n + delta.index, piece, body, chat)]})
+                await sse(resp, {**head, "choices": [self._chunk_choice(i * n + delta.index, c, piece, body, chat)]})
                 if all(choices[i * n + j].done for j in range(n)) and self.engine.is_running(requests[i].request_id):
                     await self.engine.abort(requests[i].request_id)  # every choice hit a stop string: free its rows
-            if (body.get("stream_options") or {}).get("include_usage"):
-                done = [{"ids": c.sent_ids} for c in choices]
-                await sse(resp, {**head, "choices": [], "usage": self._usage(done, prompts)})
+            if usage:
+                sent = [{"ids": c.ids[: c.sent_ids]} for c in choices]
+                await sse(resp, {**head, "choices": [], "usage": self._usage(sent, prompts)})
             await resp.write(b"data: [DONE]\n\n")
         except ConnectionResetError:
             pass  # the client went away
@@ -326,7 +330,8 @@ class OpenAIServer:
             await merged.close()
         return resp
 
-    def _chunk_choice(self, index: int, piece: dict[str, Any], body: dict[str, Any], chat: bool) -> dict[str, Any]:
+    def _chunk_choice(self, index: int, c: _StreamedChoice, piece: dict[str, Any], body: dict[str, Any],
+                      chat: bool) -> dict[str, Any]:
         ids, lps, text, finish = piece["ids"], piece["logprobs"], piece["text"], piece["finish"]
         out: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": None, "token_ids": ids,
                                "meshrl": {"logprobs": lps, "versions": piece["versions"]}}
@@ -339,7 +344,8 @@ class OpenAIServer:
             out["text"] = text
             if body.get("logprobs") is not None:
                 tokens = [self._token_text(t) for t in ids]
-                offsets = list(itertools.accumulate([piece["offset"]] + [len(t) for t in tokens[:-1]]))
+                offsets = list(itertools.accumulate([c.token_chars] + [len(t) for t in tokens[:-1]]))
+                c.token_chars += sum(len(t) for t in tokens)
                 out["logprobs"] = {"tokens": tokens, "token_logprobs": lps, "text_offset": offsets if tokens else [],
                                    "top_logprobs": [{t: lp} for t, lp in zip(tokens, lps)]}  # fmt: skip
         return out
@@ -350,44 +356,50 @@ class OpenAIServer:
 
 
 class _StreamedChoice:
-    """One streamed choice: what the engine produced and what was sent of it."""
+    """One streamed choice: what the engine produced, its text so far, and what was sent of it."""
 
-    __slots__ = ("prompt_ids", "ids", "logprobs", "versions", "sent_ids", "sent_text", "done")
-
-    def __init__(self, prompt_ids: list[int]):
+    def __init__(self, prompt_ids: list[int], decode: Any):
         self.prompt_ids = prompt_ids
-        self.ids: list[int] = []
+        self.text = IncrementalText(decode)
         self.logprobs: list[float] = []
         self.versions: list[int] = []
-        self.sent_ids: list[int] = []
+        self.sent_ids = 0  # tokens sent
         self.sent_text = 0  # characters of the text sent
+        self.token_chars = 0  # characters of the sent tokens' own texts (legacy logprobs' text_offset)
+        self.searched = 0  # characters of the text already searched for stop strings
         self.done = False
 
+    @property
+    def ids(self) -> list[int]:
+        return self.text.ids
+
     def add(self, delta: Any, server: OpenAIServer, stops: list[str], stop_ids: tuple[int, ...]) -> dict[str, Any] | None:
-        """Take an engine delta; the piece to send now (None: nothing new to say)."""
+        """Take an engine delta; the piece to send now (None: nothing new to say). Costs the delta's
+        tokens, not the whole output: text is decoded incrementally and searched from where it was."""
         if self.done:  # cut at a stop string already: the rest of the sample is not the answer's
             return None
-        self.ids += delta.output_ids
+        self.text.extend(delta.output_ids)
         self.logprobs += delta.logprobs
         self.versions += delta.versions
-        finish, text, end = delta.finish_reason, server._decode(self.ids), len(self.ids)
-        cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+        finish, end = delta.finish_reason, len(self.ids)
+        text = server._decode(self.ids) if finish is not None else self.text.text  # the last: exactly as unstreamed
+        longest = max((len(x) for x in stops), default=0)
+        start = max(0, self.searched - longest + 1)
+        cut = min((i for i in (text.find(x, start) for x in stops) if i >= 0), default=-1)
+        self.searched = len(text)
         if cut >= 0:  # as the whole answer is cut: up to the token that completed the stop string
             end, text, finish = server._stop_end(self.ids, stops), text[:cut], "stop"
         elif finish == "stop" and self.ids and self.ids[-1] in stop_ids:
             text = server._decode(self.ids[:-1])  # a one-token stop string is not part of the text
-        elif finish is None:  # hold back what may be the start of a stop string, or half a character
-            hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        elif finish is None:  # hold back what may be the start of a stop string
+            hold = max((k for x in stops for k in range(1, len(x)) if text.endswith(x[:k])), default=0)
             text = text[: len(text) - hold]
-            while text.endswith("\ufffd"):
-                text = text[:-1]
-        start = len(self.sent_ids)
         new_text = text[self.sent_text:]
-        if finish is None and not new_text and end == start:
+        if finish is None and not new_text and end == self.sent_ids:
             return None
-        piece = {"ids": self.ids[start:end], "logprobs": self.logprobs[start:end], "versions": self.versions[start:end],
-                 "text": new_text, "finish": finish, "offset": self.sent_text}
-        self.sent_ids = self.ids[:end]
-        self.sent_text = max(self.sent_text, len(text))
+        a = self.sent_ids
+        piece = {"ids": self.ids[a:end], "logprobs": self.logprobs[a:end], "versions": self.versions[a:end],
+                 "text": new_text, "finish": finish}
+        self.sent_ids, self.sent_text = end, max(self.sent_text, len(text))
         self.done = finish is not None
         return piece

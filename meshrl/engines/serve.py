@@ -42,7 +42,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 
 from aiohttp import web
 
-from meshrl.engines.streaming import Merged
+from meshrl.engines.streaming import IncrementalText, Merged
 from meshrl.engines.torch_engine import TorchEngine, TorchEngineConfig
 from meshrl.engines.types import Completion, GenerateRequest, GenerateResult, SamplingParams, StreamDelta
 
@@ -262,7 +262,10 @@ class _Server:
         return reqs, single, [bool(s.get("no_stop_trim")) for s in sps]
 
     def _out(self, res: GenerateResult, j: int, c: Completion, sp: SamplingParams, return_logprob: bool,
-             with_text: bool, latency_s: float, no_stop_trim: bool = False) -> dict[str, Any]:
+             with_text: bool, latency_s: float, no_stop_trim: bool = False, *, partial_text: str | None = None,
+             token_texts: list[str | None] | None = None) -> dict[str, Any]:
+        """One output in SGLang's shape. A streamed chunk before the last passes the text decoded so far
+        (``partial_text``: whole characters only) and the token texts, instead of decoding it all again."""
         if c.finish_reason is None:  # a streamed chunk before the sample's last
             reason: dict[str, Any] | None = None
         elif c.finish_reason == "stop":
@@ -278,12 +281,14 @@ class _Server:
             "weight_versions": _spans(c.versions), "e2e_latency": latency_s,
         }
         if return_logprob:
-            texts = [self.tokenizer.decode([t]) for t in c.output_ids] if with_text and self.tokenizer is not None \
-                else [None] * len(c.output_ids)
+            texts = token_texts if token_texts is not None else [self.tokenizer.decode([t]) for t in c.output_ids] \
+                if with_text and self.tokenizer is not None else [None] * len(c.output_ids)
             meta["output_token_logprobs"] = [[lp, t, x] for lp, t, x in zip(c.logprobs, c.output_ids, texts)]
             meta["input_token_logprobs"] = []
         out: dict[str, Any] = {"output_ids": c.output_ids, "meta_info": meta}
-        if self.tokenizer is not None:
+        if partial_text is not None:
+            out = {"text": partial_text, **out}
+        elif self.tokenizer is not None:
             # SGLang's detokenizer (trim_matched_stop) leaves the matched stop token out of the text
             shown = c.output_ids[:-1] if c.finish_reason == "stop" and not no_stop_trim else c.output_ids
             out = {"text": self.tokenizer.decode(shown), **out}
@@ -317,18 +322,21 @@ class _Server:
         sample per read (``stream_interval_steps``) holding the sample's whole output so far (not
         incremental), ``finish_reason`` null until its last chunk, ``index`` (the output's position,
         prompt-major) when there is more than one output, then ``data: [DONE]``."""
+        logprob, text = (_per_prompt(body, key, len(reqs)) for key in ("return_logprob", "return_text_in_logprobs"))
         streams: list[AsyncIterator[StreamDelta]] = []
         try:
             for r in reqs:  # each is checked and queued now: a bad one is a 400 before any header is sent
                 streams.append(self.engine.generate_stream(r))
         except (ValueError, RuntimeError) as exc:
-            for r in reqs[: len(streams)]:
-                await self.engine.abort(r.request_id)
+            for st in streams:
+                await st.aclose()  # aborts it
             return error_response(400 if isinstance(exc, ValueError) else 503, str(exc))
-        logprob, text = (_per_prompt(body, key, len(reqs)) for key in ("return_logprob", "return_text_in_logprobs"))
         many = len(reqs) > 1 or any(r.sampling.n > 1 for r in reqs)
         so_far = [[Completion(output_ids=[], logprobs=[], finish_reason=None, versions=[]) for _ in range(r.sampling.n)]
                   for r in reqs]
+        decode = self.tokenizer.decode if self.tokenizer is not None else None
+        texts = [[IncrementalText(decode) if decode else None for _ in range(r.sampling.n)] for r in reqs]
+        token_texts: list[list[list[str | None]]] = [[[] for _ in range(r.sampling.n)] for r in reqs]
         t0, merged = time.perf_counter(), Merged(streams)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         try:
@@ -341,6 +349,7 @@ class _Server:
                     break
                 except Exception as exc:  # the engine failed or timed out: said in the stream, as SGLang does
                     await sse(resp, {"error": {"message": f"{type(exc).__name__}: {exc}"}})
+                    await resp.write(b"data: [DONE]\n\n")
                     break
                 if got is None:
                     if request.transport is None or request.transport.is_closing():
@@ -352,10 +361,16 @@ class _Server:
                 c.logprobs += delta.logprobs
                 c.versions += delta.versions
                 c.finish_reason = delta.finish_reason
+                inc, tt = texts[i][delta.index], token_texts[i][delta.index]
+                if inc is not None:  # this chunk costs its own tokens' decoding, not the whole output's
+                    inc.extend(delta.output_ids)
+                    if logprob[i] and text[i]:
+                        tt += [decode([t]) for t in delta.output_ids]
                 res = GenerateResult(request_id=reqs[i].request_id, prompt_tokens=len(reqs[i].input_ids),
                                      completions=so_far[i])
                 out = self._out(res, delta.index, c, reqs[i].sampling, logprob[i], text[i], time.perf_counter() - t0,
-                                no_trim[i])
+                                no_trim[i], partial_text=None if inc is None or c.finish_reason else inc.text,
+                                token_texts=tt if inc is not None and text[i] else None)
                 if many:
                     out["index"] = sum(r.sampling.n for r in reqs[:i]) + delta.index
                 await sse(resp, out)

@@ -8,7 +8,13 @@ made only while some stream is open) and queues them as ``StreamDelta``s. A samp
 ``Completion`` and its finish reason, so the deltas of a sample always add up to its completion.
 
 Under lagged stop checks (CUDA) a row's newest token may still turn out to follow a stop token;
-it is sent one step later, once confirmed (``RunningBatch.unconfirmed_tokens``).
+it is sent one step later, once confirmed (``RunningBatch.unconfirmed_tokens``). Each read waits for
+the step just launched, so while a stream is open the host no longer runs ahead of the GPU on
+reading steps: raise ``stream_interval_steps`` where throughput matters more than latency.
+
+``IncrementalText`` turns growing token ids into text a few tokens at a time (as SGLang's and
+vLLM's detokenizers do), holding back a character whose bytes are not all there yet; the servers
+use it so that a chunk costs what its new tokens cost, not the whole output's.
 
 Simplifications, on purpose: deltas are cut at step boundaries (no per-token timing); text is the
 server's business (``serve.py``, ``openai_api.py``).
@@ -43,6 +49,9 @@ class Streams:
     def __bool__(self) -> bool:
         return bool(self._open)
 
+    def __contains__(self, owner: Any) -> bool:
+        return owner in self._open
+
     def open(self, owner: Any, n: int) -> asyncio.Queue:
         stream = self._open[owner] = _Stream(n)
         return stream.queue
@@ -66,12 +75,15 @@ class Streams:
                 spans.append((seq, stream, stream.sent[seq.index], upto))
         if not rows:
             return
-        lo, hi = min(s[2] for s in spans), max(s[3] for s in spans)
-        idx = torch.tensor(rows, device=batch.out_tok.device)
-        toks = batch.out_tok[idx, lo:hi].tolist()  # host sync on CUDA: only while a stream is open
-        lps = batch.out_lp[idx, lo:hi].tolist()
+        # each row's own window [sent, upto), padded to the widest (rows differ in progress)
+        dev, width, cap = batch.out_tok.device, max(b - a for _, _, a, b in spans), batch.out_tok.shape[1]
+        idx = torch.tensor(rows, device=dev)[:, None]
+        cols = (torch.tensor([a for _, _, a, _ in spans], device=dev)[:, None] + torch.arange(width, device=dev))
+        cols = cols.clamp_(max=cap - 1)
+        toks = batch.out_tok[idx, cols].tolist()  # host sync on CUDA: only while a stream is open
+        lps = batch.out_lp[idx, cols].tolist()
         for (seq, stream, a, b), tk, lp in zip(spans, toks, lps):
-            stream.queue.put_nowait(StreamDelta(index=seq.index, output_ids=tk[a - lo: b - lo], logprobs=lp[a - lo: b - lo],
+            stream.queue.put_nowait(StreamDelta(index=seq.index, output_ids=tk[: b - a], logprobs=lp[: b - a],
                                                 versions=seq.versions(b)[a:]))
             stream.sent[seq.index] = b
 
@@ -104,12 +116,51 @@ class Streams:
             stream.queue.put_nowait(exc)
 
 
+class DeltaStream:
+    """What ``TorchEngine.generate_stream`` returns: an async iterator of one request's deltas whose
+    ``aclose`` aborts the request if it still runs, whether or not reading had started."""
+
+    def __init__(self, deltas: Any, on_close: Any):
+        self._deltas, self._on_close = deltas, on_close
+
+    def __aiter__(self) -> "DeltaStream":
+        return self
+
+    async def __anext__(self) -> StreamDelta:
+        return await self._deltas.__anext__()
+
+    async def aclose(self) -> None:
+        await self._deltas.aclose()
+        self._on_close()
+
+
+class IncrementalText:
+    """The text of a growing list of token ids, decoded over a window of the last few tokens."""
+
+    def __init__(self, decode: Any):
+        self.decode, self.ids, self.text = decode, [], ""
+        self._prefix = self._read = 0  # ids[_prefix:_read] decoded to the end of ``text`` last time
+
+    def extend(self, ids: list[int]) -> str:
+        """Add ``ids``; returns the new whole characters (possibly none yet), appended to ``text``."""
+        self.ids += ids
+        before = self.decode(self.ids[self._prefix:self._read])
+        now = self.decode(self.ids[self._prefix:])
+        if len(now) <= len(before) or now.endswith("\ufffd"):  # nothing new, or half a character
+            return ""
+        new = now[len(before):]
+        self.text += new
+        self._prefix, self._read = self._read, len(self.ids)
+        return new
+
+
 class Merged:
     """Several ``generate_stream`` iterators read as one, for servers: ``(stream index, delta)`` items
     in arrival order. ``close`` (always call it) cancels the readers, which aborts what still runs."""
 
     def __init__(self, streams: list[Any]):
         self._queue: asyncio.Queue = asyncio.Queue()
+        self._streams = streams
         self._tasks = [asyncio.ensure_future(self._pump(i, s)) for i, s in enumerate(streams)]
         self.left = len(streams)
 
@@ -139,6 +190,8 @@ class Merged:
         raise StopAsyncIteration
 
     async def close(self) -> None:
+        """Stop reading; every stream is closed, which aborts its request if it still runs."""
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*(s.aclose() for s in self._streams), return_exceptions=True)

@@ -51,7 +51,7 @@ from meshrl.engines.layout import ModelSpec
 from meshrl.engines.model import Transformer
 from meshrl.engines import schedule
 from meshrl.engines.schedule import ScheduleChannel
-from meshrl.engines.streaming import Streams
+from meshrl.engines.streaming import DeltaStream, Streams
 from meshrl.engines.tp import TensorParallel
 from meshrl.engines.types import Completion, GenerateRequest, GenerateResult, PauseMode, SamplingParams, StreamDelta
 from meshrl.engines.weights import (StagedWeights, eos_token_ids, iter_safetensors, load_all, load_hf_config,
@@ -90,7 +90,8 @@ class TorchEngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     generate_timeout_s: float = 3600.0
     """How long one ``generate`` call may wait for its requests before aborting them."""
     stream_interval_steps: int = 1
-    """``generate_stream``: decode steps between two reads of the streamed samples' new tokens."""
+    """``generate_stream``: decode steps between two reads of the streamed samples' new tokens (on
+    CUDA each read waits for its step: raise it where throughput matters more than latency)."""
     contiguous_weights: bool = False
     """Hold every parameter in one allocation, so ``release_memory(weights=True)`` frees it at once and
     ``restore_memory`` gets it back, most often at the same address (set by the colocated mode)."""
@@ -332,10 +333,17 @@ class TorchEngine:
         iteration ends when every sample has ended. Call it on the engine's event loop: the request is
         checked and queued at once (a bad one raises here, not at the first ``__anext__``).
 
-        Waits at most ``generate_timeout_s`` in all; leaving the iteration early (``break``, or a
-        cancelled reader: close it with ``contextlib.aclosing``) aborts the request."""
+        Waits at most ``generate_timeout_s`` in all. Closing the iterator (``aclose``; ``async with
+        contextlib.aclosing(engine.generate_stream(r)) as s`` closes it after a ``break`` too) aborts
+        the request if it still runs, read or not."""
         [p] = self._submit([request], "generate_stream")
-        return self._deltas(p, self._streams.open(p, request.sampling.n))
+
+        def close() -> None:
+            self._streams.close(p)
+            if self._requests.get(p.rid) is p:
+                self._abort(p.rid, "generate_stream was closed")
+
+        return DeltaStream(self._deltas(p, self._streams.open(p, request.sampling.n)), close)
 
     async def _deltas(self, p: _Pending, queue: asyncio.Queue) -> AsyncIterator[StreamDelta]:
         loop = asyncio.get_running_loop()
@@ -422,6 +430,8 @@ class TorchEngine:
                 for p in list(self._requests.values()):
                     if not p.future.done():
                         p.future.set_exception(err)
+                        if p in self._streams:
+                            p.future.exception()  # its reader gets err from the stream: nobody awaits this
                 self._streams.fail(err)
                 self._drop_all()
                 if self._broken is not None:
