@@ -165,3 +165,16 @@ def test_sizes_that_could_never_fill_a_batch_are_refused():
             load_config(PipelineConfig, None, base + extra).validate()
     # with one version of slack, 6-sample requests do cover every version
     load_config(PipelineConfig, None, base + ["queue.max_staleness=1", "rollout.prompts_per_request=3"]).validate()
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["rollout.tp_size=2", "placement=colocated"], "`rollout.tp_size`: placement=colocated"),
+    (["rollout.tp_size=2", "reshard.apply=in_place"], "`reshard.apply`: tensor-parallel engines"),
+    (["rollout.tp_size=3"], r"`rollout.tp_size`: the model's \{'num_attention_heads': 4, 'num_key_value_heads': 2, "
+                            r"'intermediate_size': 512\} do not split over tp_size=3"),
+    (["rollout.tp_size=0"], "rollout.tp_size must be >= 1"),
+])  # fmt: skip
+def test_tensor_parallel_rollouts_are_checked_at_start(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(PipelineConfig, None, overrides).validate()
+    load_config(PipelineConfig, None, ["rollout.tp_size=2"]).validate()  # the embedded model splits over 2

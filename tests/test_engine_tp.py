@@ -176,14 +176,14 @@ async def _follow(engine: TorchEngine, path: str) -> dict:
         except RuntimeError as e:
             refused.append("follows rank 0's schedule" in str(e))
     follow = asyncio.ensure_future(engine.follow())
-    await engine.update_weights(_version_state(path, 1).items(), version=1)  # staged now, live at rank 0's flip
-    version_after_stage = engine.version
-    while engine.version < 1 and not follow.done():
-        await asyncio.sleep(0.01)
+    await engine.begin_weight_update()
+    await engine.load_weights(_version_state(path, 1).items())
+    staged_at = engine.version
+    await engine.end_weight_update(1)  # returns once rank 0 flipped to 1 (it is staged meanwhile)
     await asyncio.sleep(1.0)  # rank 0 flips to 2 first: this rank's flip waits for its own end
     await engine.update_weights(_version_state(path, 2).items(), version=2)
     await follow
-    return {"refused": refused, "version_after_stage": version_after_stage, "version": engine.version}
+    return {"refused": refused, "version_after_stage": staged_at, "version": engine.version}
 
 
 def _leader_rank_main(rank: int, path: str, port: int, out_dir: str) -> None:

@@ -28,7 +28,7 @@ from meshrl.tasks import PromptStream, build_task
 
 OVERRIDES = [
     "model.embedded.hidden_size=32", "model.embedded.num_hidden_layers=2", "model.embedded.intermediate_size=64",
-    "model.embedded.num_attention_heads=2", "model.embedded.num_key_value_heads=1",
+    "model.embedded.num_attention_heads=2", "model.embedded.num_key_value_heads=2",
     "warmstart.max_steps=40", "warmstart.target_accuracy=null", "warmstart.batch_size=32", "warmstart.lr=3e-3",
     "task.digits=1", "task.num_test=16", "queue.max_staleness=0", "trainer.samples_per_step=16",
     "rollout.prompts_per_request=4", "rollout.requests_in_flight=2", "rollout.max_new_tokens=4",
@@ -65,10 +65,16 @@ def synchronous_reference(cfg: PipelineConfig, model_dir: str) -> tuple[list[dic
 
 
 @pytest.mark.slow
-def test_async_pipeline_at_staleness_zero_equals_synchronous_training(ray_cluster, tmp_path):
+@pytest.mark.parametrize("tp,transport", [(1, "distributed"), (2, "distributed"), (2, "object_store")])
+def test_async_pipeline_at_staleness_zero_equals_synchronous_training(ray_cluster, tmp_path, capsys, tp, transport):
+    """``tp=2``: each engine replica is two tensor-parallel actors (leader-driven), and the weight pushes
+    reach both shards (each its own slices, or both the whole tensors); the run must still be the
+    synchronous one on a single unsharded engine."""
     cfg = load_config(PipelineConfig, None, [*OVERRIDES, f"warmstart.cache_dir={tmp_path / 'cache'}",
-                                             f"run.output_dir={tmp_path / 'run'}"])  # fmt: skip
+                                             f"run.output_dir={tmp_path / 'run'}", f"rollout.tp_size={tp}",
+                                             f"reshard.transport={transport}"])  # fmt: skip
     summary = asyncio.run(Pipeline(cfg).run())
+    assert ("x2 tensor-parallel ranks each" in capsys.readouterr().out) == (tp == 2)
     model_dir = str(warm_start(cfg.model.embedded, build_task(cfg.task), cfg.warmstart, log=lambda _: None))
 
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

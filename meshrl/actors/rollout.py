@@ -7,10 +7,17 @@ show exactly where the weights changed. The ``reshard_*`` endpoints are the engi
 flip atomically); the engine keeps generating on the old version while they arrive.
 With an environment (``meshrl.envs``), ``run_episodes`` plays multi-turn episodes on the same
 engine: every policy turn is a generate call, so turns of all episodes batch together.
+
+With ``rollout.tp_size = T > 1`` the rollout mesh has dims ``{procs: num_workers, tp: T}``: each
+replica is T actors (one GPU each on CUDA) joined in one process group (``init_torch_distributed``)
+whose DeviceMesh's ``tp`` axis shards the engine (``engines/tp.py``), leader-driven: the controller
+sends generation calls to ``tp = 0`` only (``start_tp``: the others follow its schedule), while
+weight pushes reach every rank, each receiving its own shard and going live at rank 0's flip.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Sequence
 
 import msgspec
@@ -30,7 +37,10 @@ class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Generation: engines, sampling, and how much work is in flight."""
 
     num_workers: int = 1
-    """Rollout workers, one engine each."""
+    """Rollout workers, one engine replica each."""
+    tp_size: int = 1
+    """Tensor-parallel ranks per engine replica, one process (and GPU) each, for models larger than one
+    device: num_workers x tp_size processes in all."""
     max_new_tokens: int = 8
     """Completion length limit, in tokens (EOS included)."""
     temperature: float = 1.0
@@ -49,7 +59,7 @@ class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Limits of environment episodes (only with an environment); max_new_tokens bounds each turn."""
 
     def __post_init__(self) -> None:
-        for name in ("num_workers", "max_new_tokens", "prompts_per_request", "requests_in_flight", "threads"):
+        for name in ("num_workers", "tp_size", "max_new_tokens", "prompts_per_request", "requests_in_flight", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
         if not (self.temperature == 0 or self.temperature >= GREEDY_TEMPERATURE):
@@ -66,12 +76,15 @@ class RolloutWorker(Actor):
     """Owns a ``TorchEngine`` loaded from a Hugging Face checkpoint directory (and, to play
     episodes, an environment factory and the checkpoint's tokenizer)."""
 
-    def __init__(self, model_path: str, engine: TorchEngineConfig, threads: int = 1, *,
-                 environment: EnvFactory | None = None, episode: EpisodeConfig = EpisodeConfig()) -> None:  # fmt: skip
+    def __init__(self, model_path: str, engine: TorchEngineConfig, threads: int = 1, *, tp_size: int = 1,
+                 tp_timeout_s: float = 600.0, environment: EnvFactory | None = None,
+                 episode: EpisodeConfig = EpisodeConfig()) -> None:  # fmt: skip
         import torch
 
         torch.set_num_threads(threads)
-        self.engine = TorchEngine.from_pretrained(model_path, engine)
+        tp = _join_tp(tp_size, tp_timeout_s) if tp_size > 1 else None
+        self.engine = TorchEngine.from_pretrained(model_path, engine, tp=tp)
+        self._follow: Any = None
         self.reshard = DestSide(self.engine)
         self.environment, self.episode = environment, episode
         self.tokenizer = None
@@ -79,6 +92,17 @@ class RolloutWorker(Actor):
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+
+    @endpoint
+    async def start_tp(self) -> None:
+        """Tensor parallel: rank 0 starts its step loop (and heartbeats); the others follow its schedule
+        from now on, in a task of this actor's event loop (a failure there is logged, and rank 0's
+        next collective fails with the group's timeout)."""
+        if self.engine.tp.is_follower:
+            if self._follow is None or self._follow.done():
+                self._follow = asyncio.ensure_future(self.engine.follow())
+        else:
+            await self.engine.start()
 
     @endpoint
     async def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
@@ -134,3 +158,27 @@ class RolloutWorker(Actor):
     @endpoint
     async def reshard_disarm(self) -> None:
         await self.reshard.disarm()
+
+
+def _join_tp(tp_size: int, timeout_s: float) -> Any:
+    """This actor's place in its replica's TP group: the mesh-wide process group's ``tp`` axis, led by
+    ``tp = 0``; schedule messages go over gloo even when the all-reduces use NCCL."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from meshrl.engines.tp import TensorParallel
+    from meshrl.mesh import current_size, init_torch_distributed
+
+    sizes = current_size()
+    if sizes.get("tp") != tp_size:
+        raise ValueError(f"rollout.tp_size={tp_size} needs a rollout mesh with a 'tp' dim of that size, got {sizes}")
+    mesh = init_torch_distributed(timeout=timeout_s)
+    control = None
+    if dist.get_backend() == "nccl":  # every rank makes every replica's gloo group, in the same order
+        replicas, mine = mesh.mesh.reshape(-1, tp_size).tolist(), dist.get_rank()
+        for ranks in replicas:
+            group = dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+            if mine in ranks:
+                control = group
+    return TensorParallel.from_device_mesh(mesh, "tp", leader_driven=True, control_group=control)

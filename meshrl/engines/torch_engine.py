@@ -618,7 +618,8 @@ class TorchEngine:
         self._stage.add(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
 
     async def end_weight_update(self, version: int) -> None:
-        """Make everything staged visible at once, between two steps, as policy ``version``."""
+        """Make everything staged visible at once, between two steps, as policy ``version`` (on a
+        leader-driven TP follower: at rank 0's flip to it, which this waits for)."""
         if self._stage is None:
             raise RuntimeError("end_weight_update without begin_weight_update")
         version = _version_number(version)  # before anything is applied: a bad one leaves the stage open
@@ -626,6 +627,16 @@ class TorchEngine:
         if self.tp.is_follower:  # goes live when rank 0's flip to `version` reaches this rank (_flip_sealed)
             self._sealed = (stage, version)
             self._sealed_event.set()
+            while self._version != version:  # returns once live, as on rank 0 (callers check the version)
+                self._flipped_event.clear()
+                try:
+                    await asyncio.wait_for(self._flipped_event.wait(), self.tp.flip_timeout_s)
+                except asyncio.TimeoutError:
+                    raise TimeoutError(f"end_weight_update on TP rank {self.tp.rank}: rank 0 did not flip to version "
+                                       f"{version} within {self.tp.flip_timeout_s:g} s (it stays staged here)") from None
+                if self._sealed is None and self._version != version:
+                    raise RuntimeError(f"end_weight_update on TP rank {self.tp.rank}: version {version} was dropped "
+                                       "(abort_weight_update) before rank 0 flipped to it")
             return
         stage.apply()
         self._set_version(version)

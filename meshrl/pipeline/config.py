@@ -199,6 +199,24 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
                               f"({need}): puts would wait for room only a train step frees; raise it")
 
     def _validate_placement(self) -> None:
+        tp = self.rollout.tp_size
+        if tp > 1 and self.placement == "colocated":
+            raise ConfigError(f"`rollout.tp_size`: placement=colocated holds one whole engine replica per trainer "
+                              f"rank; use placement=disaggregated for tp_size={tp}")
+        if tp > 1:
+            if self.model.path is not None:
+                spec = ModelSpec.from_hf_config(load_hf_config(str(self.model.path)))
+                sizes = {"num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads,
+                         "intermediate_size": spec.intermediate_size}
+            else:
+                e = self.model.embedded
+                sizes = {k: getattr(e, k) for k in ("num_attention_heads", "num_key_value_heads", "intermediate_size")}
+            bad = {k: v for k, v in sizes.items() if v % tp}
+            if bad:
+                raise ConfigError(f"`rollout.tp_size`: the model's {bad} do not split over tp_size={tp} ranks")
+        if tp > 1 and self.reshard.apply != "staged":
+            raise ConfigError(f"`reshard.apply`: tensor-parallel engines (rollout.tp_size={tp}) take staged updates "
+                              f"only (each rank goes live at rank 0's flip), got {self.reshard.apply}")
         if self.placement != "colocated":
             if self.colocated.release_weights:
                 raise ConfigError("`colocated.release_weights`: only applies with placement=colocated")

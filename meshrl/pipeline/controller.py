@@ -207,9 +207,11 @@ class Pipeline:
                 **({"environment": env, "episode": cfg.rollout.episode} if env else {}),
             )  # fmt: skip
         else:
-            engine_gpus = int(cfg.rollout.engine.device.startswith("cuda"))  # one GPU per engine worker
+            engine_gpus = int(cfg.rollout.engine.device.startswith("cuda"))  # one GPU per engine rank
+            tp = cfg.rollout.tp_size
             rollouts = self._spawn("rollout", RolloutWorker, model_dir, cfg.rollout.engine, cfg.rollout.threads,
-                                   procs=cfg.rollout.num_workers, gpus_per_proc=engine_gpus,
+                                   dims={"procs": cfg.rollout.num_workers, **({"tp": tp} if tp > 1 else {})},
+                                   gpus_per_proc=engine_gpus, tp_size=tp, tp_timeout_s=cfg.run.step_timeout_s,
                                    **({"environment": env, "episode": cfg.rollout.episode} if env else {}))  # fmt: skip
         if callable(getattr(self.reward, "start", None)):  # a reward served by a mesh of its own
             await self.reward.start(self._spawn)
@@ -228,10 +230,14 @@ class Pipeline:
                                     tokens_per_microbatch=cfg.trainer.tokens_per_microbatch)  # fmt: skip
         meshes = [queue, rollouts, rewards] + ([trainer] if trainer is not rollouts else []) + ([reference] if reference else [])
         await asyncio.gather(*(m.ready().within(self.cfg.run.step_timeout_s) for m in meshes))
+        engines = rollouts  # every engine rank: weight pushes reach them all
+        if "tp" in rollouts.sizes:  # generation goes to each replica's rank 0; the others follow its schedule
+            await rollouts.start_tp.call().within(self.cfg.run.step_timeout_s)
+            rollouts = rollouts.slice(tp=0)
         if cfg.reshard.transport == "distributed" and cfg.placement != "colocated":  # colocated: in-place hand-over
             # once: a process group over every trainer and engine rank, and the cached transfer plan
-            await reshard_meshes.connect(trainer, rollouts, cfg.reshard)
-        return Roles(queue, rollouts, rewards, trainer, reference)
+            await reshard_meshes.connect(trainer, engines, cfg.reshard)
+        return Roles(queue, rollouts, rewards, trainer, reference, engines=engines)
 
     def _echo(self, line: str) -> None:
         if self.log is not None:
@@ -276,7 +282,8 @@ class Pipeline:
                        f"{later[-1].name}) belong to an earlier run: kept until this run writes those steps again; "
                        "run.resume=latest follows this run")
         reference = cfg.algo.kl_coef > 0 and not cfg.trainer.reference_in_trainer
-        self._echo(f"starting roles: queue, {cfg.rollout.num_workers} rollout, {cfg.reward.num_workers} reward, "
+        tp = f" (x{cfg.rollout.tp_size} tensor-parallel ranks each)" if cfg.rollout.tp_size > 1 else ""
+        self._echo(f"starting roles: queue, {cfg.rollout.num_workers} rollout{tp}, {cfg.reward.num_workers} reward, "
                    f"trainer (dp={cfg.trainer.dp})" + (", reference" if reference else ""))  # fmt: skip
         self.log = log = RunLog(self.out_dir, cfg.run.total_steps, progress=cfg.run.progress)
         for rec in ckpt.read_records(resume_from) if resume_from is not None else []:

@@ -50,9 +50,16 @@ class Roles:
 
     queue: ActorMesh
     rollouts: ActorMesh
+    """The engines that take generation calls (with tensor parallelism: each replica's rank 0)."""
     rewards: ActorMesh
     trainer: ActorMesh
     reference: ActorMesh | None
+    engines: ActorMesh | None = None
+    """Every engine rank, for weight pushes; None: ``rollouts``."""
+
+    def __post_init__(self) -> None:
+        if self.engines is None:
+            self.engines = self.rollouts
 
 
 class RolloutDriver:

@@ -82,7 +82,7 @@ class TrainLoop:
             if self._armed is not None:  # a step failed between arming and its push
                 self._armed.cancel()
                 with contextlib.suppress(Exception):
-                    await self.roles.rollouts.reshard_disarm.call().within(10)
+                    await self.roles.engines.reshard_disarm.call().within(10)
 
     async def _run(self) -> None:
         cfg, timeout, queue = self.cfg, self.cfg.run.step_timeout_s, self.roles.queue
@@ -158,7 +158,7 @@ class TrainLoop:
 
     async def _arm(self, version: int) -> None:
         await self.settle()  # the engines take one version at a time
-        await reshard_meshes.arm(self.roles.rollouts, version,
+        await reshard_meshes.arm(self.roles.engines, version,
                                  timeout_s=self.cfg.run.step_timeout_s + self.cfg.reshard.timeout_s)
 
     async def settle(self) -> None:
@@ -184,7 +184,7 @@ class TrainLoop:
         tell the queue (``set_version``), once every engine serves it: admission assumes that new
         reservations generate on ``version`` or later, so publishing before a detached flip lands
         would let a batch start on ``version - 1`` and miss the staleness bound by one."""
-        timeout, trainer, rollouts = self.cfg.run.step_timeout_s, self.roles.trainer, self.roles.rollouts
+        timeout, trainer, rollouts = self.cfg.run.step_timeout_s, self.roles.trainer, self.roles.engines
         if self.cfg.reshard.transport == "distributed":
             if self._armed is not None:
                 armed, self._armed = self._armed, None
