@@ -74,7 +74,7 @@ def test_async_pipeline_at_staleness_zero_equals_synchronous_training(ray_cluste
                                              f"run.output_dir={tmp_path / 'run'}", f"rollout.tp_size={tp}",
                                              f"reshard.transport={transport}"])  # fmt: skip
     summary = asyncio.run(Pipeline(cfg).run())
-    assert ("x2 tensor-parallel ranks each" in capsys.readouterr().out) == (tp == 2)
+    assert ("x 2 tensor-parallel ranks, as the engines report" in capsys.readouterr().out) == (tp == 2)
     model_dir = str(warm_start(cfg.model.embedded, build_task(cfg.task), cfg.warmstart, log=lambda _: None))
 
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -94,15 +94,20 @@ class RolloutWorker(Actor):
             self.tokenizer = AutoTokenizer.from_pretrained(model_path)
 
     @endpoint
-    async def start_tp(self) -> None:
+    async def start_tp(self) -> tuple[int, int]:
         """Tensor parallel: rank 0 starts its step loop (and heartbeats); the others follow its schedule
-        from now on, in a task of this actor's event loop (a failure there is logged, and rank 0's
-        next collective fails with the group's timeout)."""
+        from now on, in a task of this actor's event loop. Returns this engine's (tp rank, tp size).
+
+        A follower whose ``follow`` ends for any reason but rank 0's stop prints why and ends its
+        process: its peers then see the connection close at once (a silent follower would leave
+        rank 0 waiting in its next collective for the group's whole timeout)."""
         if self.engine.tp.is_follower:
             if self._follow is None or self._follow.done():
                 self._follow = asyncio.ensure_future(self.engine.follow())
+                self._follow.add_done_callback(_exit_unless_stopped)
         else:
             await self.engine.start()
+        return self.engine.tp.rank, self.engine.tp.size
 
     @endpoint
     async def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
@@ -160,6 +165,19 @@ class RolloutWorker(Actor):
         await self.reshard.disarm()
 
 
+def _exit_unless_stopped(task: asyncio.Task) -> None:
+    if task.cancelled() or task.exception() is None:
+        return  # rank 0 stopped it (or the actor is going away)
+    import os
+    import sys
+    import traceback
+
+    print(f"TP follower {current_rank()}: following rank 0 failed; ending this process:", file=sys.stderr, flush=True)
+    traceback.print_exception(task.exception())
+    sys.stderr.flush()
+    os._exit(1)
+
+
 def _join_tp(tp_size: int, timeout_s: float) -> Any:
     """This actor's place in its replica's TP group: the mesh-wide process group's ``tp`` axis, led by
     ``tp = 0``; schedule messages go over gloo even when the all-reduces use NCCL."""
@@ -181,4 +199,6 @@ def _join_tp(tp_size: int, timeout_s: float) -> Any:
             group = dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
             if mine in ranks:
                 control = group
-    return TensorParallel.from_device_mesh(mesh, "tp", leader_driven=True, control_group=control)
+    # a follower may take up to most of the group's timeout to end its part of a push
+    return TensorParallel.from_device_mesh(mesh, "tp", leader_driven=True, control_group=control,
+                                           flip_timeout_s=0.9 * timeout_s)

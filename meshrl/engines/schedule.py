@@ -89,7 +89,11 @@ class ScheduleChannel:
 
 
 async def follow(engine: Any) -> None:
-    """Run rank 0's schedule on a follower ``TorchEngine`` until rank 0 shuts down (or a step fails)."""
+    """Run rank 0's schedule on a follower ``TorchEngine`` until rank 0 shuts down.
+
+    A failed step drops what this rank runs and goes on, as rank 0 does (its ``drop`` follows); only
+    a broken channel (no message within the group's timeout) or a schedule this rank cannot apply
+    ends it, with the error."""
     loop = asyncio.get_running_loop()
     engine._loop = loop
     try:
@@ -101,7 +105,12 @@ async def follow(engine: Any) -> None:
                 engine.abort_all()
                 return
             if step:
-                engine.step()
+                try:
+                    engine.step()
+                except Exception as exc:  # the same step most likely failed on rank 0: it drops its requests too
+                    print(f"TP rank {engine.tp.rank}: step failed ({type(exc).__name__}: {exc}); its requests are "
+                          "dropped, following on", file=sys.stderr, flush=True)
+                    engine._drop_all()
     except BaseException:
         engine._drop_all()
         raise

@@ -232,7 +232,13 @@ class Pipeline:
         await asyncio.gather(*(m.ready().within(self.cfg.run.step_timeout_s) for m in meshes))
         engines = rollouts  # every engine rank: weight pushes reach them all
         if "tp" in rollouts.sizes:  # generation goes to each replica's rank 0; the others follow its schedule
-            await rollouts.start_tp.call().within(self.cfg.run.step_timeout_s)
+            started = await rollouts.start_tp.call().within(self.cfg.run.step_timeout_s)
+            places = [tuple(p) for p in started.values()]
+            want = [(j, cfg.rollout.tp_size) for _ in range(cfg.rollout.num_workers) for j in range(cfg.rollout.tp_size)]
+            if places != want:
+                raise RuntimeError(f"the engine ranks report (tp rank, tp size) {places}, expected {want}")
+            self._echo(f"engines: {cfg.rollout.num_workers} replica(s) x {cfg.rollout.tp_size} tensor-parallel ranks, "
+                       "as the engines report")
             rollouts = rollouts.slice(tp=0)
         if cfg.reshard.transport == "distributed" and cfg.placement != "colocated":  # colocated: in-place hand-over
             # once: a process group over every trainer and engine rank, and the cached transfer plan
