@@ -693,7 +693,8 @@ def _follower_main(index: int, a: argparse.Namespace, rendezvous: int) -> None:
         traceback.print_exc()  # (the spawn wrapper keeps it in a file nobody reads)
         raise
     finally:
-        if dist.is_initialized():
+        if dist.is_initialized() and dist.get_backend() != "nccl":
+            # (NCCL: destroying a group whose kernels CUDA graphs captured can hang; the exit frees it)
             dist.destroy_process_group()
 
 
