@@ -16,7 +16,7 @@ from meshrl.engines import GenerateRequest, SamplingParams, TorchEngine, TorchEn
 from meshrl.engines.layout import EngineLayout, ModelSpec
 from meshrl.mesh.distributed import free_port
 from processes import run_processes
-from serving import start_server, stop, wait_healthy
+from serving import start_server, wait_healthy
 
 torch.set_num_threads(1)
 

@@ -105,7 +105,6 @@ def test_ctrl_c_stops_cleanly_with_a_checkpoint_to_resume(tmp_path):
     nothing: with checkpoint_every=0, run.resume=latest then started over)."""
     import signal
     import threading
-    import time
 
     env = {**os.environ, "MESHRL_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled",
            "PYTHONUNBUFFERED": "1"}

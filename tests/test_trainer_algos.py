@@ -8,7 +8,6 @@ does what docs/algorithms.md and the config docs say once it goes through ``Poli
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch

@@ -11,9 +11,10 @@ The distributed weight-update endpoints (``/init_weights_update_group``, ``/begi
 so are OpenAI's ``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models`` (``openai_api.py``:
 token ids and behaviour log-probs in every answer, so meshrl can train on agent-driven rollouts).
 
-``--tp N`` runs N processes, one TP rank each (``schedule.py``): this one serves HTTP and the others
-follow its schedule; the distributed weight-update endpoints and the memory endpoints are then
-refused, and ``/update_weights_from_disk`` (each rank reads its shard) is how weights change.
+``--tp N`` runs N processes, one TP rank each (``serve_cli.py``, ``schedule.py``): this one serves
+HTTP and the others follow its schedule; the distributed weight-update endpoints and the memory
+endpoints are then refused, and ``/update_weights_from_disk`` (each rank reads its shard) is how
+weights change.
 
 ``stream: true`` answers with server-sent events as SGLang does by default: each chunk holds one
 sample's whole output so far (``finish_reason`` null until its last chunk, ``index`` when there
@@ -31,11 +32,9 @@ with ``--enable-memory-saver``), and ``/resume_memory_occupation`` brings everyt
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
-import sys
 import time
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
@@ -43,7 +42,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 from aiohttp import web
 
 from meshrl.engines.streaming import IncrementalText, Merged
-from meshrl.engines.torch_engine import TorchEngine, TorchEngineConfig
+from meshrl.engines.torch_engine import TorchEngine
 from meshrl.engines.types import Completion, GenerateRequest, GenerateResult, SamplingParams, StreamDelta
 
 _DISCONNECT_POLL_S = 0.5
@@ -557,145 +556,11 @@ def load_hf_tokenizer(path: str | None) -> Any:
 
     return AutoTokenizer.from_pretrained(path)
 
-
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="Serve a local HF checkpoint with TorchEngine over SGLang's (and OpenAI's) HTTP API.")
-    p.add_argument("--model", required=True, help="checkpoint directory (config.json + *.safetensors)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--max-batch-size", type=int, default=256)
-    p.add_argument("--max-seq-len", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-cuda-graphs", action="store_true")
-    p.add_argument("--enable-memory-saver", action="store_true",
-                   help="keep the weights in one buffer, so /release_memory_occupation can free them too")
-    p.add_argument("--compat-version", default=SGLANG_COMPAT_VERSION,
-                   help="SGLang release whose HTTP surface to show (weight-update branches differ by version)")
-    p.add_argument("--tp", type=int, default=1,
-                   help="tensor-parallel ranks: one process each (GPU i on CUDA); this one serves, the others "
-                        "follow its schedule")
-    p.add_argument("--tp-timeout-s", type=float, default=600.0,
-                   help="timeout of the TP ranks' collectives (start-up rendezvous included)")
-    a = p.parse_args(argv)
-    if a.tp < 1:
-        p.error(f"--tp must be >= 1, got {a.tp}")
-    if a.tp > 1 and a.device not in ("auto", "cpu", "cuda"):
-        p.error(f"--tp {a.tp} places rank i on cuda:i: give --device auto, cuda or cpu, not {a.device!r}")
-    if a.tp > 1 and a.enable_memory_saver:
-        p.error("--enable-memory-saver is not supported with --tp > 1")
-    import torch
+    """``python -m meshrl.engines.serve``: parse the command line and serve (``serve_cli.py``)."""
+    from meshrl.engines.serve_cli import main as run
 
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    followers, watch, stopped_in_order = None, None, False
-    if a.tp > 1:
-        import torch.multiprocessing as mp
-
-        from meshrl.mesh.distributed import free_port
-
-        rendezvous = free_port()
-        followers = mp.start_processes(_follower_main, args=(a, rendezvous), nprocs=a.tp - 1, start_method="spawn",
-                                       join=False, daemon=True)
-        watch = _FollowerWatch(followers.processes)
-    try:
-        engine = _engine(a, rank=0, rendezvous=rendezvous) if followers is not None else _engine(a)
-        app = make_app(engine, tokenizer=load_tokenizer(a.model), compat_version=a.compat_version,
-                       server_args={"host": a.host, "port": a.port, "model_path": a.model})
-        if watch is not None:
-            watch.serving = True
-        web.run_app(app, host=a.host, port=a.port, print=lambda msg: print(msg, flush=True))
-        stopped_in_order = True  # engine.shutdown (on_shutdown) told the followers to stop
-    finally:
-        if followers is not None:
-            watch.stopping = True
-            deadline = time.monotonic() + (30 if stopped_in_order else 0)
-            while not all(p.exitcode is not None for p in followers.processes) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            for proc in followers.processes:
-                if proc.is_alive():
-                    proc.terminate()
-    if watch is not None and watch.failed:
-        raise SystemExit(f"stopped: {watch.failed}")
-
-
-class _FollowerWatch:
-    """``--tp``: watches the follower processes from a thread. One that fails stops the server (while
-    it starts: at once, as rank 0 would wait for it until the group's timeout)."""
-
-    def __init__(self, processes: list[Any]):
-        import threading
-
-        self.processes, self.serving, self.stopping, self.failed = processes, False, False, ""
-        threading.Thread(target=self._run, name="tp-follower-watch", daemon=True).start()
-
-    def _run(self) -> None:
-        import signal
-
-        while not self.stopping:
-            for rank, proc in enumerate(self.processes, start=1):
-                if proc.exitcode not in (None, 0) and not self.stopping:
-                    self.failed = f"TP rank {rank} exited with code {proc.exitcode} (its error is above)"
-                    print(f"{self.failed}: stopping the server", file=sys.stderr, flush=True)
-                    if self.serving:
-                        os.kill(os.getpid(), signal.SIGTERM)  # run_app's graceful exit
-                    else:
-                        for p in self.processes:
-                            if p.is_alive():
-                                p.terminate()
-                        os._exit(1)
-                    return
-            time.sleep(0.5)
-
-
-def _engine(a: argparse.Namespace, rank: int = 0, rendezvous: int = 0) -> TorchEngine:
-    """The engine of TP rank ``rank`` (``a.tp`` > 1: joins the other ranks over 127.0.0.1:``rendezvous``)."""
-    import datetime
-
-    import torch
-
-    device, tp = a.device, None
-    if a.tp > 1:
-        import torch.distributed as dist
-
-        from meshrl.engines.tp import TensorParallel
-
-        cuda = a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
-        if cuda:
-            torch.cuda.set_device(rank)
-            device = f"cuda:{rank}"
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{rendezvous}", rank=rank,
-                                world_size=a.tp, timeout=datetime.timedelta(seconds=a.tp_timeout_s))
-        # schedule messages over gloo: no device sync per step for them under NCCL
-        control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=a.tp_timeout_s)) if cuda else None
-        tp = TensorParallel(rank=rank, size=a.tp, group=dist.group.WORLD, leader_driven=True, control_group=control)
-    cfg = TorchEngineConfig(dtype=a.dtype, device=device, max_batch_size=a.max_batch_size,
-                            max_seq_len=a.max_seq_len, seed=a.seed, cuda_graphs=not a.no_cuda_graphs,
-                            contiguous_weights=a.enable_memory_saver)
-    return TorchEngine.from_pretrained(a.model, cfg, tp=tp)
-
-
-def _follower_main(index: int, a: argparse.Namespace, rendezvous: int) -> None:
-    """TP rank ``index + 1`` of ``--tp``: build its shard, then run rank 0's schedule until it stops."""
-    import signal
-    import traceback
-
-    import torch
-    import torch.distributed as dist
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every rank: rank 0 stops this one in order
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    try:
-        engine = _engine(a, rank=index + 1, rendezvous=rendezvous)
-        asyncio.run(engine.follow())
-    except BaseException:
-        print(f"TP rank {index + 1} failed:", file=sys.stderr, flush=True)
-        traceback.print_exc()  # (the spawn wrapper keeps it in a file nobody reads)
-        raise
-    finally:
-        if dist.is_initialized() and dist.get_backend() != "nccl":
-            # (NCCL: destroying a group whose kernels CUDA graphs captured can hang; the exit frees it)
-            dist.destroy_process_group()
+    run(argv)
 
 
 if __name__ == "__main__":

@@ -39,12 +39,14 @@ import collections
 import itertools
 import numbers
 import random
-from typing import Any, AsyncIterator, Callable, Iterable, Sequence
+from typing import Any, AsyncIterator, Iterable, Sequence
 
 import msgspec
 import torch
 
 from meshrl.engines.batch import RunningBatch
+from meshrl.engines.engine_config import _DTYPES, TorchEngineConfig
+from meshrl.engines.engine_weights import WeightUpdates
 from meshrl.engines.cuda_graphs import DecodeGraphs, default_bucket_sizes
 from meshrl.engines.kv_cache import KVCache
 from meshrl.engines.layout import ModelSpec
@@ -54,58 +56,7 @@ from meshrl.engines.schedule import ScheduleChannel
 from meshrl.engines.streaming import DeltaStream, Streams
 from meshrl.engines.tp import TensorParallel
 from meshrl.engines.types import Completion, GenerateRequest, GenerateResult, PauseMode, SamplingParams, StreamDelta
-from meshrl.engines.weights import (StagedWeights, eos_token_ids, iter_safetensors, load_all, load_hf_config,
-                                    stage_checkpoint)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class TorchEngineConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """How to build and run a TorchEngine."""
-
-    dtype: str = "auto"
-    """'float32', 'bfloat16', 'float16', or 'auto' (bfloat16 on CUDA, float32 on CPU)."""
-    device: str = "auto"
-    """'cpu', 'cuda', 'cuda:N', or 'auto' (CUDA when available)."""
-    max_batch_size: int = 256
-    """Most sequences (samples) running at once: the number of KV cache rows."""
-    kv_cache_bytes: int = 0
-    """Memory budget of the KV cache in bytes; caps the rows below max_batch_size. 0: no cap."""
-    max_seq_len: int = 0
-    """Prompt + generated tokens per sequence. 0: min(model's max_position_embeddings, 4096)."""
-    max_prefill_tokens: int = 16384
-    """Padded prompt tokens per prefill forward (at least one request is always admitted)."""
-    max_stop_token_ids: int = 8
-    """Most stop ids per request, EOS included (a fixed-width row of the stop table)."""
-    cuda_graphs: bool = True
-    """Capture decode steps in CUDA graphs (CUDA only; batches with top-k/top-p run eagerly)."""
-    cuda_graph_batch_sizes: tuple[int, ...] = ()
-    """Batch-size buckets to capture; (): 1, 2, 4, 8, then multiples of 16 up to max_batch_size."""
-    compile: bool = False
-    """torch.compile the decode step (with dynamic batch size; before graph capture when both)."""
-    seed: int = 0
-    """Seeds the per-request seeds of requests that bring none."""
-    initial_version: int = 0
-    """Policy version of the weights the engine starts with."""
-    generate_timeout_s: float = 3600.0
-    """How long one ``generate`` call may wait for its requests before aborting them."""
-    stream_interval_steps: int = 1
-    """``generate_stream``: decode steps between two reads of the streamed samples' new tokens (on
-    CUDA each read waits for its step: raise it where throughput matters more than latency)."""
-    contiguous_weights: bool = False
-    """Hold every parameter in one allocation, so ``release_memory(weights=True)`` frees it at once and
-    ``restore_memory`` gets it back, most often at the same address (set by the colocated mode)."""
-
-    def __post_init__(self) -> None:
-        if self.dtype not in ("auto", *_DTYPES):
-            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if self.max_batch_size < 1 or self.max_prefill_tokens < 1 or self.stream_interval_steps < 1:
-            raise ValueError(f"max_batch_size, max_prefill_tokens and stream_interval_steps must be >= 1, got "
-                             f"{self.max_batch_size}, {self.max_prefill_tokens} and {self.stream_interval_steps}")
-        if self.max_seq_len < 0 or self.kv_cache_bytes < 0:
-            raise ValueError(f"max_seq_len and kv_cache_bytes must be >= 0 (0: derived), got {self.max_seq_len} "
-                             f"and {self.kv_cache_bytes}")
-
+from meshrl.engines.weights import StagedWeights, eos_token_ids, iter_safetensors, load_all, load_hf_config
 
 class _Pending:
     """A request from submission until its result is delivered."""
@@ -118,14 +69,7 @@ class _Pending:
         self.remaining = request.sampling.n
 
 
-def _version_number(version: Any) -> int:
-    """A policy version as a Python int; anything else (None, "v1", 1.5, True) is refused by name."""
-    if isinstance(version, bool) or not isinstance(version, numbers.Integral):
-        raise ValueError(f"a policy version must be an integer, got {version!r}")
-    return int(version)
-
-
-class TorchEngine:
+class TorchEngine(WeightUpdates):
     """Continuous-batching generation over a ``Transformer``; implements the ``Engine`` protocol."""
 
     def __init__(self, hf_config: Any, weights: Iterable[tuple[str, torch.Tensor]],
@@ -590,134 +534,6 @@ class TorchEngine:
             self.cache.kv.zero_()
             self.cache.stale = False
         return recapture
-
-    # ---- weights ----------------------------------------------------------------------------
-
-    async def begin_weight_update(self) -> None:
-        """Start staging a new version; generation continues on the current weights meanwhile.
-
-        Refused while another update is staging (two writers, or a retry that did not call
-        ``abort_weight_update``): starting over would drop what was staged and publish a version
-        that is only partly written."""
-        if self._stage is not None:
-            raise RuntimeError("begin_weight_update: a weight update is already staging; end it (end_weight_update) "
-                               "or drop it (abort_weight_update) first")
-        while self._sealed is not None:  # a follower: the version before waits for rank 0's flip to it
-            self._flipped_event.clear()
-            try:
-                await asyncio.wait_for(self._flipped_event.wait(), self.tp.flip_timeout_s)
-            except asyncio.TimeoutError:
-                raise RuntimeError(f"begin_weight_update on TP rank {self.tp.rank}: version {self._sealed[1]} is still "
-                                   f"staged after {self.tp.flip_timeout_s:g} s, waiting for rank 0's flip to it") from None
-        self._stage = StagedWeights(self.model)
-
-    async def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Stage full, HF-named tensors (any subset, over several calls); invisible until the end."""
-        if self._stage is None:
-            raise RuntimeError("load_weights outside a weight update: call begin_weight_update first")
-        self._stage.add(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
-
-    async def end_weight_update(self, version: int) -> None:
-        """Make everything staged visible at once, between two steps, as policy ``version`` (on a
-        leader-driven TP follower: at rank 0's flip to it, which this waits for)."""
-        if self._stage is None:
-            raise RuntimeError("end_weight_update without begin_weight_update")
-        version = _version_number(version)  # before anything is applied: a bad one leaves the stage open
-        stage, self._stage = self._stage, None
-        if self.tp.is_follower:  # goes live when rank 0's flip to `version` reaches this rank (_flip_sealed)
-            self._sealed = (stage, version)
-            self._sealed_event.set()
-            while self._version != version:  # returns once live, as on rank 0 (callers check the version)
-                self._flipped_event.clear()
-                try:
-                    await asyncio.wait_for(self._flipped_event.wait(), self.tp.flip_timeout_s)
-                except asyncio.TimeoutError:
-                    raise TimeoutError(f"end_weight_update on TP rank {self.tp.rank}: rank 0 did not flip to version "
-                                       f"{version} within {self.tp.flip_timeout_s:g} s (it stays staged here)") from None
-                if self._sealed is None and self._version != version:
-                    raise RuntimeError(f"end_weight_update on TP rank {self.tp.rank}: version {version} was dropped "
-                                       "(abort_weight_update) before rank 0 flipped to it")
-            return
-        stage.apply()
-        self._set_version(version)
-        self._record(["flip", version])
-
-    def staged_params(self) -> dict[str, torch.Tensor]:
-        """Inside an update: staging copies of the local parameters (engine names) for writers that speak
-        the engine layout (``meshrl.reshard``), applied whole by ``end_weight_update``; fill every element."""
-        if self._stage is None:
-            raise RuntimeError("staged_params outside a weight update: call begin_weight_update first")
-        return self._stage.buffers()
-
-    def live_params(self) -> dict[str, torch.Tensor]:
-        """The parameters the steps read (engine names), for writers that fill them in place while the
-        engine is paused (``ReshardConfig.apply = "in_place"``); the caller sets the version after."""
-        self._no_in_place("live_params")
-        if self._stage is not None:
-            raise RuntimeError("live_params during a staged weight update: end or abort it first")
-        return self.model.params
-
-    async def abort_weight_update(self) -> None:
-        """Drop whatever was staged (and a follower's ended stage); the engine keeps serving its version."""
-        self._stage = self._sealed = None
-        self._flipped_event.set()
-
-    def write_params(self, write: Callable[[dict[str, torch.Tensor]], None], version: int) -> None:
-        """``write(live params)``, then serve them as ``version``: synchronous, so between two steps, with
-        no staging copy (colocated pushes whose sources all sit in this process)."""
-        self._no_in_place("write_params")
-        if self._stage is not None:
-            raise RuntimeError("write_params during a staged weight update: end or abort it first")
-        version = _version_number(version)
-        with torch.no_grad():
-            write(self.model.params)
-        self._set_version(version)
-
-    def set_version(self, version: int) -> None:
-        """Label the current weights as policy ``version`` (SGLang's ``/update_weight_version``)."""
-        self._leader_only("set_version")
-        self._set_version(version)
-        self._record(["version", self._version])
-
-    def _set_version(self, version: int) -> None:
-        self._version = _version_number(version)
-        self._batch.mark_version(self._version)
-
-    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """``begin_weight_update`` + ``load_weights`` + ``end_weight_update`` in one call; on a bad tensor
-        nothing is applied and the engine stays on its version."""
-        version = _version_number(version)
-        await self.begin_weight_update()
-        try:
-            await self.load_weights(named_tensors)
-        except BaseException:
-            await self.abort_weight_update()
-            raise
-        await self.end_weight_update(version)
-
-    async def update_weights_from_disk(self, path: str, version: int | None = None) -> int:
-        """Load a checkpoint directory's safetensors (any subset of the model's tensors) as ``version``
-        (default: the current one), between two steps; returns the tensors loaded. Nothing is applied
-        when a name or shape does not fit. Under a TP leader each follower reads its own shard of the
-        same files at the same step boundary (they must see ``path`` too)."""
-        self._leader_only("update_weights_from_disk")
-        version = self._version if version is None else _version_number(version)
-        if self._stage is not None:
-            raise RuntimeError("update_weights_from_disk during a staged weight update: end or abort it first")
-        stage = stage_checkpoint(self.model, path)  # a bad checkpoint fails here, before any rank hears of it
-        if self._channel is not None:  # every rank stages its shard now; all apply, or none does
-            self._record(["load", path, version])
-            self._publish(step=False)
-            if not self._channel.agree(True):
-                raise RuntimeError(f"a TP follower could not read its shard of {path!r} (its log says why); no rank "
-                                   f"changed weights, the engine stays on version {self._version}")
-        n = stage.apply()
-        self._set_version(version)
-        return n
-
-    def get_weights_by_name(self, hf_name: str) -> torch.Tensor:
-        """The current value of one HF-named weight, unfused (unsharded engines only)."""
-        return self.model.get_hf(hf_name)
 
     async def shutdown(self) -> None:
         """Abort everything and stop the step task (and, on a TP leader, the followers' ``follow``)."""
