@@ -16,12 +16,8 @@ with ``mode="abort"`` ends everything in flight (partial outputs, ``finish_reaso
 (tokens after a weight update then attend to KV computed by the old weights, as SGLang's in-place
 pause does). New requests wait while paused.
 
-Memory release (colocated with a trainer, ``meshrl.actors.hybrid``): while nothing runs,
-``release_memory`` frees the KV cache, and with ``weights=True`` the parameters (held in one
-allocation when ``contiguous_weights``), back to torch's caching allocator; ``restore_memory``
-takes both back at the same sizes and re-captures the CUDA graphs only if an address moved
-(``graph_recaptures`` counts it). Restored weights are undefined until the caller writes a whole
-version (``write_params``); restored KV is zeroed where attention could read it before a write.
+Weight updates live in ``engine_weights.py`` and memory release (colocated with a trainer) in
+``engine_memory.py``, mixins of this class; its config in ``engine_config.py``.
 
 Tensor parallelism (``tp.py``): either every rank gets the same calls between the same two steps
 (SPMD in rounds), or, with ``TensorParallel(leader_driven=True)``, only rank 0 takes calls and the
@@ -46,6 +42,7 @@ import torch
 
 from meshrl.engines.batch import RunningBatch
 from meshrl.engines.engine_config import _DTYPES, TorchEngineConfig
+from meshrl.engines.engine_memory import MemoryRelease
 from meshrl.engines.engine_weights import WeightUpdates
 from meshrl.engines.cuda_graphs import DecodeGraphs, default_bucket_sizes
 from meshrl.engines.kv_cache import KVCache
@@ -69,7 +66,7 @@ class _Pending:
         self.remaining = request.sampling.n
 
 
-class TorchEngine(WeightUpdates):
+class TorchEngine(WeightUpdates, MemoryRelease):
     """Continuous-batching generation over a ``Transformer``; implements the ``Engine`` protocol."""
 
     def __init__(self, hf_config: Any, weights: Iterable[tuple[str, torch.Tensor]],
@@ -143,22 +140,6 @@ class TorchEngine(WeightUpdates):
             rows = self.cache.rows
             sizes = list(self.config.cuda_graph_batch_sizes) or default_bucket_sizes(rows)
             self._graphs = DecodeGraphs(self._batch, self._core, [min(s, rows) for s in sizes])
-
-    def _make_weights_contiguous(self) -> torch.Tensor:
-        """Move every parameter into views of one flat buffer (each start 256-byte aligned); returns its
-        storage. Tensor objects stay the same (``set_``); the model's derived views are rebuilt."""
-        m, align = self.model, max(1, 256 // torch.empty((), dtype=self.dtype).element_size())
-        offsets, total = {}, 0
-        for name, p in m.params.items():
-            offsets[name] = total
-            total += -(-p.numel() // align) * align
-        flat = torch.zeros(total, dtype=self.dtype, device=self.device)
-        storage = flat.untyped_storage()
-        with torch.no_grad():
-            for name, p in m.params.items():
-                p.set_(storage, offsets[name], p.shape, p.stride())
-        m.layers = [type(layer)(m.params, i) for i, layer in enumerate(m.layers)]  # .t() views of new storage
-        return storage
 
     # ---- constructors -----------------------------------------------------------------------
 
@@ -493,47 +474,6 @@ class TorchEngine(WeightUpdates):
     def flush_cache(self) -> bool:
         """SGLang's flush: succeeds only while idle. There is no prefix cache, so nothing to drop."""
         return not (self._batch.size or self._waiting)
-
-    # ---- memory (colocated with a trainer) ----------------------------------------------------
-
-    @property
-    def memory_released(self) -> bool:
-        return self.cache.released
-
-    def release_memory(self, *, weights: bool = False) -> None:
-        """Free the KV cache (and the parameters with ``weights``) while nothing runs or waits; nothing
-        may generate until ``restore_memory``."""
-        self._no_in_place("release_memory")
-        if self._batch.size or self._waiting or self._stage is not None:
-            raise RuntimeError(f"release_memory on a busy engine (running={self._batch.size}, waiting="
-                               f"{len(self._waiting)}, updating={self._stage is not None}): let generate calls finish")
-        if weights:
-            if self._weights is None:
-                raise RuntimeError("release_memory(weights=True) needs TorchEngineConfig.contiguous_weights=True")
-            self._weights.resize_(0)
-            self.weights_released = True
-        self.cache.release()
-
-    def restore_memory(self) -> bool:
-        """Allocate what ``release_memory`` freed, parameters first; re-capture the CUDA graphs if an
-        address moved. Returns whether they were re-captured. Released weights are undefined until
-        the caller writes a whole version."""
-        moved = False
-        if self.weights_released:
-            self._weights.resize_(self._weights_nbytes)
-            moved, self._weights_ptr = self._weights.data_ptr() != self._weights_ptr, self._weights.data_ptr()
-            self.weights_released = False
-        moved = self.cache.restore() or moved
-        recapture = moved and self._graphs is not None
-        if recapture:
-            self._capture_graphs()  # (its warm-up steps write into the cache: zeroed below if need be)
-            self.graph_recaptures += 1
-        if self.cache.stale and not self.model.fused_kernels:
-            # the torch decode reads every position up to the batch's longest row (under a mask), and
-            # 0 * NaN is NaN: zero it all (the fused path zeroes only what a prefill reads; batch.py)
-            self.cache.kv.zero_()
-            self.cache.stale = False
-        return recapture
 
     async def shutdown(self) -> None:
         """Abort everything and stop the step task (and, on a TP leader, the followers' ``follow``)."""
