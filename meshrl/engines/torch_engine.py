@@ -40,15 +40,15 @@ from typing import Any, AsyncIterator, Iterable, Sequence
 import msgspec
 import torch
 
+from meshrl.engines import schedule
 from meshrl.engines.batch import RunningBatch
+from meshrl.engines.cuda_graphs import DecodeGraphs, default_bucket_sizes
 from meshrl.engines.engine_config import _DTYPES, TorchEngineConfig
 from meshrl.engines.engine_memory import MemoryRelease
 from meshrl.engines.engine_weights import WeightUpdates
-from meshrl.engines.cuda_graphs import DecodeGraphs, default_bucket_sizes
 from meshrl.engines.kv_cache import KVCache
 from meshrl.engines.layout import ModelSpec
 from meshrl.engines.model import Transformer
-from meshrl.engines import schedule
 from meshrl.engines.schedule import ScheduleChannel
 from meshrl.engines.streaming import DeltaStream, Streams
 from meshrl.engines.tp import TensorParallel
@@ -84,10 +84,10 @@ class TorchEngine(WeightUpdates, MemoryRelease):
         self.tp = tp
         self._channel = ScheduleChannel(tp, dev) if tp.is_leader or tp.is_follower else None
         self._log: list[list] | None = [] if tp.is_leader else None
+        """Leader-driven TP, rank 0: what changed since the last broadcast (see ``_record``)."""
         self._broken: str | None = None
         """Why a leader-driven TP engine can no longer work (its group broke), else None."""
-        self._shut = False
-        """Leader-driven TP, rank 0: what changed since the last broadcast (see ``_record``)."""
+        self._shut = False  # shutdown ran
         self._sealed: tuple[StagedWeights, int] | None = None  # a follower's ended stage, until rank 0 flips to it
         self._sealed_event = asyncio.Event()  # set when a follower's stage is ended
         self._flipped_event = asyncio.Event()  # set when it went live (or was dropped)
@@ -350,6 +350,8 @@ class TorchEngine(WeightUpdates, MemoryRelease):
                 self.step()
                 await asyncio.sleep(0)  # lets pause/abort/weight updates/new requests run between steps
             except Exception as exc:  # a failed step fails every caller instead of hanging them
+                if self._task is not me:
+                    return  # (the engine moved to another loop meanwhile: its state is not this task's)
                 err = RuntimeError(f"TorchEngine step failed: {type(exc).__name__}: {exc}")
                 err.__cause__ = exc
                 for p in list(self._requests.values()):
