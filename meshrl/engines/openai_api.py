@@ -33,7 +33,8 @@ from typing import Any
 
 from aiohttp import web
 
-from meshrl.engines.serve import _DISCONNECT_POLL_S, BadRequest, error_response, read_json, sse, until_disconnect
+from meshrl.engines.serve import (_DISCONNECT_POLL_S, BadRequest, error_response, read_json, sse, sse_response,
+                                  until_disconnect)
 from meshrl.engines.streaming import IncrementalText, Merged
 from meshrl.engines.types import GenerateRequest, SamplingParams
 
@@ -275,13 +276,9 @@ class OpenAIServer:
                       sampling: SamplingParams, stops: list[str], *, chat: bool) -> web.StreamResponse:
         """``stream: true``: one chunk per choice per engine read (``stream_interval_steps``)."""
         requests = [GenerateRequest(input_ids=p, sampling=sampling, request_id=f"oai-{next(self._ids)}") for p in prompts]
-        streams = []
         try:
-            for r in requests:  # checked and queued now: a bad request is a 400 before any header
-                streams.append(self.engine.generate_stream(r))
+            merged = await Merged.open(self.engine, requests)
         except ValueError as exc:
-            for st in streams:
-                await st.aclose()  # aborts it
             raise BadRequest(str(exc)) from None
         n = sampling.n
         choices = [_StreamedChoice(prompts[k // n], self._decode) for k in range(len(prompts) * n)]
@@ -289,8 +286,7 @@ class OpenAIServer:
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{next(self._ids)}",
                 "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
                 "model": body.get("model") or self.model_name, **({"usage": None} if usage else {})}
-        merged = Merged(streams)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        resp = sse_response()
         try:
             await resp.prepare(request)
             if chat:

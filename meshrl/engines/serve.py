@@ -37,13 +37,13 @@ import json
 import os
 import time
 import uuid
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any, Awaitable, Callable, Iterable
 
 from aiohttp import web
 
 from meshrl.engines.streaming import IncrementalText, Merged
 from meshrl.engines.torch_engine import TorchEngine
-from meshrl.engines.types import Completion, GenerateRequest, GenerateResult, SamplingParams, StreamDelta
+from meshrl.engines.types import Completion, GenerateRequest, GenerateResult, SamplingParams
 
 _DISCONNECT_POLL_S = 0.5
 """How often a waiting ``/generate`` checks whether its client is still connected."""
@@ -176,6 +176,11 @@ def _spans(versions: list[int]) -> list[dict[str, Any]]:
         else:
             spans.append({"version": str(v), "start": i, "end": i + 1})
     return spans
+
+
+def sse_response() -> web.StreamResponse:
+    """A server-sent events response (``await resp.prepare(request)`` sends its headers)."""
+    return web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
 
 
 async def sse(resp: web.StreamResponse, data: Any) -> None:
@@ -322,13 +327,9 @@ class _Server:
         incremental), ``finish_reason`` null until its last chunk, ``index`` (the output's position,
         prompt-major) when there is more than one output, then ``data: [DONE]``."""
         logprob, text = (_per_prompt(body, key, len(reqs)) for key in ("return_logprob", "return_text_in_logprobs"))
-        streams: list[AsyncIterator[StreamDelta]] = []
         try:
-            for r in reqs:  # each is checked and queued now: a bad one is a 400 before any header is sent
-                streams.append(self.engine.generate_stream(r))
+            merged = await Merged.open(self.engine, reqs)
         except (ValueError, RuntimeError) as exc:
-            for st in streams:
-                await st.aclose()  # aborts it
             return error_response(400 if isinstance(exc, ValueError) else 503, str(exc))
         many = len(reqs) > 1 or any(r.sampling.n > 1 for r in reqs)
         so_far = [[Completion(output_ids=[], logprobs=[], finish_reason=None, versions=[]) for _ in range(r.sampling.n)]
@@ -336,8 +337,8 @@ class _Server:
         decode = self.tokenizer.decode if self.tokenizer is not None else None
         texts = [[IncrementalText(decode) if decode else None for _ in range(r.sampling.n)] for r in reqs]
         token_texts: list[list[list[str | None]]] = [[[] for _ in range(r.sampling.n)] for r in reqs]
-        t0, merged = time.perf_counter(), Merged(streams)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        t0 = time.perf_counter()
+        resp = sse_response()
         try:
             await resp.prepare(request)
             while True:

@@ -158,6 +158,21 @@ class Merged:
     """Several ``generate_stream`` iterators read as one, for servers: ``(stream index, delta)`` items
     in arrival order. ``close`` (always call it) cancels the readers, which aborts what still runs."""
 
+    @classmethod
+    async def open(cls, engine: Any, requests: list[Any]) -> "Merged":
+        """``generate_stream`` for each request, each checked and queued at once (a server answers a
+        bad one with a 400 before any header); on one that fails, those already open are closed
+        (aborted) and its error is raised."""
+        streams: list[Any] = []
+        try:
+            for r in requests:
+                streams.append(engine.generate_stream(r))
+        except BaseException:
+            for st in streams:
+                await st.aclose()
+            raise
+        return cls(streams)
+
     def __init__(self, streams: list[Any]):
         self._queue: asyncio.Queue = asyncio.Queue()
         self._streams = streams
