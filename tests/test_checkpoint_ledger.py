@@ -202,3 +202,32 @@ def test_resume_refuses_a_checkpoint_of_another_model_task_or_group_shape(tmp_pa
     old = RunState(step=1, version=1, prompt_position=0, next_group=0, generated_tokens=0, accuracy_before=None,
                    in_flight=[], queue_snapshot=b"")  # a checkpoint from before fingerprints: nothing to compare
     check_fingerprint(tmp_path / "ck", old, load_config(PipelineConfig, None, ["algo=grpo"]))
+
+
+def test_resume_may_switch_between_advantage_estimators_without_a_critic(tmp_path):
+    """grpo, rloo and reinforce_pp keep no state and read the same groups: a resume may switch among
+    them; to or from gae (a critic in the checkpoint, or none) is refused. Checkpoints that recorded
+    the estimator itself ("algo.advantage") are read by whether it trained a critic."""
+    import pytest
+
+    from meshrl.config import ConfigError, load_config
+    from meshrl.pipeline import PipelineConfig
+    from meshrl.pipeline.checkpoint import check_fingerprint, run_fingerprint
+
+    def state(fingerprint):
+        return RunState(step=2, version=2, prompt_position=0, next_group=0, generated_tokens=0, accuracy_before=None,
+                        in_flight=[], queue_snapshot=b"", fingerprint=fingerprint)
+
+    cfg = lambda *o: load_config(PipelineConfig, None, ["algo=grpo", *o])  # noqa: E731
+    grpo = state(run_fingerprint(cfg()))
+    check_fingerprint(tmp_path, grpo, cfg("algo.advantage=rloo"))
+    check_fingerprint(tmp_path, grpo, cfg("algo.advantage=reinforce_pp", "algo.drop_uniform_groups=false"))
+    with pytest.raises(ConfigError, match=r"algo.critic: False there, True now"):
+        check_fingerprint(tmp_path, grpo, cfg("algo.advantage=gae", "algo.drop_uniform_groups=false"))
+    older = run_fingerprint(cfg())
+    del older["algo.critic"]
+    older["algo.advantage"] = "grpo"
+    check_fingerprint(tmp_path, state(older), cfg("algo.advantage=rloo"))
+    older["algo.advantage"] = "gae"
+    with pytest.raises(ConfigError, match=r"algo.critic: True there, False now"):
+        check_fingerprint(tmp_path, state(older), cfg("algo.advantage=rloo"))

@@ -85,12 +85,13 @@ class RunState(msgspec.Struct, kw_only=True):
 
 def run_fingerprint(cfg: Any) -> dict[str, Any]:
     """The settings a resumed run must share with the run it continues: the model, the task (the prompt
-    position counts into its training split) and the algorithm's shape (group size, and the advantage
-    estimator, which decides whether a critic is trained; grpo and rloo count as different, to be
-    safe). Everything else (learning rate, steps, staleness) may change."""
+    position counts into its training split) and the algorithm's shape: the group size, and whether a
+    critic is trained (its weights and optimiser are in the checkpoint, or not). Everything else may
+    change: learning rate, steps, staleness, and the advantage estimator among those without a critic
+    (grpo, rloo, reinforce_pp read the same groups and keep no state)."""
     return {
         "model": msgspec.to_builtins(cfg.model), "task": msgspec.to_builtins(cfg.task),
-        "algo.samples_per_prompt": cfg.algo.samples_per_prompt, "algo.advantage": cfg.algo.advantage,
+        "algo.samples_per_prompt": cfg.algo.samples_per_prompt, "algo.critic": cfg.algo.uses_critic,
     }
 
 
@@ -98,10 +99,12 @@ def check_fingerprint(path: Path, state: RunState, cfg: Any) -> None:
     """Raise ``ConfigError`` naming every setting that differs from the checkpoint's run."""
     from meshrl.config import ConfigError
 
-    now = run_fingerprint(cfg)
-    differ = [k for k, v in state.fingerprint.items() if now.get(k) != v]
+    now, then = run_fingerprint(cfg), dict(state.fingerprint)
+    if "algo.advantage" in then:  # written before "algo.critic" replaced it: only gae trains a critic
+        then["algo.critic"] = then.pop("algo.advantage") == "gae"
+    differ = [k for k, v in then.items() if now.get(k) != v]
     if differ:
-        shown = "; ".join(f"{k}: {state.fingerprint[k]!r} there, {now.get(k)!r} now" for k in differ)
+        shown = "; ".join(f"{k}: {then[k]!r} there, {now.get(k)!r} now" for k in differ)
         raise ConfigError(f"`run.resume`: {path} was written by a run with other settings ({shown}); resume with "
                           "the same ones, or start fresh in another run.output_dir")
 
