@@ -60,3 +60,52 @@ def test_the_cache_key_covers_every_training_answer(tmp_path):
     keys = [_cache_key(TINY, FileTask(p, p), cfg, 40) for p in paths]
     assert keys[0] != keys[1]
     assert _cache_key(TINY, FileTask(paths[0], paths[0]), cfg, 40) == keys[0]  # and stable
+
+
+def test_a_stopped_warm_start_ends_at_its_next_step_and_caches_nothing(tmp_path):
+    import threading
+
+    import pytest
+
+    from meshrl.embedded import WarmStartStopped
+
+    task = AdditionTask(digits=1, num_test=10)
+    cfg = WarmStartConfig(max_steps=100_000, target_accuracy=None, check_every=2, batch_size=8, cache_dir=str(tmp_path))
+    stop = threading.Event()
+    lines: list[str] = []
+
+    def log(line: str) -> None:  # stop once training is under way
+        lines.append(line)
+        stop.set()
+
+    with pytest.raises(WarmStartStopped, match=r"stopped after 2 of at most 100000 steps; nothing was cached"):
+        warm_start(TINY, task, cfg, log=log, stop=stop)
+    assert lines == ["warm start: step 2  loss " + lines[0].split("loss ")[1]]
+    assert not (tmp_path / "warmstart").exists()  # no entry, no temporary folder
+
+
+def test_cancelling_the_pipeline_during_its_warm_start_ends_the_warm_start_thread(tmp_path):
+    """A second Ctrl-C cancels run(); the warm start ran on in its thread, and asyncio.run's exit
+    (which joins the default executor) waited for all of it: minutes on a CPU. Here the warm start
+    would take over a minute (12,000 steps); cancelled, its thread must end within seconds."""
+    import asyncio
+
+    from meshrl.config import load_config
+    from meshrl.pipeline import Pipeline, PipelineConfig
+
+    cfg = load_config(PipelineConfig, None, [f"run.output_dir={tmp_path / 'run'}", f"warmstart.cache_dir={tmp_path}",
+                                             "warmstart.max_steps=12000", "warmstart.target_accuracy=null",
+                                             "warmstart.check_every=100000", "warmstart.batch_size=8",
+                                             "model.embedded.hidden_size=32", "model.embedded.intermediate_size=64"])
+
+    async def main() -> float:
+        task = asyncio.ensure_future(Pipeline(cfg)._model_dir())
+        await asyncio.sleep(1.0)  # the warm start is under way in its thread
+        task.cancel()
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await loop.shutdown_default_executor()  # what asyncio.run waits for at exit
+        return loop.time() - t0
+
+    assert asyncio.run(main()) < 20
+    assert not (tmp_path / "warmstart").exists()  # nothing cached, no temporary folder left

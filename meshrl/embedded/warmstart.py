@@ -17,6 +17,7 @@ import json
 import os
 import random
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -30,7 +31,7 @@ from meshrl.envs.rewards import to_reward_output
 from meshrl.modeling import pack, response_logprobs
 from meshrl.tasks import Task
 
-__all__ = ["WarmStartConfig", "warm_start", "default_cache_dir"]
+__all__ = ["WarmStartConfig", "WarmStartStopped", "warm_start", "default_cache_dir"]
 
 _FORMAT = 1  # bump when the warm start's procedure changes, so old cache entries are not reused
 
@@ -99,10 +100,18 @@ def greedy_accuracy(model, tokenizer, task: Task, problems, max_new_tokens: int 
     return sum(to_reward_output(task.reward(p, t)).reward >= 1.0 for p, t in zip(problems, texts)) / len(problems)
 
 
+class WarmStartStopped(RuntimeError):
+    """``warm_start``'s ``stop`` was set before it finished; nothing was cached."""
+
+
 def warm_start(
-    model_cfg: EmbeddedModelConfig, task: Task, cfg: WarmStartConfig, *, log=print
+    model_cfg: EmbeddedModelConfig, task: Task, cfg: WarmStartConfig, *, log=print,
+    stop: threading.Event | None = None,
 ) -> Path:
-    """Return the warm-started checkpoint folder, training and caching it on first use."""
+    """Return the warm-started checkpoint folder, training and caching it on first use.
+
+    ``stop``, when set (from another thread: the caller that runs this in a thread was cancelled),
+    ends the training at its next step with ``WarmStartStopped``, caching nothing."""
     tokenizer = build_char_tokenizer()
     root = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
     out = root / "warmstart" / _cache_key(model_cfg, task, cfg, len(tokenizer))
@@ -121,6 +130,8 @@ def warm_start(
     probe = [train[rng.randrange(len(train))] for _ in range(256)]
     start, last_loss, accuracy = time.perf_counter(), float("nan"), 0.0
     for step in range(cfg.max_steps):
+        if stop is not None and stop.is_set():
+            raise WarmStartStopped(f"warm start: stopped after {step} of at most {cfg.max_steps} steps; nothing was cached")
         batch = [train[rng.randrange(len(train))] for _ in range(cfg.batch_size)]
         prompts = [tokenizer.encode(p.prompt) for p in batch]
         answers = [tokenizer.encode(p.answer) + [eos] for p in batch]

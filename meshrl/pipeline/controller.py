@@ -42,6 +42,7 @@ import asyncio
 import json
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any, AsyncIterator, Sequence
@@ -136,7 +137,12 @@ class Pipeline:
     async def _model_dir(self) -> str:
         if self.cfg.model.path is not None:
             return str(Path(self.cfg.model.path).resolve())  # actors may run in another directory
-        return str(await asyncio.to_thread(warm_start, self.cfg.model.embedded, self.task, self.cfg.warmstart, log=self._echo))
+        stop = threading.Event()
+        try:
+            return str(await asyncio.to_thread(warm_start, self.cfg.model.embedded, self.task, self.cfg.warmstart,
+                                               log=self._echo, stop=stop))
+        finally:  # cancelled (a second Ctrl-C): the thread ends at its next step, not after the whole warm start
+            stop.set()
 
     def _check_prompt_lengths(self) -> None:
         """Prompts that leave no room for their completion in the engine's max_seq_len (or encode to
