@@ -157,6 +157,11 @@ def load_trainer_state(t: PolicyTrainer, path: str | Path) -> int:
                                 "save_trainer_state wrote (a run checkpoint's trainer/ folder)")
     state = _sharded_state(t)  # templates with this run's sharding; DCP reshards into them
     _check_same_models(path, state, [name for name, _, _ in _models(t)])
+    # this run's optimiser settings (lr, betas, weight decay): the loaded param groups carry the old
+    # run's, and a resume may change them (README); the moments and step counts are what is restored
+    settings = [[{k: v for k, v in g.items() if k not in ("params", "initial_lr")} for g in optim.param_groups]
+                for _, _, optim in _models(t)]
+    base_lrs = list(t.scheduler.base_lrs)
     try:
         with _quiet_single_process():
             dcp.load(state, checkpoint_id=str(path), process_group=t.dp.group, no_dist=not t.dp.sharded)
@@ -173,5 +178,15 @@ def load_trainer_state(t: PolicyTrainer, path: str | Path) -> int:
     random.setstate(small["python_rng"])
     t.generator.set_state(small["generator"])
     t.scheduler.load_state_dict(small["scheduler"])
+    for (_, _, optim), groups in zip(_models(t), settings):
+        for group, own in zip(optim.param_groups, groups):
+            group.update(own)
+    # the schedule continues from the checkpoint's step over this run's lr (and total_steps: the
+    # lambda is this run's; LambdaLR does not save plain functions)
+    t.scheduler.base_lrs = base_lrs
+    at = t.scheduler.last_epoch
+    for group, base, factor in zip(t.optimizer.param_groups, base_lrs, t.scheduler.lr_lambdas):
+        group["initial_lr"], group["lr"] = base, base * factor(at)
+    t.scheduler._last_lr = [group["lr"] for group in t.optimizer.param_groups]  # what get_last_lr() reports
     t.steps, t.skipped_in_a_row = small["steps"], small["skipped_in_a_row"]
     return t.steps
