@@ -84,14 +84,18 @@ class RunState(msgspec.Struct, kw_only=True):
 
 
 def run_fingerprint(cfg: Any) -> dict[str, Any]:
-    """The settings a resumed run must share with the run it continues: the model, the task (the prompt
-    position counts into its training split) and the algorithm's shape: the group size, and whether a
-    critic is trained (its weights and optimiser are in the checkpoint, or not). Everything else may
-    change: learning rate, steps, staleness, and the advantage estimator among those without a critic
-    (grpo, rloo, reinforce_pp read the same groups and keep no state)."""
+    """The settings a resumed run must share with the run it continues: the model, the task and the
+    seed (the prompt position counts into that seed's shuffle of the task's training split), the
+    algorithm's shape (the group size, and whether a critic is trained: its weights and optimiser are
+    in the checkpoint, or not), and the queue's arithmetic (its consumed position counts batches of
+    ``trainer.samples_per_step``, ``trainer.sync_interval`` to a version: other sizes would read it
+    wrongly and wait forever for admission). Everything else may change: learning rate, steps,
+    staleness, and the advantage estimator among those without a critic (grpo, rloo, reinforce_pp
+    read the same groups and keep no state)."""
     return {
-        "model": msgspec.to_builtins(cfg.model), "task": msgspec.to_builtins(cfg.task),
+        "model": msgspec.to_builtins(cfg.model), "task": msgspec.to_builtins(cfg.task), "run.seed": cfg.run.seed,
         "algo.samples_per_prompt": cfg.algo.samples_per_prompt, "algo.critic": cfg.algo.uses_critic,
+        "trainer.samples_per_step": cfg.trainer.samples_per_step, "trainer.sync_interval": cfg.trainer.sync_interval,
     }
 
 
