@@ -65,11 +65,16 @@ def _steps(out: Path) -> dict[int, dict]:
     return {r["step"]: r for r in records if r["kind"] == "step"}
 
 
+def _evals(out: Path) -> list[tuple[int, int, float]]:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["version"], r["accuracy"]) for r in records if r["kind"] == "eval"]
+
+
 def test_resumed_run_repeats_the_uninterrupted_one(ray_cluster, tmp_path):
     from test_trainer_fsdp import tiny_model_dir
 
     model_dir = tiny_model_dir(tmp_path / "model", layers=1)
-    first = asyncio.run(Pipeline(_config(model_dir, tmp_path / "a"), task=DigitShareTask()).run())
+    first = asyncio.run(Pipeline(_config(model_dir, tmp_path / "a", "run.eval_every=2"), task=DigitShareTask()).run())
     assert first["steps"] == 4
     ckpts = sorted(p.name for p in (tmp_path / "a" / "checkpoints").glob("step_*"))
     assert ckpts == ["step_00000002", "step_00000004"]  # every 2 steps and at the end, none partial
@@ -81,8 +86,12 @@ def test_resumed_run_repeats_the_uninterrupted_one(ray_cluster, tmp_path):
     assert queue.reservations == [] and queue.groups == []
 
     resume = tmp_path / "a" / "checkpoints" / "step_00000002"
-    second = asyncio.run(Pipeline(_config(model_dir, tmp_path / "b", f"run.resume={resume}"), task=DigitShareTask()).run())
+    second = asyncio.run(Pipeline(_config(model_dir, tmp_path / "b", "run.eval_every=2", f"run.resume={resume}"),
+                                  task=DigitShareTask()).run())
     assert second["steps"] == 4 and second["accuracy_before"] == first["accuracy_before"]
+    # the step-2 evaluation starts after the step-2 checkpoint is written: the resumed run runs it
+    # (it used to be missing from its log), at the same version and with the same result
+    assert _evals(tmp_path / "b") == _evals(tmp_path / "a") and [e[0] for e in _evals(tmp_path / "a")] == [0, 2, 4]
 
     a, b = _steps(tmp_path / "a"), _steps(tmp_path / "b")
     assert sorted(b) == [1, 2, 3, 4]  # the log continues from the checkpoint's records

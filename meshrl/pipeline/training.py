@@ -257,6 +257,16 @@ class TrainLoop:
         await bounded(queue.set_version.call_one(state.version), timeout, "the queue to take the restored version")
         for reservation_id in self.rollout.ledger.restore(state, [r.id for r in outstanding]):
             await bounded(queue.cancel.call_one(reservation_id), timeout, "the queue to cancel a reservation")
+        every = self.cfg.run.eval_every
+        if (every and state.step % every == 0 and 0 < state.step < self.cfg.run.total_steps
+                and not any(r.get("kind") == "eval" and r.get("step") == state.step for r in ckpt.read_records(path))):
+            # a periodic checkpoint is written before its step's evaluation starts: run it now, as the
+            # uninterrupted run did at this step and version (its record was not in the checkpoint)
+            self.evals.append(asyncio.create_task(self._evaluate()))
         pending = self.rollout.ledger.reissue_pending
+        off_cadence = "" if self._pushes_after(state.step) else (
+            f" (step {state.step} is between two pushes of trainer.sync_interval={self.cfg.trainer.sync_interval}: "
+            f"the engines serve the trainer's step-{state.step} weights as version {state.version}, so this run "
+            "trains correctly but does not repeat an uninterrupted one exactly)")
         return (f"resumed from {path} at step {state.step}, policy version {state.version}"
-                + (f", re-issuing {pending} requests that were in flight" if pending else ""))  # fmt: skip
+                + (f", re-issuing {pending} requests that were in flight" if pending else "") + off_cadence)  # fmt: skip
