@@ -233,3 +233,25 @@ def test_resume_may_switch_between_advantage_estimators_without_a_critic(tmp_pat
     older["algo.advantage"] = "gae"
     with pytest.raises(ConfigError, match=r"algo.critic: True there, False now"):
         check_fingerprint(tmp_path, state(older), cfg("algo.advantage=rloo"))
+
+
+def test_committing_a_step_again_never_leaves_latest_without_a_complete_checkpoint(tmp_path):
+    """commit deleted the step's earlier checkpoint before renaming the new one into place (a stop
+    right after a periodic checkpoint writes the same step again): a crash between the two left
+    ``latest`` naming nothing, and resume=latest fell back to another run's step, or to none."""
+    from meshrl.pipeline.checkpoint import latest_checkpoint
+
+    _commit_step(tmp_path, 8, keep=0, generated_tokens=1)  # an earlier run's later step
+    _commit_step(tmp_path, 6, keep=1, generated_tokens=2)  # this run, resumed from an earlier step
+    again = _commit_step(tmp_path, 6, keep=1, generated_tokens=3)  # the stop checkpoint of the same step
+    assert latest_checkpoint(tmp_path) == again and read_run_state(again).generated_tokens == 3
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_00000006", "step_00000008"]
+
+    # the crash window of a third commit: the earlier one moved aside, the new one not yet in place
+    aside = again.with_name(again.name + ".replaced")
+    again.rename(aside)
+    found = latest_checkpoint(tmp_path)
+    assert found == aside and read_run_state(found).generated_tokens == 3
+    # the next commit of that step cleans up
+    final = _commit_step(tmp_path, 6, keep=1, generated_tokens=4)
+    assert latest_checkpoint(tmp_path) == final and not aside.exists()

@@ -43,6 +43,7 @@ __all__ = ["InFlight", "PromptLedger", "RunState", "write_checkpoint_files", "re
 
 FORMAT = 1
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+_REPLACED = ".replaced"  # a step's earlier checkpoint while commit swaps in the new one
 LATEST = "latest"
 """File in ``checkpoints/`` naming the checkpoint committed last."""
 
@@ -228,13 +229,16 @@ def commit(partial: Path, *, keep: int) -> Path:
     if (m := _STEP_DIR.match(final.name)) is None:
         raise ValueError(f"commit: {partial} is not a partial checkpoint directory; write it at "
                          "partial_dir(output_dir, step)")
-    if final.exists():  # a run resumed from an earlier step writes this step again
-        shutil.rmtree(final)
+    replaced = final.with_name(final.name + _REPLACED)
+    if final.exists():  # this step again: a stop right after a periodic checkpoint, or a resumed run
+        shutil.rmtree(replaced, ignore_errors=True)
+        final.rename(replaced)  # kept until the new one is in place: a crash now leaves it (latest_checkpoint)
     partial.rename(final)
     pointer = final.parent / LATEST
     tmp = pointer.with_name(LATEST + ".tmp")
     tmp.write_text(final.name + "\n")
     os.replace(tmp, pointer)  # atomic: a crash leaves the previous latest, which is still complete
+    shutil.rmtree(replaced, ignore_errors=True)
     if keep > 0:
         step = int(m.group(1))
         ours = [p for s, p in _complete(final.parent.parent) if s <= step]
@@ -250,8 +254,10 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     pointer = root / LATEST
     if pointer.is_file():
         path = root / pointer.read_text().strip()
-        if _STEP_DIR.match(path.name) and (path / "run_state.msgpack").is_file():
-            return path
+        if _STEP_DIR.match(path.name):
+            for candidate in (path, path.with_name(path.name + _REPLACED)):  # a crash inside commit's swap
+                if (candidate / "run_state.msgpack").is_file():
+                    return candidate
     found = _complete(output_dir)
     return found[-1][1] if found else None
 
