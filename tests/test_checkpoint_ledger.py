@@ -255,3 +255,26 @@ def test_committing_a_step_again_never_leaves_latest_without_a_complete_checkpoi
     # the next commit of that step cleans up
     final = _commit_step(tmp_path, 6, keep=1, generated_tokens=4)
     assert latest_checkpoint(tmp_path) == final and not aside.exists()
+
+
+def test_a_refused_resume_leaves_the_runs_config_file_alone(tmp_path):
+    """run() wrote config.yaml before checking the fingerprint: a refused resume replaced the file that
+    describes the run whose checkpoints sit beside it."""
+    import pytest
+
+    from meshrl.config import ConfigError, load_config, to_yaml
+    from meshrl.pipeline import Pipeline, PipelineConfig
+    from meshrl.pipeline.checkpoint import run_fingerprint
+
+    out = tmp_path / "run"
+    first = load_config(PipelineConfig, None, [f"run.output_dir={out}"])
+    state = RunState(step=2, version=2, prompt_position=0, next_group=0, generated_tokens=0, accuracy_before=None,
+                     in_flight=[], queue_snapshot=b"", fingerprint=run_fingerprint(first))  # fmt: skip
+    write_checkpoint_files(partial_dir(out, 2), state, None)
+    commit(partial_dir(out, 2), keep=0)
+    (out / "config.yaml").write_text(to_yaml(first))
+
+    other = load_config(PipelineConfig, None, [f"run.output_dir={out}", "run.resume=latest", "task.digits=3"])
+    with pytest.raises(ConfigError, match="other settings"):
+        asyncio.run(Pipeline(other).run())
+    assert (out / "config.yaml").read_text() == to_yaml(first)

@@ -158,7 +158,12 @@ def test_sizes_that_could_never_fill_a_batch_are_refused():
         # one request (32 x 2) is larger than all that max_staleness=0 admits (8)
         (["queue.max_staleness=0", "rollout.prompts_per_request=32"], "admits at most 8 samples"),
         # the queue cannot hold one batch of 8 samples of up to 64 tokens
-        (["rollout.prompts_per_request=4", "queue.capacity_tokens=100"], "cannot hold one train batch"),
+        (["rollout.prompts_per_request=4", "queue.capacity_tokens=100"], "cannot hold a train batch short"),
+        # it holds a batch (8 x 64 = 512 tokens), but not 3 groups of 2 queued plus the next 6-sample
+        # request (12 x 64 = 768): that put waits for room, the train step for that put
+        (["queue.max_staleness=1", "rollout.prompts_per_request=3", "queue.capacity_tokens=700"],
+         r"\(trainer.samples_per_step=8 - algo.samples_per_prompt=2\) plus one request's 6 samples, of up to 64 "
+         r"tokens each \(768\)"),
     ]
     for extra, needle in cases:
         with pytest.raises(ConfigError, match=needle):

@@ -192,11 +192,15 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
                               "wait forever): make it a multiple, or raise max_staleness")
         seq = self.rollout.engine.max_seq_len or (
             self.model.embedded.max_position_embeddings if self.model.path is None else 0)
-        need = self.trainer.samples_per_step * seq
+        # a batch short of its last group, and one more request's put: less, and the put waits for room
+        # that only a train step frees while the train step waits for that put
+        sps, group = self.trainer.samples_per_step, self.algo.samples_per_prompt
+        need = (sps - group + r) * seq
         if seq and self.queue.capacity_tokens < need:
-            raise ConfigError(f"`queue.capacity_tokens`: {self.queue.capacity_tokens} cannot hold one train batch of "
-                              f"trainer.samples_per_step={self.trainer.samples_per_step} samples of up to {seq} tokens "
-                              f"({need}): puts would wait for room only a train step frees; raise it")
+            raise ConfigError(f"`queue.capacity_tokens`: {self.queue.capacity_tokens} cannot hold a train batch short "
+                              f"of its last group (trainer.samples_per_step={sps} - algo.samples_per_prompt={group}) "
+                              f"plus one request's {r} samples, of up to {seq} tokens each ({need}): a put would wait "
+                              "for room only a train step frees, and the step for that put; raise it")
 
     def _validate_placement(self) -> None:
         tp = self.rollout.tp_size

@@ -273,14 +273,15 @@ class Pipeline:
 
     async def _run(self) -> dict[str, Any]:
         cfg = self.cfg
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        (self.out_dir / "config.yaml").write_text(to_yaml(cfg))
         started = time.perf_counter()
         from transformers import AutoTokenizer
 
         resume_from = ckpt.resolve_resume(cfg.run.resume, self.out_dir)
         if resume_from is not None:  # before the warm start and the roles, as the prompt check below
             ckpt.check_fingerprint(resume_from, ckpt.read_run_state(resume_from), cfg)
+        # after the check: a refused resume leaves the folder describing the run its checkpoints are of
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / "config.yaml").write_text(to_yaml(cfg))
         await asyncio.to_thread(self._check_prompt_lengths)
         model_dir = await self._model_dir()
 
