@@ -115,6 +115,32 @@ def test_grpo_constant_group_is_zero_not_nan():
     assert torch.equal(adv, t([0.0, 0.0, 0.0]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, F64], ids=["float32", "float64"])
+@pytest.mark.parametrize(("value", "n"), [(0.7, 7), (0.3, 6), (0.1, 8), (0.1, 3)])
+def test_constant_group_is_exactly_zero_in_float32_too(dtype, value, n):
+    """In float32 the rounded mean of seven 0.7s left r − mean ≈ 6e-8 and a Bessel std as small:
+    divided by std + 1e-6 that was a same-sign advantage of 0.056 on every sample of the group."""
+    rewards, groups = torch.full((n,), value, dtype=dtype), torch.zeros(n, dtype=torch.long)
+    for adv in (grpo_advantages(rewards, groups), grpo_advantages(rewards, groups, scale_by_std=False),
+                rloo_advantages(rewards, groups)):  # fmt: skip
+        assert adv.dtype == dtype and torch.equal(adv, torch.zeros(n, dtype=dtype))
+    token_rewards = torch.zeros(n, 3, dtype=dtype)
+    token_rewards[:, -1] = value  # REINFORCE++: the same return on every valid token of the batch
+    adv = reinforce_pp_advantages(token_rewards, torch.ones(n, 3, dtype=torch.bool))
+    assert adv.dtype == dtype and torch.equal(adv, torch.zeros(n, 3, dtype=dtype))
+
+
+def test_non_finite_rewards_still_poison_their_group():
+    """The exact zero for constant groups must not hide a NaN/inf reward (the trainer skips such a
+    step because its loss is not finite)."""
+    for bad in (NAN, math.inf):
+        rewards, groups = t([bad, bad, 1.0, 0.0]), torch.tensor([0, 0, 1, 1])
+        for adv in (grpo_advantages(rewards, groups), rloo_advantages(rewards, groups)):
+            assert adv[:2].isnan().all() and adv[2:].isfinite().all()
+        token_rewards = t([[0.0, bad], [0.0, bad]])
+        assert reinforce_pp_advantages(token_rewards, torch.ones(2, 2)).isnan().all()
+
+
 def test_rloo_hand_computed():
     adv = rloo_advantages(t(REWARDS), torch.tensor(GROUPS))
     # r=1 in group 10: others (0, 0, 1) mean 1/3 → 2/3; group 7: 2 − 4 = −2.
@@ -175,26 +201,32 @@ def test_reinforce_pp_finite_zero_mean_masked_zero(batch, gamma):
 
 
 @st.composite
-def grouped(draw):
+def grouped(draw, dtype=F64):
     n = draw(st.integers(1, 12))
-    rewards = t(draw(st.lists(finite, min_size=n, max_size=n)))
+    # a few repeated values, so that groups of equal rewards (all right, all wrong) come up
+    element = st.one_of(finite, st.sampled_from([0.0, 0.1, 0.7, 1.0]))
+    rewards = t(draw(st.lists(element, min_size=n, max_size=n)), dtype)
     ids = torch.tensor(draw(st.lists(st.integers(-(2**40), 2**40), min_size=1, max_size=4)))
     which = draw(st.lists(st.integers(0, len(ids) - 1), min_size=n, max_size=n))
     groups = ids[torch.tensor(which)]
     return rewards, groups
 
 
+@pytest.mark.parametrize("dtype", [F64, torch.float32], ids=["float64", "float32"])  # float32: the trainer's
 @PROPS
-@given(grouped(), st.booleans())
-def test_group_advantages_sum_to_zero_per_group(batch, scale_by_std):
-    rewards, groups = batch
+@given(data=st.data(), scale_by_std=st.booleans())
+def test_group_advantages_sum_to_zero_per_group(dtype, data, scale_by_std):
+    rewards, groups = data.draw(grouped(dtype))
     grpo = grpo_advantages(rewards, groups, scale_by_std=scale_by_std)
+    rel = 1e-9 if dtype == F64 else 1e-6  # the result is rounded to the input's dtype
     for adv in (grpo, rloo_advantages(rewards, groups)):
-        assert torch.isfinite(adv).all()
+        assert torch.isfinite(adv).all() and adv.dtype == dtype
         for g in groups.unique():
             sel = groups == g
             scale = 1 + float(rewards[sel].abs().max())  # rounding grows with the rewards
-            assert abs(float(adv[sel].sum())) <= 1e-9 * int(sel.sum()) * scale
+            assert abs(float(adv[sel].double().sum())) <= rel * int(sel.sum()) * scale
+            if (rewards[sel] == rewards[sel][0]).all():
+                assert (adv[sel] == 0).all()  # all right or all wrong: exactly no signal
 
 
 # --- bad input ------------------------------------------------------------------------------

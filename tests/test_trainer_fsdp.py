@@ -1,5 +1,6 @@
-"""The trainer's FSDP2 math on real gloo process groups: dp=2 ≡ dp=1, micro-batch invariance,
-exact resume from a sharded checkpoint (same and different dp size), HF export, NaN skipping.
+"""The trainer's FSDP2 math on real gloo process groups: dp=2 ≡ dp=1 (also when mini-batches
+have nothing to train), micro-batch invariance, exact resume from a sharded checkpoint (same and
+different dp size), HF export, NaN skipping.
 
 Two ``torch.multiprocessing`` workers run a ``PolicyTrainer`` each (FSDP2 over a 2-rank CPU
 DeviceMesh); the test process runs the dp = 1 reference (plain modules) and compares.
@@ -240,6 +241,58 @@ def test_dropping_uniform_groups_equals_training_without_them(tmp_path, aggregat
     _close(_params(full), _params(part), atol=1e-6)
     with pytest.raises(ValueError, match="drop_uniform_groups"):
         AlgoConfig(advantage="gae", drop_uniform_groups=True)
+
+
+# GRPO dropping uniform groups, 4 mini-batches of 2 rows: a mini-batch can be empty on one rank
+# (its row dropped) but not on the other, or empty everywhere (its update skipped on every rank).
+UNIFORM_ALGO = AlgoConfig(advantage="grpo", samples_per_prompt=2, drop_uniform_groups=True)
+UNIFORM_CFG = TrainerConfig(samples_per_step=8, minibatches_per_step=4, tokens_per_microbatch=48, lr=1e-2,
+                            weight_decay=0.1)  # fmt: skip
+
+
+def _mostly_uniform_batches() -> list[list[Sample]]:
+    """One step with a single informative group (2 trainable rows of 8), one with none."""
+    mostly = make_samples(0, 8, group=2)
+    for s, r in zip(mostly, [1, 1, 0, 0, 1, 1, 0, 1]):
+        s.reward = float(r)
+    return [mostly, make_samples(1, 8, group=2, reward=1.0)]
+
+
+def _mostly_uniform_rank_main(rank: int, port: int, model_dir: str, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=120))  # fmt: skip
+    try:
+        t = _trainer(model_dir, DataParallel(init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))), UNIFORM_CFG, UNIFORM_ALGO)
+        metrics = [t.train_step(batch, step) for step, batch in enumerate(_mostly_uniform_batches())]
+        params = _params(t)
+        if rank == 0:
+            torch.save({"metrics": metrics, "params": params}, Path(out) / "dp2_uniform.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # spawns two processes (10-30 s)
+def test_dp2_skips_the_updates_of_empty_minibatches_like_dp1(tmp_path):
+    """A mini-batch with no trainable token skips its optimiser step; the decision reads the global
+    token count, so every rank takes it alike (a rank-local one would desynchronise the collectives
+    or the weights) and dp=2 trains exactly like dp=1."""
+    model_dir = tiny_model_dir(tmp_path / "model")
+    run_processes(_mostly_uniform_rank_main, (free_port(), model_dir, str(tmp_path)), 2, timeout_s=300,
+                  what="the dp=2 trainer ranks")  # fmt: skip
+    dp2 = torch.load(tmp_path / "dp2_uniform.pt")
+    t = _trainer(model_dir, DataParallel(None), UNIFORM_CFG, UNIFORM_ALGO)
+    start = _params(t)
+    metrics = [t.train_step(batch, step) for step, batch in enumerate(_mostly_uniform_batches())]
+    assert 2 <= metrics[0]["empty_minibatches"] < 4 and metrics[1]["empty_minibatches"] == 4
+    for a, b in zip(dp2["metrics"], metrics):
+        for key in ("empty_minibatches", "skipped_updates", "loss", "grad_norm"):
+            assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-6), f"{key}: dp2 {a[key]} vs dp1 {b[key]}"
+    _close(dp2["params"], _params(t), atol=1e-5)
+    assert max((_params(t)[k] - start[k]).abs().max().item() for k in start) > 1e-3  # the first step trained
 
 
 def _dp_axis_of_a_2d_mesh(rank: int, port: int, out: str) -> None:

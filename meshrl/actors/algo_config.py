@@ -39,7 +39,8 @@ class AlgoConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Extra correction for stale or mismatched behaviour log-probs (TIS / MIS); the trainer then
     recomputes π_old with a no-grad forward and weighs π_old/π_behav."""
     is_cap: float | None = 2.0
-    """Truncated IS cap (and decoupled PPO's drop threshold)."""
+    """Truncated IS cap (required by the truncated_* modes) and decoupled PPO's drop threshold
+    (None: drop nothing)."""
     is_low: float = 0.5
     """Masked IS: drop ratios below this."""
     is_high: float = 2.0
@@ -98,6 +99,9 @@ class AlgoConfig(msgspec.Struct, frozen=True, kw_only=True):
                 raise ValueError(f"algo.{name} must be in [0, 1], got {getattr(self, name)}")
         if self.is_cap is not None and not self.is_cap > 0:
             raise ValueError(f"algo.is_cap must be > 0 (or null), got {self.is_cap}")
+        if self.is_cap is None and self.importance_sampling in ("truncated_token", "truncated_seq"):
+            raise ValueError(f"algo.importance_sampling={self.importance_sampling} truncates the weights at "
+                             "algo.is_cap: set algo.is_cap > 0 (null only turns off decoupled PPO's drop cap)")
         if not 0 <= self.is_low < 1 < self.is_high:
             raise ValueError(f"algo.is_low must be in [0, 1) and algo.is_high > 1, got {self.is_low} and {self.is_high}")
         if self.value_clip is not None and not self.value_clip > 0:

@@ -12,7 +12,10 @@ by the *mini-batch's* global valid-token (or sequence) count — over every micr
 passed explicitly — so the gradient is the same for any micro-batch split and any dp size.
 
 A NaN/inf loss or gradient norm skips that optimiser update (counted in ``skipped_updates``);
-the caller decides when too many in a row stop the run.
+the caller decides when too many in a row stop the run. A mini-batch with no valid token (every
+row dropped as a uniform group, or fully masked) skips its optimiser updates too (counted in
+``empty_minibatches``): a step on a zero gradient would still apply AdamW's momentum and weight
+decay. ``grad_norm`` is the mean over the updates of the step.
 
 Simplifications on purpose: sequences that hit the length limit are treated as terminal (no
 value bootstrap); rows are split over ranks contiguously by count, not balanced by tokens.
@@ -186,10 +189,14 @@ class PolicyUpdater:
         algo, mask = self.algo, batch.mask
         last = mask & (mask.long().cumsum(1) == mask.long().sum(1, keepdim=True))  # last valid token
         token_rewards = torch.where(last, batch.rewards[:, None].expand_as(mask), torch.zeros_like(batch.behavior_logprobs))
+        kl_penalty = None
         if algo.kl_coef > 0 and algo.kl_in_reward:
-            token_rewards = algos.kl_in_reward(
-                token_rewards, batch.behavior_logprobs, batch.ref_logprobs, mask, kl_coef=algo.kl_coef, estimator=self.kl
-            )
+            # −β·KL_t on valid tokens, 0 elsewhere: a row with no valid token has none
+            kl_penalty = algos.kl_in_reward(
+                torch.zeros_like(token_rewards), batch.behavior_logprobs, batch.ref_logprobs, mask,
+                kl_coef=algo.kl_coef, estimator=self.kl,
+            )  # fmt: skip
+            token_rewards = token_rewards + kl_penalty
         if algo.advantage == "gae":
             adv, returns = algos.gae(token_rewards, old_values, mask, gamma=algo.gamma, lam=algo.lam)
             if algo.normalize_advantages:
@@ -199,7 +206,10 @@ class PolicyUpdater:
             return adv, returns
         if algo.advantage == "reinforce_pp":
             return algos.reinforce_pp_advantages(token_rewards, mask, gamma=algo.gamma), None
-        seq_rewards = token_rewards.sum(1)  # outcome reward (+ folded KL) per sequence
+        # Each sample's own outcome reward (+ folded KL), not token_rewards.sum(1): a sample with no
+        # valid token (an empty response, an episode that failed before the policy played) holds its
+        # reward on no token, and a 0 in its place would shift its group-mates' advantages.
+        seq_rewards = batch.rewards if kl_penalty is None else batch.rewards + kl_penalty.sum(1)  # [B]
         if algo.advantage == "grpo":
             adv = algos.grpo_advantages(seq_rewards, batch.group_ids, scale_by_std=algo.grpo_scale_by_std)
         else:
@@ -243,26 +253,37 @@ class PolicyUpdater:
         num_rows = len(batch.lengths)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.dp.device)
         policy_metrics: list[dict[str, torch.Tensor]] = []
-        extra = {"grad_norm": 0.0, "critic_grad_norm": 0.0, "skipped_updates": 0.0, "critic_skipped_updates": 0.0}
+        extra = {"skipped_updates": 0.0, "critic_skipped_updates": 0.0, "empty_minibatches": 0.0}
+        norms: list[float] = []
+        critic_norms: list[float] = []
         for _ in range(self.ppo_epochs):
             order = torch.randperm(num_rows, generator=generator).tolist() if self.minibatches > 1 else list(range(num_rows))
             for minibatch in (order[i :: self.minibatches] for i in range(self.minibatches)):
                 rows = sorted(minibatch)
-                loss, metrics = self._minibatch(batch, rows, adv, returns, old_values, old_logprobs, policy_optimizer, critic_optimizer)
+                loss, metrics, num_tokens = self._minibatch(
+                    batch, rows, adv, returns, old_values, old_logprobs, policy_optimizer, critic_optimizer
+                )
                 policy_metrics += metrics
                 loss = self.dp.all_reduce(loss.reshape(1), what="the mini-batch loss")[0]  # the global loss
                 loss_sum += loss
+                if num_tokens == 0:
+                    # Nothing to train (dropped uniform groups, fully masked responses): the gradient
+                    # is zero, yet an AdamW step would still move the weights (momentum, weight
+                    # decay). num_tokens is the global count, the same on every rank, so every rank
+                    # skips alike, clip_grad_norm's collective included.
+                    extra["empty_minibatches"] += 1
+                    continue
                 # A NaN/inf loss or gradient skips the update (counted) instead of poisoning the
                 # weights; the norm and the loss are global, so every rank decides alike.
                 grad_norm = clip_grad_norm(list(self.policy.parameters()), max_grad_norm)
-                extra["grad_norm"] = grad_norm
+                norms.append(grad_norm)
                 if math.isfinite(grad_norm) and math.isfinite(float(loss)):
                     policy_optimizer.step()
                 else:
                     extra["skipped_updates"] += 1
                 if self.critic is not None and critic_optimizer is not None:
                     critic_norm = clip_grad_norm(list(self.critic.parameters()), max_grad_norm)
-                    extra["critic_grad_norm"] = critic_norm
+                    critic_norms.append(critic_norm)
                     if math.isfinite(critic_norm):
                         critic_optimizer.step()
                     else:
@@ -270,16 +291,18 @@ class PolicyUpdater:
         reduced = self.dp.reduce_metrics(algos.reduce_metrics(policy_metrics))
         mask = batch.mask
         reduced.update(extra)
+        # pre-clip norms, averaged over the updates (mini-batches × epochs) that had a token to train
+        reduced["grad_norm"] = sum(norms) / len(norms) if norms else 0.0
+        reduced["critic_grad_norm"] = sum(critic_norms) / len(critic_norms) if critic_norms else 0.0
         reduced["loss"] = float(loss_sum) / (self.ppo_epochs * self.minibatches)
         reduced["advantage_mean"] = float(adv[mask].mean()) if mask.any() else 0.0
         if uniform_frac is not None:
             reduced["uniform_group_frac"] = uniform_frac
-        if returns is not None and mask.any():
-            reduced["value_mean"] = float(old_values[mask].mean())
         return reduced
 
     def _minibatch(self, batch, rows, adv, returns, old_values, old_logprobs, policy_optimizer, critic_optimizer):
-        """Gradients of one mini-batch (this rank's share of ``rows``); its local loss and metrics."""
+        """Gradients of one mini-batch (this rank's share of ``rows``): its local loss and metrics,
+        and its global valid-token count."""
         algo, device = self.algo, self.dp.device
         # The global normaliser: every rank holds every row of the mini-batch, so counting here
         # gives the all-ranks count without a collective (and the same number on every rank).
@@ -315,4 +338,4 @@ class PolicyUpdater:
                 pm = {**pm, **{k: v for k, v in vm.items() if k != "num_tokens"}}
             metrics.append(pm)
             loss_sum += loss.detach()  # micro-batch losses share the mini-batch normaliser: they add up
-        return loss_sum, metrics
+        return loss_sum, metrics, num_tokens

@@ -13,11 +13,17 @@ Simplifications on purpose:
 - The recursions loop over T in Python (one small kernel per token, on ``[B]`` vectors); they
   run once per step, on the whole batch, so this is not a hot path.
 - GRPO/RLOO group statistics use ``torch.unique``, which syncs with the host once per call.
+- Group (GRPO, RLOO) and batch (REINFORCE++) statistics are computed in float64 and the result
+  cast back to the input's dtype, and a group (batch) whose rewards are all equal gets exactly 0:
+  in float32 the rounded mean of seven 0.7s leaves r − mean ≈ 6e-8 and a std as small, whose
+  ratio is a same-sign advantage of 0.056 on every sample. NaN/inf rewards still propagate.
 - REINFORCE++'s batch normalisation uses the batch passed in: pass the whole step's batch (or
   all-gather it across dp ranks first) for the global statistics.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -147,24 +153,36 @@ def reinforce_pp_advantages(
             KL penalties.
         mask: ``[B, T]`` bool (or 0/1), valid response tokens.
         gamma: discount in [0, 1].
-        eps: added to the std so a constant batch gives 0, not NaN.
+        eps: added to the std so it is never 0 (a constant batch gives exactly 0 regardless).
 
     Returns:
-        ``[B, T]`` advantages, 0 at masked positions (all 0 if no token is valid).
+        ``[B, T]`` advantages in the dtype of ``token_rewards``, 0 at masked positions (all 0 if
+        no token is valid, or if every valid token has the same return).
     """
     fn = "reinforce_pp_advantages"
     check_coef(fn, "eps", eps, strict=True)
     returns = discounted_returns(token_rewards, mask, gamma=gamma)  # [B, T]
     mask = check_mask(fn, mask, "token_rewards", token_rewards)
-    zero = returns.new_zeros(())
-    count = mask.sum().clamp(min=1).to(returns.dtype)
-    mean = returns.sum() / count  # masked positions of `returns` are already 0
-    centred = torch.where(mask, returns - mean, zero)  # [B, T]
+    if returns.numel() == 0:  # a shape check, no sync; amax below needs an element
+        return returns
+    g = returns.double()  # float64 statistics (module docstring)
+    count = mask.sum().clamp(min=1).to(g.dtype)
+    mean = g.sum() / count  # masked positions of `returns` are already 0
+    centred = torch.where(mask, g - mean, 0.0)  # [B, T]
+    # Exactly 0 for a constant batch whatever the rounding of its mean; a NaN/inf return leaves
+    # the mean non-finite, so it still poisons the step (the trainer skips it).
+    spread = torch.where(mask, g, -math.inf).amax() - torch.where(mask, g, math.inf).amin()
+    centred = torch.where((spread == 0) & mean.isfinite(), 0.0, centred)
     std = (centred.square().sum() / count).sqrt()
-    return centred / (std + eps)
+    return (centred / (std + eps)).to(returns.dtype)
 
 
 def _groups(fn: str, rewards: torch.Tensor, group_ids: torch.Tensor):
+    """``(index [B] in 0..G-1, count [G], centred [B], spread [G])``, all statistics in float64.
+
+    ``centred`` is r − group mean, exactly 0 in a group whose finite rewards are all equal
+    (module docstring); ``spread`` is each group's max − min reward.
+    """
     check_tensor(fn, "rewards", rewards, ndim=1)
     if not isinstance(group_ids, torch.Tensor):
         got = type(group_ids).__name__
@@ -181,10 +199,17 @@ def _groups(fn: str, rewards: torch.Tensor, group_ids: torch.Tensor):
     # Group ids are arbitrary integers: renumber them 0..G-1 (syncs once to size the result).
     _, index = torch.unique(group_ids, return_inverse=True)  # [B] in 0..G-1
     num_groups = int(index.max()) + 1 if index.numel() else 0
-    count = rewards.new_zeros(num_groups).index_add_(0, index, torch.ones_like(rewards))  # [G]
-    total = rewards.new_zeros(num_groups).index_add_(0, index, rewards)  # [G]
-    centred = rewards - (total / count)[index]  # [B]
-    return index, count, centred
+    r = rewards.double()  # [B]
+    count = r.new_zeros(num_groups).index_add_(0, index, torch.ones_like(r))  # [G]
+    total = r.new_zeros(num_groups).index_add_(0, index, r)  # [G]
+    hi = r.new_full((num_groups,), -math.inf).scatter_reduce_(0, index, r, "amax")  # [G]
+    lo = r.new_full((num_groups,), math.inf).scatter_reduce_(0, index, r, "amin")  # [G]
+    spread = hi - lo  # [G]
+    # Exactly 0 for a group of equal rewards whatever the rounding of its mean; a NaN/inf reward
+    # leaves its group's total non-finite, so it still poisons the group (the trainer skips the step).
+    constant = (spread == 0) & total.isfinite()  # [G]
+    centred = torch.where(constant[index], 0.0, r - (total / count)[index])  # [B]
+    return index, count, centred, spread
 
 
 @torch.no_grad()
@@ -205,10 +230,8 @@ def informative_groups(rewards: torch.Tensor, group_ids: torch.Tensor, *, tol: f
     """
     fn = "informative_groups"
     check_coef(fn, "tol", tol)
-    index, count, _ = _groups(fn, rewards, group_ids)
-    hi = rewards.new_full(count.shape, float("-inf")).scatter_reduce_(0, index, rewards, "amax")
-    lo = rewards.new_full(count.shape, float("inf")).scatter_reduce_(0, index, rewards, "amin")
-    return (hi - lo)[index] > tol
+    index, _, _, spread = _groups(fn, rewards, group_ids)
+    return spread[index] > tol
 
 
 @torch.no_grad()
@@ -230,19 +253,20 @@ def grpo_advantages(
         group_ids: ``[B]`` integer, samples of the same prompt share an id; ids are arbitrary
             integers and groups may differ in size.
         scale_by_std: divide by the group std (GRPO) or not (Dr. GRPO).
-        eps: added to the std so a constant group gives 0, not NaN.
+        eps: added to the std so it is never 0 (a constant group gives exactly 0 regardless).
 
     Returns:
-        ``[B]`` advantages; broadcast them over tokens in the loss. They sum to 0 in every group.
+        ``[B]`` advantages in the dtype of ``rewards``; broadcast them over tokens in the loss.
+        They sum to 0 in every group (up to that dtype's rounding); a constant group gets 0.
     """
     fn = "grpo_advantages"
     check_coef(fn, "eps", eps, strict=True)
-    index, count, centred = _groups(fn, rewards, group_ids)
+    index, count, centred, _ = _groups(fn, rewards, group_ids)
     if not scale_by_std:
-        return centred
+        return centred.to(rewards.dtype)
     square_sum = torch.zeros_like(count).index_add_(0, index, centred.square())  # [G]
     std = (square_sum / (count - 1).clamp(min=1)).sqrt()  # [G]
-    return centred / (std[index] + eps)
+    return (centred / (std[index] + eps)).to(rewards.dtype)
 
 
 @torch.no_grad()
@@ -257,8 +281,9 @@ def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Ten
         group_ids: ``[B]`` integer, arbitrary ids; groups may differ in size.
 
     Returns:
-        ``[B]`` advantages; they sum to 0 in every group.
+        ``[B]`` advantages in the dtype of ``rewards``; they sum to 0 in every group (up to that
+        dtype's rounding); a constant group gets 0.
     """
-    index, count, centred = _groups("rloo_advantages", rewards, group_ids)
+    index, count, centred, _ = _groups("rloo_advantages", rewards, group_ids)
     n = count[index]  # [B]
-    return centred * n / (n - 1).clamp(min=1)
+    return (centred * n / (n - 1).clamp(min=1)).to(rewards.dtype)
