@@ -13,16 +13,29 @@ with a ``delta``, or ``text_completion`` pieces), each also carrying the chunk's
 ``meshrl`` log-probs and versions, then a ``usage`` chunk when ``stream_options.include_usage``, then
 ``data: [DONE]``. Text that could be the start of a stop string is held back until it is not.
 
+A stop string ends generation as soon as its text appears, streamed or not: one that is one token
+through the engine's stop ids, a longer one by reading the output as it is decoded (every
+``stream_interval_steps``) and aborting the request once each of its choices has met one;
+``token_ids`` end with the token that completed it. Without ``max_tokens`` (or
+``max_completion_tokens``) a chat answer may fill the context (``max_seq_len`` less the prompt),
+as OpenAI's and vLLM's do; ``/v1/completions`` keeps OpenAI's default of 16 tokens there.
+
+Errors are OpenAI's error object on every ``/v1/`` path (aiohttp's 404 and 405 too:
+``openai_errors``): 400 naming the field for a bad request (a chat template that refuses the messages
+included), 503 while the memory is released (``/release_memory_occupation``) or after a failed
+step, 504 for a request that waits past the engine's ``generate_timeout_s`` (paused). A request
+ended by ``/pause_generation`` (mode ``abort``, as before a weight update) answers
+``finish_reason="abort"`` (as ``/generate`` reports it) with the tokens generated so far. A client
+that disconnects has its requests aborted, streamed or not, as on ``/generate``.
+
 Simplifications on purpose: no ``tools`` / function calling (agents parse tool calls from the
-text), no ``echo``, ``top_logprobs`` and penalties only at their neutral values.
-A stop string that is one token stops generation there; a longer one cuts the text after
-generation (generation runs on to EOS or ``max_tokens``), and ``token_ids`` end with the token
-that completed it. A request ended by ``/pause_generation`` (mode ``abort``, as before a weight update)
-answers ``finish_reason="abort"`` (as ``/generate`` reports it) with the tokens generated so far;
-one that waits past the engine's ``generate_timeout_s`` (paused) gets a 504 error. A client that
-disconnects has its requests aborted, as on ``/generate``. Message content may be a string or a
-list of text parts; OpenAI's defaults spelled out (``response_format: {"type": "text"}``,
-``parallel_tool_calls: true``, ``tool_choice: "none"``) are accepted.
+text), no ``echo``, penalties only at their neutral values, and no alternatives in log-probs (the
+engine keeps the sampled token's log-prob alone): chat's ``top_logprobs`` must be 0, and
+``/v1/completions`` takes ``logprobs`` 0 or 1 and lists the sampled token alone in each entry of
+``top_logprobs`` (the most likely one only under greedy decoding).
+Message content may be a string or a list of text parts; without a chat template the roles are
+OpenAI's (``_SIMPLE_ROLES``). OpenAI's defaults spelled out (``response_format: {"type": "text"}``,
+``parallel_tool_calls: true``, ``tool_choice: "none"``, or ``"auto"`` with no tools) are accepted.
 """
 
 from __future__ import annotations
@@ -32,13 +45,14 @@ import time
 from typing import Any
 
 from aiohttp import web
+from jinja2 import TemplateError
 
-from meshrl.engines.serve import (_DISCONNECT_POLL_S, BadRequest, error_response, read_json, sse, sse_response,
-                                  until_disconnect)
+from meshrl.engines.serve import (_DISCONNECT_POLL_S, BadRequest, _flag, _is_int, error_response, read_json, sse,
+                                  sse_response, until_disconnect)
 from meshrl.engines.streaming import IncrementalText, Merged
 from meshrl.engines.types import GenerateRequest, SamplingParams
 
-__all__ = ["SIMPLE_CHAT_TEMPLATE", "OpenAIServer", "render_simple_chat"]
+__all__ = ["SIMPLE_CHAT_TEMPLATE", "OpenAIServer", "openai_errors", "render_simple_chat"]
 
 SIMPLE_CHAT_TEMPLATE = "{role}: {content}\n"
 """One line per message for models without a chat template; the prompt ends with ``assistant:``."""
@@ -51,8 +65,11 @@ _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",
 _NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "echo": False, "best_of": 1,
             "suffix": None, "top_logprobs": 0, "tools": None, "tool_choice": None, "response_format": None,
             "parallel_tool_calls": None}  # fmt: skip
-_ALSO_NEUTRAL = {"response_format": {"type": "text"}, "parallel_tool_calls": True, "tool_choice": "none"}
-"""OpenAI's defaults, as clients that always send them spell them."""
+_ALSO_NEUTRAL = {"response_format": [{"type": "text"}], "parallel_tool_calls": [True], "tool_choice": ["none", "auto"]}
+"""OpenAI's defaults, as clients that always send them spell them ("auto" with no tools means "none")."""
+_SIMPLE_ROLES = ("system", "developer", "user", "assistant", "tool")
+"""The roles ``SIMPLE_CHAT_TEMPLATE`` renders (a checkpoint's own template decides for itself)."""
+_MAX_STOPS = 4  # OpenAI's limit
 
 
 def _text_content(content: Any) -> str | None:
@@ -68,6 +85,30 @@ def _text_content(content: Any) -> str | None:
 
 def render_simple_chat(messages: list[dict[str, Any]]) -> str:
     return "".join(SIMPLE_CHAT_TEMPLATE.format(role=m["role"], content=m["content"]) for m in messages) + "assistant:"
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """aiohttp's own errors on a ``/v1/`` path (404, 405, 413...) as OpenAI's error object, which the
+    OpenAI SDKs parse, instead of plain text; the handlers answer their own errors in that shape."""
+    if not request.path.startswith("/v1/"):
+        return await handler(request)
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        if exc.status == 404:
+            message = (f"{request.method} {request.path}: no such endpoint (this server has /v1/completions, "
+                       f"/v1/chat/completions and /v1/models)")
+        elif exc.status == 405:
+            message = f"{request.method} {request.path}: method not allowed (use {exc.headers.get('Allow', 'another')})"
+        else:
+            message = f"{request.method} {request.path}: {exc.reason}"
+        resp = error_response(exc.status, message)
+        if "Allow" in exc.headers:
+            resp.headers["Allow"] = exc.headers["Allow"]
+        return resp
 
 
 class OpenAIServer:
@@ -96,7 +137,7 @@ class OpenAIServer:
                                         and isinstance(options.get("include_usage", False), bool)):
             raise BadRequest(f"{endpoint}: stream_options may hold include_usage (true or false) only, got {options!r}")
         for key, neutral in _NEUTRAL.items():
-            if body.get(key) not in (neutral, None, [], {}) and body.get(key) != _ALSO_NEUTRAL.get(key):
+            if body.get(key) not in (neutral, None, [], {}) and body.get(key) not in _ALSO_NEUTRAL.get(key, []):
                 raise BadRequest(f"{endpoint}: {key}={body[key]!r} is not supported by TorchEngine (only {neutral!r})")
         return body
 
@@ -112,11 +153,13 @@ class OpenAIServer:
         except (TypeError, ValueError) as exc:
             raise BadRequest(f"bad sampling parameters: {exc}") from None
 
-    def _stops(self, body: dict[str, Any]) -> tuple[list[str], tuple[int, ...]]:
+    def _stops(self, body: dict[str, Any], endpoint: str) -> tuple[list[str], tuple[int, ...]]:
+        """The stop strings, and the token ids of those that are one token (the engine stops on them)."""
         stop = body.get("stop")
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if not all(isinstance(s, str) and s for s in stops) or len(stops) > 4:
-            raise BadRequest("stop must be a string or a list of at most 4 non-empty strings")
+        stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > _MAX_STOPS:
+            raise BadRequest(f"{endpoint}: stop must be a non-empty string or a list of at most {_MAX_STOPS} such "
+                             f"strings, got {stop!r}")
         single = []
         for s in stops:
             ids = self._encode(s)
@@ -142,31 +185,77 @@ class OpenAIServer:
 
     # -- generation and answers ---------------------------------------------------------------
 
+    def _requests(self, prompts: list[list[int]], sampling: SamplingParams) -> list[GenerateRequest]:
+        return [GenerateRequest(input_ids=p, sampling=sampling, request_id=f"oai-{next(self._ids)}") for p in prompts]
+
     async def _generate(self, request: web.Request, prompts: list[list[int]], sampling: SamplingParams,
                         stops: list[str]) -> list[dict[str, Any]] | None:
         """One dict per choice (prompt-major): ids, text, finish reason, log-probs, versions; None
         when the client went away (its requests were aborted, freeing their batch rows)."""
-        requests = [GenerateRequest(input_ids=p, sampling=sampling, request_id=f"oai-{next(self._ids)}") for p in prompts]
+        if stops:
+            return await self._generate_watched(request, prompts, sampling, stops)
         try:
-            results = await until_disconnect(request, self.engine.generate(requests))
+            results = await until_disconnect(request, self.engine.generate(self._requests(prompts, sampling)))
         except ValueError as exc:  # the engine's own check, e.g. prompt + max_tokens past max_seq_len
             raise BadRequest(str(exc)) from None
         if results is None:
             return None
-        choices = []
-        for prompt, res in zip(prompts, results):
-            for c in res.completions:
-                ids, logprobs, versions, finish = c.output_ids, c.logprobs, c.versions, c.finish_reason
-                text = self._decode(ids)
-                cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-                if cut >= 0:  # keep the tokens up to the one that completed the stop string
-                    k = self._stop_end(ids, stops)
-                    ids, logprobs, versions, text, finish = ids[:k], logprobs[:k], versions[:k], text[:cut], "stop"
-                elif finish == "stop" and ids and ids[-1] in sampling.stop_token_ids:
-                    text = self._decode(ids[:-1])  # a one-token stop string is not part of the text
-                choices.append({"prompt_ids": prompt, "ids": ids, "text": text, "logprobs": logprobs, "versions": versions,
-                                "finish": finish})  # fmt: skip
-        return choices
+        return [{"prompt_ids": prompt, "ids": c.output_ids, "text": self._decode(c.output_ids), "logprobs": c.logprobs,
+                 "versions": c.versions, "finish": c.finish_reason}
+                for prompt, res in zip(prompts, results) for c in res.completions]  # fmt: skip
+
+    async def _generate_watched(self, request: web.Request, prompts: list[list[int]], sampling: SamplingParams,
+                                stops: list[str]) -> list[dict[str, Any]] | None:
+        """``_generate`` with stop strings: read as it is decoded, as a stream is (``_next_piece``), so
+        that a request ends when its choices have met their stop strings, not at ``max_tokens``."""
+        requests = self._requests(prompts, sampling)
+        merged = await self._open(requests)
+        choices = [_StreamedChoice(prompts[k // sampling.n], self._decode) for k in range(len(prompts) * sampling.n)]
+        texts, finish = [""] * len(choices), [None] * len(choices)
+        try:
+            while True:
+                if request.transport is None or request.transport.is_closing():
+                    return None  # the client went away: close() aborts what runs
+                try:
+                    got = await self._next_piece(merged, requests, choices, sampling, stops)
+                except StopAsyncIteration:
+                    break
+                if got is not None:
+                    k, piece = got
+                    texts[k] += piece["text"]
+                    finish[k] = piece["finish"]
+        finally:
+            await merged.close()
+        return [{"prompt_ids": c.prompt_ids, "ids": c.ids[: c.sent_ids], "text": text, "finish": f,
+                 "logprobs": c.logprobs[: c.sent_ids], "versions": c.versions[: c.sent_ids]}
+                for c, text, f in zip(choices, texts, finish)]  # fmt: skip
+
+    async def _open(self, requests: list[GenerateRequest]) -> Merged:
+        try:
+            return await Merged.open(self.engine, requests)
+        except ValueError as exc:  # the engine's own check, e.g. prompt + max_tokens past max_seq_len
+            raise BadRequest(str(exc)) from None
+
+    async def _next_piece(self, merged: Merged, requests: list[GenerateRequest], choices: list[_StreamedChoice],
+                          sampling: SamplingParams, stops: list[str]) -> tuple[int, dict[str, Any]] | None:
+        """The next piece of a choice to answer: ``(choice index, piece)`` (``_StreamedChoice.add``), or
+        None when the engine gave nothing for ``_DISCONNECT_POLL_S`` (the caller checks its client). A
+        request whose choices have all met a stop string is aborted at once, freeing its rows. Raises
+        ``StopAsyncIteration`` once every choice has ended, and the engine's errors."""
+        n = sampling.n
+        while True:
+            got = await merged.next(_DISCONNECT_POLL_S)
+            if got is None:
+                return None
+            i, delta = got
+            k = i * n + delta.index
+            piece = choices[k].add(delta, self, stops, sampling.stop_token_ids)
+            if piece is None:
+                continue
+            rid = requests[i].request_id
+            if all(c.done for c in choices[i * n:(i + 1) * n]) and self.engine.is_running(rid):
+                await self.engine.abort(rid)  # every choice met a stop string: free its rows now
+            return k, piece
 
     def _stop_end(self, ids: list[int], stops: list[str]) -> int:
         """The shortest prefix length whose text holds a stop string (the whole text does): a binary
@@ -202,7 +291,11 @@ class OpenAIServer:
             if "prompt" not in body:
                 raise BadRequest("/v1/completions: send a prompt")
             prompts = self._prompts(body["prompt"])
-            stops, single = self._stops(body)
+            stops, single = self._stops(body, "/v1/completions")
+            logprobs = body.get("logprobs")
+            if logprobs is not None and not (_is_int(logprobs) and 0 <= logprobs <= 1):
+                raise BadRequest(f"/v1/completions: logprobs must be 0 or 1 (alternatives per token: the engine keeps "
+                                 f"the sampled token's log-prob alone), got {logprobs!r}")
             max_tokens = 16 if body.get("max_tokens") is None else body["max_tokens"]  # OpenAI's default; 0 is a 400
             if body.get("stream"):
                 return await self._stream(request, body, prompts, self._sampling(body, max_tokens, single), stops,
@@ -212,6 +305,8 @@ class OpenAIServer:
             return error_response(400, str(exc))
         except TimeoutError as exc:  # the engine stayed paused past generate_timeout_s; it aborted the requests
             return error_response(504, str(exc))
+        except RuntimeError as exc:  # the memory is released (/resume_memory_occupation first), or a step failed
+            return error_response(503, str(exc))
         if choices is None:
             return error_response(499, "the client closed the connection; its requests were aborted")
         out = []
@@ -237,16 +332,12 @@ class OpenAIServer:
                 raise BadRequest("/v1/chat/completions: messages must be a non-empty list of {role, content} with text "
                                  "content (a string, or a list of {type: text, text} parts)")
             messages = [{**m, "content": _text_content(m["content"])} for m in messages]
-            if self.tokenizer is None:
-                raise BadRequest("/v1/chat/completions needs the checkpoint's tokenizer (none was found)")
-            if getattr(self.tokenizer, "chat_template", None):
-                prompt = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-                prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-            else:
-                prompt_ids = self.tokenizer.encode(render_simple_chat(messages))
-            stops, single = self._stops(body)
-            # no limit means "up to the context" in OpenAI's API: at most 128 tokens, and never past max_seq_len
-            room = max(1, min(128, self.engine.cache.max_seq_len - len(prompt_ids)))
+            _flag(body, "logprobs", "/v1/chat/completions")  # "false" would be truthy
+            prompt_ids = self._chat_prompt(messages)
+            stops, single = self._stops(body, "/v1/chat/completions")
+            # no limit means "up to the context" in OpenAI's API (EOS ends it first, as a rule); a prompt
+            # that fills the context gets 1, which the engine refuses (a 400 naming max_seq_len)
+            room = max(1, self.engine.cache.max_seq_len - len(prompt_ids))
             max_tokens = next((body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None), room)
             if body.get("stream"):
                 return await self._stream(request, body, [prompt_ids], self._sampling(body, max_tokens, single), stops,
@@ -256,6 +347,8 @@ class OpenAIServer:
             return error_response(400, str(exc))
         except TimeoutError as exc:  # the engine stayed paused past generate_timeout_s; it aborted the requests
             return error_response(504, str(exc))
+        except RuntimeError as exc:  # the memory is released (/resume_memory_occupation first), or a step failed
+            return error_response(503, str(exc))
         if choices is None:
             return error_response(499, "the client closed the connection; its requests were aborted")
         out = []
@@ -270,18 +363,30 @@ class OpenAIServer:
                                   "model": body.get("model") or self.model_name, "choices": out,
                                   "usage": self._usage(choices, [prompt_ids])})  # fmt: skip
 
+    def _chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+        if self.tokenizer is None:
+            raise BadRequest("/v1/chat/completions needs the checkpoint's tokenizer (none was found)")
+        if getattr(self.tokenizer, "chat_template", None):
+            try:
+                prompt = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            except TemplateError as exc:  # its raise_exception: no system role, roles must alternate, ...
+                message = f"/v1/chat/completions: the model's chat template refused the messages: {exc}"
+                raise BadRequest(message) from None
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        unknown = sorted({m["role"] for m in messages} - set(_SIMPLE_ROLES))
+        if unknown:
+            raise BadRequest(f"/v1/chat/completions: unknown roles {unknown}: this model has no chat template, and the "
+                             f"simple one takes {list(_SIMPLE_ROLES)}")
+        return self.tokenizer.encode(render_simple_chat(messages))
+
     # -- streaming ----------------------------------------------------------------------------
 
     async def _stream(self, request: web.Request, body: dict[str, Any], prompts: list[list[int]],
                       sampling: SamplingParams, stops: list[str], *, chat: bool) -> web.StreamResponse:
         """``stream: true``: one chunk per choice per engine read (``stream_interval_steps``)."""
-        requests = [GenerateRequest(input_ids=p, sampling=sampling, request_id=f"oai-{next(self._ids)}") for p in prompts]
-        try:
-            merged = await Merged.open(self.engine, requests)
-        except ValueError as exc:
-            raise BadRequest(str(exc)) from None
-        n = sampling.n
-        choices = [_StreamedChoice(prompts[k // n], self._decode) for k in range(len(prompts) * n)]
+        requests = self._requests(prompts, sampling)
+        merged = await self._open(requests)
+        choices = [_StreamedChoice(prompts[k // sampling.n], self._decode) for k in range(len(prompts) * sampling.n)]
         usage = (body.get("stream_options") or {}).get("include_usage", False)
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{next(self._ids)}",
                 "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
@@ -295,7 +400,7 @@ class OpenAIServer:
                                                      for k in range(len(choices))]})  # fmt: skip
             while True:
                 try:
-                    got = await merged.next(_DISCONNECT_POLL_S)
+                    got = await self._next_piece(merged, requests, choices, sampling, stops)
                 except StopAsyncIteration:
                     break
                 except Exception as exc:  # paused past generate_timeout_s (aborted), or a failed step
@@ -308,14 +413,8 @@ class OpenAIServer:
                     if request.transport is None or request.transport.is_closing():
                         return resp  # the client went away: close() aborts what runs
                     continue
-                i, delta = got
-                c = choices[i * n + delta.index]
-                piece = c.add(delta, self, stops, sampling.stop_token_ids)
-                if piece is None:
-                    continue
-                await sse(resp, {**head, "choices": [self._chunk_choice(i * n + delta.index, c, piece, body, chat)]})
-                if all(choices[i * n + j].done for j in range(n)) and self.engine.is_running(requests[i].request_id):
-                    await self.engine.abort(requests[i].request_id)  # every choice hit a stop string: free its rows
+                k, piece = got
+                await sse(resp, {**head, "choices": [self._chunk_choice(k, choices[k], piece, body, chat)]})
             if usage:
                 sent = [{"ids": c.ids[: c.sent_ids]} for c in choices]
                 await sse(resp, {**head, "choices": [], "usage": self._usage(sent, prompts)})

@@ -502,7 +502,7 @@ def make_app(engine: TorchEngine, *, tokenizer: Any = None, server_args: dict[st
     ``hf_tokenizer``: the transformers tokenizer of the OpenAI endpoints (``openai_api``: text,
     chat template); "auto" loads the checkpoint's, None serves them on token ids only.
     """
-    from meshrl.engines.openai_api import OpenAIServer
+    from meshrl.engines.openai_api import OpenAIServer, openai_errors
     from meshrl.engines.serve_weights import WeightSync
 
     if hf_tokenizer == "auto":
@@ -511,7 +511,7 @@ def make_app(engine: TorchEngine, *, tokenizer: Any = None, server_args: dict[st
     openai = OpenAIServer(engine, hf_tokenizer, model_name=name)
     s = _Server(engine, tokenizer, dict(server_args or {}), compat_version)
     weights = WeightSync(engine, compat_version)
-    app = web.Application(client_max_size=64 * 1024**2, middlewares=[bad_requests])
+    app = web.Application(client_max_size=64 * 1024**2, middlewares=[bad_requests, openai_errors])
     app[ENGINE] = engine
     routes = [
         ("POST", "/generate", s.generate), ("GET", "/health", s.health), ("GET", "/health_generate", s.health_generate),

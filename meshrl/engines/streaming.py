@@ -29,6 +29,9 @@ import torch
 
 from meshrl.engines.types import Completion, StreamDelta
 
+_CLOSE_WAIT_S = 2.0
+"""How long ``Merged.close`` waits for its readers to end once their requests are aborted."""
+
 
 class _Stream:
     __slots__ = ("queue", "sent", "done")
@@ -130,7 +133,14 @@ class DeltaStream:
         return await self._deltas.__anext__()
 
     async def aclose(self) -> None:
-        await self._deltas.aclose()
+        try:
+            await self._deltas.aclose()  # (a RuntimeError while a reader is inside __anext__)
+        finally:
+            self._on_close()
+
+    def abort(self) -> None:
+        """End the request now if it still runs, and queue nothing more for it, without waiting for
+        its reader: ``aclose`` cannot run while a reader is suspended in ``__anext__``."""
         self._on_close()
 
 
@@ -156,7 +166,7 @@ class IncrementalText:
 
 class Merged:
     """Several ``generate_stream`` iterators read as one, for servers: ``(stream index, delta)`` items
-    in arrival order. ``close`` (always call it) cancels the readers, which aborts what still runs."""
+    in arrival order. ``close`` (always call it) aborts what still runs and stops the readers."""
 
     @classmethod
     async def open(cls, engine: Any, requests: list[Any]) -> "Merged":
@@ -176,12 +186,15 @@ class Merged:
     def __init__(self, streams: list[Any]):
         self._queue: asyncio.Queue = asyncio.Queue()
         self._streams = streams
+        self._closed = False
         self._tasks = [asyncio.ensure_future(self._pump(i, s)) for i, s in enumerate(streams)]
         self.left = len(streams)
 
     async def _pump(self, i: int, stream: Any) -> None:
         try:
             async for delta in stream:
+                if self._closed:  # close() ran, and this reader's cancellation was swallowed (see close)
+                    return
                 self._queue.put_nowait((i, delta))
         except Exception as exc:  # an engine error: the reader raises it
             self._queue.put_nowait((i, exc))
@@ -193,8 +206,9 @@ class Merged:
         Raises an engine error, and ``StopAsyncIteration`` once every stream has ended."""
         while self.left:
             try:
-                i, item = await asyncio.wait_for(self._queue.get(), timeout_s)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(timeout_s):  # not wait_for: it can swallow a cancellation (3.11)
+                    i, item = await self._queue.get()
+            except TimeoutError:
                 return None
             if item is None:
                 self.left -= 1
@@ -205,8 +219,21 @@ class Merged:
         raise StopAsyncIteration
 
     async def close(self) -> None:
-        """Stop reading; every stream is closed, which aborts its request if it still runs."""
+        """Stop reading: every request that still runs is aborted at once, then the readers end.
+
+        The requests are ended through their streams (``DeltaStream.abort``, synchronous), not by
+        cancelling the readers: on Python 3.11 ``asyncio.wait_for`` (``TorchEngine._deltas``) swallows
+        a cancellation that lands while a queued delta is being fetched, and the reader would go on
+        to the end of the generation. Such a reader returns at its next delta (``_closed``), and none
+        comes after the abort but those queued already, so the wait below is short; it is bounded
+        all the same (a reader left over holds no batch row, and ends at ``generate_timeout_s``)."""
+        self._closed = True
+        for s in self._streams:
+            s.abort()
         for t in self._tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        await asyncio.gather(*(s.aclose() for s in self._streams), return_exceptions=True)
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=_CLOSE_WAIT_S)
+        # each ended reader's stream runs its own clean-up (one still reading cannot be closed)
+        await asyncio.gather(*(s.aclose() for s, t in zip(self._streams, self._tasks) if t.done()),
+                             return_exceptions=True)

@@ -276,8 +276,11 @@ class TorchEngine(WeightUpdates, MemoryRelease):
         try:
             while left:
                 try:
-                    item = await asyncio.wait_for(queue.get(), max(0.0, deadline - loop.time()))
-                except asyncio.TimeoutError:
+                    # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancellation
+                    # that lands as the get completes, and a cancelled reader read on to the end
+                    async with asyncio.timeout_at(deadline):
+                        item = await queue.get()
+                except TimeoutError:
                     raise TimeoutError(f"generate_stream: request {p.rid!r} unfinished after "
                                        f"{self.config.generate_timeout_s}s ({self._state_line()}); it was aborted") from None
                 if isinstance(item, BaseException):  # the step loop failed
