@@ -237,7 +237,7 @@ class SampleQueue:
             s = self._store
             return (f"get_batch(n={n}, current_version={current_version}) waited for {n} samples in "
                     f"complete groups with behaviour version >= "
-                    f"{current_version - self._adm.max_staleness}: {s.ready_samples} ready, "
+                    f"{max(0, current_version - self._adm.max_staleness)}: {s.ready_samples} ready, "
                     f"{s.num_samples - s.ready_samples} in unfinished groups, {self._unfilled} "
                     f"reserved but not yet put; unblocked by put() from rollout producers")
 
