@@ -197,6 +197,15 @@ def test_a_failed_hand_over_keeps_generation_out_until_one_succeeds(ray_cluster,
             await one.reshard_receive.call_one(1).within(60)
             out = await one.generate.call_one(_requests(1, 3, seed=7)).within(60)
             assert out[0].completions[0].versions == [1, 1, 1]
+            # in rollout mode a push writes in place with the gate open (a resume's, the run's last one):
+            # a failed one must close it too (it stayed open, and generation went on from mixed weights)
+            with pytest.raises(ValueError, match="policy version must be an integer"):
+                await one.reshard_receive.call_one("2").within(60)
+            with pytest.raises(TimeoutError, match="colocated.switch_timeout_s"):
+                await one.generate.call_one(_requests(1, 3, seed=7)).within(60)
+            await one.reshard_receive.call_one(2).within(60)
+            out = await one.generate.call_one(_requests(1, 3, seed=7)).within(60)
+            assert out[0].completions[0].versions == [2, 2, 2]
 
         asyncio.run(scenario())
     finally:

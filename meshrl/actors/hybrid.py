@@ -309,7 +309,14 @@ class HybridWorker(Actor):
         async with self._switch:
             # A failed hand-over keeps the gate closed: the engine may hold restored-but-unwritten or half-
             # written weights, so rollout calls wait (and time out naming the switch) until one succeeds
-            stats = self.colo.to_rollout(version)
+            in_rollout = self.colo.mode == "rollout"
+            try:
+                stats = self.colo.to_rollout(version)
+            except BaseException:
+                if in_rollout:  # an in-place push with the gate open (a resume's, the run's last): close it,
+                    self._gate.open.clear()  # and end what generates on weights that may mix two versions
+                    self.colo.engine.abort_all()
+                raise
             self._gate.open.set()
             return stats
 
