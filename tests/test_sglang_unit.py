@@ -58,3 +58,26 @@ def test_sglang_engine_is_an_engine_and_fails_clearly():
 
     with pytest.raises(ConnectionError, match=r"/pause_generation.*after 4 attempts"):
         asyncio.run(main())
+
+
+def test_an_untied_lm_head_gathered_where_the_freed_embedding_was_is_sent():
+    """A trainer may gather tensors lazily, one bucket at a time: the gathered embedding is freed once
+    sent, and the untied head gathered next often lands at its address. Compared by address alone,
+    it was taken for tied and never sent (the engine kept its old head)."""
+    sender = SGLangWeightSender([SGLangEngine("http://127.0.0.1:1")])
+    addresses = []
+
+    def gathered():  # each full tensor made when asked for, dropped by the consumer after its bucket
+        for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            t = torch.ones(2048, 4096) if name != "model.norm.weight" else torch.ones(4096)  # 32 MiB: a block
+            addresses.append(t.data_ptr())  # the allocator hands back at the same address
+            yield name, t
+            del t
+
+    sent = []
+    for name, t in sender._select(gathered()):
+        sent.append(name)
+        del t  # as _send_bucket leaves it: nothing keeps a sent tensor
+    if addresses[0] != addresses[2]:
+        pytest.skip("the allocator placed the head elsewhere: nothing to tell apart here")
+    assert sent == ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]

@@ -40,6 +40,7 @@ import asyncio
 import contextlib
 import re
 import time
+import weakref
 from typing import Any, Iterable, Iterator, Literal, Protocol, Sequence
 
 import msgspec
@@ -267,13 +268,22 @@ class SGLangWeightSender:
 
     @staticmethod
     def _select(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Drop RoPE buffers, and ``lm_head.weight`` when it shares the embedding's storage (tied)."""
-        embed_ptr = None
+        """Drop RoPE buffers, and ``lm_head.weight`` when it shares the embedding's storage (tied).
+
+        Shared means the same address *while the embedding is alive*: a lazily gathered embedding is
+        freed once its bucket is sent, and an untied ``lm_head`` gathered next often lands at its
+        address (a weak reference tells the two apart). Sending a tied head is harmless (engines
+        skip it); skipping an untied one would leave the engine's old head."""
+        embed: weakref.ref | None = None
         for name, t in named:
             if name == "model.embed_tokens.weight":
-                embed_ptr = t.data_ptr()
-            if name.endswith(_SKIP_SUFFIXES) or (name == "lm_head.weight" and t.data_ptr() == embed_ptr):
+                embed = weakref.ref(t)
+            if name.endswith(_SKIP_SUFFIXES):
                 continue
+            if name == "lm_head.weight" and embed is not None:
+                alive = embed()
+                if alive is not None and alive.data_ptr() == t.data_ptr():
+                    continue
             yield name, t
 
     async def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], weight_version: str | None, b: int) -> int:
