@@ -149,7 +149,7 @@ async def _armed_receive(res, engine, version: int):
     return await res.receive(engine, version)
 
 
-def _failed_push(proc: int, port: int) -> None:
+def _failed_push(proc: int, ports: list[int]) -> None:
     """Trainer process 0 joins but never sends: engine process 1 must time out and stay on v0."""
     from meshrl.engines import TorchEngine, TorchEngineConfig
     from meshrl.reshard import GroupRanks, ReshardConfig, ReshardError, Resharder
@@ -157,25 +157,17 @@ def _failed_push(proc: int, port: int) -> None:
     cfg = _config(True)
     source, dest = _layouts(cfg, 1, 1, "float32")
     conf = ReshardConfig(timeout_s=2.0, group_name="rs-fail")
-    res = Resharder.join(source, dest, GroupRanks.disjoint(1, 1), proc, "127.0.0.1", port, conf)
+    res = Resharder.join(source, dest, GroupRanks.disjoint(1, 1), proc, "127.0.0.1", ports[0], conf)
+    in_place = Resharder.join(source, dest, GroupRanks.disjoint(1, 1), proc, "127.0.0.1", ports[1],
+                              msgspec.structs.replace(conf, apply="in_place", group_name="rs-fail-in-place"))
     if proc == 0:
-        time.sleep(8.0)  # the engine gives up meanwhile, twice
+        time.sleep(14.0)  # the engine gives up meanwhile, three times
         return
     engine = TorchEngine.from_hf_model(_trainer_model(cfg, 0).state_dict(), cfg,
                                        TorchEngineConfig(max_batch_size=2, max_seq_len=32))
     before = {n: p.clone() for n, p in engine.model.params.items()}
-    with pytest.raises(ReshardError, match=r"stays on v0") as info:
-        asyncio.run(res.receive(engine, 1))
-    assert "did not complete" in str(info.value.__cause__ or info.value), info.value
-    assert engine.version == 0 and not engine.is_updating
-    assert all(torch.equal(before[n], p) for n, p in engine.model.params.items())
-    # Later generation uses the old weights: the engine still works.
-    from meshrl.engines import GenerateRequest, SamplingParams
 
-    out = asyncio.run(engine.generate([GenerateRequest(input_ids=[1, 2], sampling=SamplingParams(max_new_tokens=2))]))
-    assert out[0].completions[0].versions == [0, 0]
-
-    async def armed_but_never_sent():
+    async def armed_but_never_sent():  # no collective starts: the group stays usable
         await res.arm(engine, 1, timeout_s=1.0)
         with pytest.raises(ReshardError, match=r"stays on v0") as info:
             await res.receive(engine, 1)
@@ -187,10 +179,25 @@ def _failed_push(proc: int, port: int) -> None:
         assert time.monotonic() - start < 2.0 and engine.version == 0 and not engine.is_updating
 
     asyncio.run(armed_but_never_sent())
-    # In place, a failed push may have written part of v1: the engine stays paused and says so.
-    res.config = msgspec.structs.replace(conf, apply="in_place")
-    with pytest.raises(ReshardError, match=r"mix of v0 and v1, so the engine stays paused"):
+    with pytest.raises(ReshardError, match=r"stays on v0") as info:
         asyncio.run(res.receive(engine, 1))
+    assert "did not complete" in str(info.value.__cause__ or info.value), info.value
+    assert engine.version == 0 and not engine.is_updating
+    assert all(torch.equal(before[n], p) for n, p in engine.model.params.items())
+    # Later generation uses the old weights: the engine still works.
+    from meshrl.engines import GenerateRequest, SamplingParams
+
+    out = asyncio.run(engine.generate([GenerateRequest(input_ids=[1, 2], sampling=SamplingParams(max_new_tokens=2))]))
+    assert out[0].completions[0].versions == [0, 0]
+    # The timed-out collective left the group unusable (gloo closes the pair): the next push says so
+    # at once, before an in-place receive pauses the engine (it used to wait, then blame a timeout).
+    start = time.monotonic()
+    with pytest.raises(ReshardError, match=r"rs-fail' broke in an earlier push .*restart the run"):
+        asyncio.run(res.receive(engine, 2))
+    assert time.monotonic() - start < 1.0 and not engine.is_paused and engine.version == 0
+    # In place, a failed push may have written part of v1: the engine stays paused and says so.
+    with pytest.raises(ReshardError, match=r"mix of v0 and v1, so the engine stays paused"):
+        asyncio.run(in_place.receive(engine, 1))
     assert engine.is_paused and engine.version == 0
 
 
@@ -205,7 +212,7 @@ def _main(proc: int, all_ports: list[list[int]]) -> None:
     for (dp, tp, dtype, tied), ports in zip(CASES, all_ports):
         _run_case(proc, dp, tp, dtype, tied, ports)
     if proc < 2:
-        _failed_push(proc, all_ports[-1][0])
+        _failed_push(proc, all_ports[-1])
 
 
 @pytest.mark.slow

@@ -171,6 +171,7 @@ class Resharder:
         self.src_rank = next((s for s, g in enumerate(ranks.src) if g == group_rank), None)
         self.dst_rank = next((d for d, g in enumerate(ranks.dst) if g == group_rank), None)
         self._receiving: _Receive | None = None
+        self._broken: str | None = None  # why a transfer failed: the group cannot carry another (_run)
         self._stream: Any = None  # staged receives' CUDA stream (_run)
         self._signals: Any = None  # the group's store, under "push/": "v<N>" means "sending v<N> now"
         if group is not None:
@@ -228,9 +229,26 @@ class Resharder:
              timings: dict[str, float] | None = None, after: Any = None) -> tuple[int, int]:
         """Run this process's share of the plan. ``after``: a CUDA event recorded when the staging copy
         was made; the transfer then runs on a stream of its own that waits only for that event."""
+        self._check_intact()
         run = functools.partial(run_plan, self.plan, self.ranks, self.group_rank, self.group, sources=sources,
                                 buffers=buffers, device=self.device, timeout_s=self.config.timeout_s,
                                 depth=self._depth(sources), timings=timings)
+        try:
+            return self._run_on_stream(run, after)
+        except Exception as exc:
+            # a collective failed or timed out (gloo then closes the pair), or this rank stopped between
+            # two of them: either way the ranks are out of step, and every later push would fail too,
+            # naming a timeout or a crashed peer that are not the cause
+            self._broken = f"{type(exc).__name__}: {exc}"
+            raise
+
+    def _check_intact(self) -> None:
+        if self._broken is not None:
+            raise ReshardError(f"the transfer group {self.config.group_name!r} broke in an earlier push "
+                               f"({self._broken[:300]}); a process group does not recover from a failed or "
+                               "timed-out collective: restart the run (run.resume=latest continues it)")
+
+    def _run_on_stream(self, run: Callable[[], tuple[int, int]], after: Any) -> tuple[int, int]:
         if after is None:
             return run()
         # NCCL orders each collective after the current stream's queued work. On the engine's stream
@@ -252,6 +270,7 @@ class Resharder:
         """The trainer side: this rank's local tensors (``layout.local_tensors``) to the engines. Blocks."""
         if self.src_rank is None:
             raise ReshardError(f"group rank {self.group_rank} holds no source rank")
+        self._check_intact()
         start = time.perf_counter()
         self._check_sources(sources)
         checked = time.perf_counter()
@@ -274,6 +293,8 @@ class Resharder:
         """
         if self.dst_rank is None:
             raise ReshardError(f"group rank {self.group_rank} holds no destination rank")
+        if self._receiving is None:  # (an armed receive that failed has its own error for finish to raise)
+            self._check_intact()  # before an in-place receive pauses the engine
         if sources is not None:
             if self.src_rank is None:
                 raise ReshardError(f"group rank {self.group_rank} holds no source rank: receive(sources=None)")
@@ -296,6 +317,7 @@ class Resharder:
         withdraws it. Staged apply and pure destination ranks only (a rank that also sends would
         need its sources now). Costs the staging copy's memory from now on rather than from the push.
         """
+        self._check_intact()
         if self.config.apply != "staged":
             raise ReshardError(f"arm: needs reshard.apply=staged, not {self.config.apply!r} (in place would pause "
                                "the engine from now until the push)")
@@ -419,7 +441,7 @@ class Resharder:
             why = self._why(exc)
             raise ReshardError(f"in-place push of v{version} failed on destination rank {self.dst_rank}: {why}; "
                                f"its weights are now a mix of v{old} and v{version}, so the engine stays paused "
-                               "(push a whole version again, or restart it)") from exc
+                               "(push a whole version again over a new transfer group, or restart the run)") from exc
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the next step reads complete weights
         t2 = time.perf_counter()
