@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
+import threading
 import time
 
 import msgspec
@@ -22,6 +24,7 @@ from meshrl.actors.reward import RolloutJob, score_job
 from meshrl.actors.train_step import PolicyUpdater, build_step_batch
 from meshrl.engines import SamplingParams, TorchEngine, TorchEngineConfig
 from meshrl.envs import EpisodeConfig, EpisodeRequest, StepResult, ToolEnv, calculator, parse_tool_call, run_episode, run_episodes
+from meshrl.envs.base import as_step_result, call_env
 from meshrl.modeling import pack, response_logprobs
 from meshrl.queues import QueueConfig, SampleQueue, decode_samples
 from meshrl.tasks import AdditionTask, Problem
@@ -292,3 +295,155 @@ def test_episodes_without_a_policy_token_are_accepted_by_the_queue(model_dir, to
         return len(await queue.get_batch(4, 0, timeout=0))
 
     assert asyncio.run(put()) == 4
+
+
+# ---- environments that block or hang: every env call runs on a daemon thread of its own, bounded from
+# its start; none holds the loop, a shared pool's thread, or the program's exit
+
+
+def test_hung_sync_env_calls_hold_no_shared_thread_and_the_timeout_counts_the_call_only():
+    """More hung ``step`` calls than the loop's default executor has threads: later env calls, any
+    other ``asyncio.to_thread`` of that loop (the weight receive uses one) and ``asyncio.run``'s exit
+    must not wait behind them. Many concurrent healthy calls, each far inside the timeout, must
+    not fail for waiting for a thread."""
+    release = threading.Event()
+    pool = min(32, (os.cpu_count() or 1) + 4)  # the default executor's threads
+
+    async def main() -> tuple:
+        hung = await asyncio.gather(*(call_env(release.wait, timeout_s=0.3, what="step") for _ in range(pool)),
+                                    return_exceptions=True)  # fmt: skip
+        t0 = time.monotonic()
+        healthy = await asyncio.gather(*(call_env(time.sleep, 0.3, timeout_s=1.0, what="step") for _ in range(5 * pool)),
+                                       return_exceptions=True)  # fmt: skip
+        healthy_s = time.monotonic() - t0
+        other = await asyncio.wait_for(asyncio.to_thread(lambda: "weights received"), 2.0)
+        return hung, healthy, healthy_s, other
+
+    out: dict = {}
+    runner = threading.Thread(target=lambda: out.update(result=asyncio.run(main())), daemon=True)
+    runner.start()
+    try:
+        runner.join(timeout=30)
+        assert not runner.is_alive(), "asyncio.run did not return: it waits for the hung calls' threads"
+        hung, healthy, healthy_s, other = out["result"]
+    finally:
+        release.set()
+    assert all(isinstance(e, TimeoutError) and "env_timeout_s=0.3" in str(e) for e in hung)
+    assert healthy == [None] * (5 * pool), [e for e in healthy if e is not None][:1]
+    assert healthy_s < 1.0 and other == "weights received"
+
+
+def test_the_factory_runs_off_the_loop_bounded_and_every_environment_is_closed_once(model_dir, tok):
+    """A slow factory fails its own episode at env_timeout_s without stalling the event loop (the
+    engine's); close() is called once per environment on every path: done, a raising step, a
+    timed-out step (whose close hangs too: the episode still ends), and an environment its factory
+    made after its timeout (closed then, on the factory's thread)."""
+    eng = engine(model_dir)
+    release, closed, lock = threading.Event(), [], threading.Lock()
+
+    class Env:
+        def __init__(self, problem: Problem) -> None:
+            self.problem = problem
+            if problem.id == 0:
+                time.sleep(2.0)  # e.g. starting a sandbox
+
+        def reset(self) -> str:
+            return self.problem.prompt
+
+        def step(self, action: str):
+            if self.problem.id == 2:
+                raise RuntimeError("the environment broke")
+            if self.problem.id == 3:
+                release.wait()  # a sandbox that never answers
+            return "", 1.0, True
+
+        def close(self) -> None:
+            with lock:
+                closed.append(self.problem.id)
+            if self.problem.id == 3:
+                release.wait()  # and never shuts down either
+
+    class AsyncClose(Env):
+        async def close(self) -> None:
+            await asyncio.sleep(0)
+            closed.append(self.problem.id)
+
+    make = lambda p: AsyncClose(p) if p.id == 1 else Env(p)  # noqa: E731
+    reqs = [EpisodeRequest(problem=Problem(i, f"{i}+1=", "x"), n=1, sampling=SamplingParams(max_new_tokens=3, seed=i))
+            for i in range(5)]  # fmt: skip
+
+    async def main() -> tuple:
+        stalls: list[float] = []
+
+        async def heartbeat() -> None:
+            last = time.monotonic()
+            while True:
+                await asyncio.sleep(0.01)
+                now = time.monotonic()
+                stalls.append(now - last)
+                last = now
+
+        beat = asyncio.create_task(heartbeat())
+        t0 = time.monotonic()
+        groups = await asyncio.wait_for(run_episodes(eng, tok, make, reqs, EpisodeConfig(env_timeout_s=0.5), max_seq_len=64), 10)
+        took = time.monotonic() - t0
+        beat.cancel()
+        return groups, took, max(stalls)
+
+    try:
+        groups, took, stall = asyncio.run(main())
+        assert [e.failed for g in groups for e in g] == [True, False, True, True, False]
+        assert took < 2.5 and stall < 0.5, (took, stall)  # 0.5 s step timeout + 0.5 s close timeout, loop free
+        assert sorted(closed) == [1, 2, 3, 4]  # the slow factory's environment does not exist yet
+        deadline = time.monotonic() + 5
+        while 0 not in closed and time.monotonic() < deadline:  # waits for: the slow factory to return
+            time.sleep(0.05)
+        assert sorted(closed) == [0, 1, 2, 3, 4]  # each once
+    finally:
+        release.set()
+
+
+def test_a_prompt_or_stop_string_the_tokenizer_cannot_encode_fails_only_its_episode(model_dir, tok):
+    """The embedded character tokenizer drops characters it lacks: a stop string "\\n" has no last
+    token and a prompt of unknown characters has no tokens at all; either fails its own episode
+    (before: an IndexError or an empty engine request lost the whole batch)."""
+    assert tok.encode("\n", add_special_tokens=False) == [] and tok.encode("日本") == []
+    eng = engine(model_dir)
+
+    class Good(Returns):
+        def __init__(self, problem: Problem) -> None:
+            super().__init__(problem, ("", 1.0, True))
+
+    class LineEnv(Good):
+        stop = ("\n",)
+
+    class OddPrompt(Good):
+        def reset(self) -> str:
+            return "日本"
+
+    for bad in (LineEnv, OddPrompt):
+        make = lambda p, bad=bad: bad(p) if p.id == 0 else Good(p)  # noqa: E731
+        reqs = [EpisodeRequest(problem=Problem(i, f"{i}+1=", "x"), n=2, sampling=SamplingParams(max_new_tokens=3, seed=i))
+                for i in range(3)]  # fmt: skip
+        groups = asyncio.run(run_episodes(eng, tok, make, reqs, EpisodeConfig(), max_seq_len=64))
+        assert [[e.failed for e in g] for g in groups] == [[True, True], [False, False], [False, False]], bad.__name__
+        assert all(e.prompt_ids and e.policy_tokens == 0 for e in groups[0])
+    with pytest.raises(ValueError, match="encodes to no tokens"):
+        from meshrl.envs.episode import _encoded
+
+        _encoded(tok, "\n", "the stop string")
+
+
+def test_done_must_be_a_bool():
+    """``bool("false")`` is True: a done that is not a bool (numpy's included) is a malformed step,
+    refused like a reward that is not a number, so the episode fails instead of ending by accident."""
+    import numpy as np
+
+    for done in ("false", "true", 0, 1, None, {"x": 1}, np.array([True])):
+        with pytest.raises(TypeError, match="done must be a bool"):
+            as_step_result(("obs", 0.0, done))
+    with pytest.raises(TypeError, match="done must be a bool"):
+        as_step_result(StepResult("obs", 0.0, "false"))
+    assert as_step_result(("obs", 0.0, np.bool_(False))).done is False
+    assert as_step_result(("obs", 0.0, np.array([1, 2]).all())).done is True
+    assert as_step_result(StepResult("obs", 0.0, True)).done is True

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
+import threading
 import time
 
 import pytest
@@ -334,3 +335,138 @@ def test_a_users_own_reward_that_fails_marks_its_samples_and_never_ends_the_run(
         assert scored.rewards == [1.0, 0.0, 0.5, 0.0] and scored.failures == 2  # NaN and "oops" are marked
     else:
         assert scored.failures == 4 and scored.rewards == [0.0] * 4
+
+
+def test_sync_per_sample_rewards_are_scored_concurrently_and_within_the_callers_time(caplog):
+    """A sync reward scored one sample after another made a job cost the sum of its samples (each
+    within reward.timeout_s), past the rollout loop's run.step_timeout_s: the run ended. Now sync
+    samples overlap on threads of their own, and a caller's ``within_s`` bounds the whole job:
+    what is not scored by then is marked, what is scored is kept, and the warning names the reward."""
+    from meshrl.actors.reward import RolloutJob, score_job_with, scoring_time_s
+    from meshrl.embedded.tokenizer import build_char_tokenizer
+    from meshrl.engines.types import Completion, GenerateResult
+
+    problems = [Problem(id=i, prompt=f"{i}+1=", answer=str(i + 1)) for i in range(16)]
+    release = threading.Event()
+
+    def judge(problem: Problem, completion: str) -> float:  # e.g. a blocking HTTP call to a judge model
+        time.sleep(0.25)
+        return 1.0
+
+    def hangs_sometimes(problem: Problem, completion: str) -> float:
+        if problem.id % 4 == 0:
+            release.wait()
+        return 1.0
+
+    try:
+        t0 = time.monotonic()
+        out = score(as_reward(judge, timeout_s=60), problems, ["x"] * 16)
+        assert time.monotonic() - t0 < 1.5 and all(o.reward == 1.0 for o in out)  # one after another: 4 s
+        t0 = time.monotonic()
+        out = score(as_reward(hangs_sometimes, timeout_s=0.5), problems, ["x"] * 16)
+        assert time.monotonic() - t0 < 1.5  # the hung calls were abandoned together: not 4 x 0.5 s
+        assert [o is None for o in out] == [i % 4 == 0 for i in range(16)]
+
+        one_at_a_time = FunctionReward(judge, timeout_s=60, threads=1)
+        t0 = time.monotonic()
+        out = asyncio.run(one_at_a_time.score(problems[:8], ["x"] * 8, within_s=0.6))
+        assert time.monotonic() - t0 < 1.2
+        assert [o is not None for o in out] == [True, True] + [False] * 6  # kept what it scored in time
+        assert "FunctionReward" in caplog.text and "judge" in caplog.text and "6 of 8 samples not scored" in caplog.text
+
+        # a job: the reward worker's call, bounded so it answers within its caller's timeout
+        tok = build_char_tokenizer()
+        ids = tok.encode("12", add_special_tokens=False)
+        comp = Completion(output_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="length", versions=[0] * len(ids))
+        job = RolloutJob(problems=problems[:8], prompt_ids=[[1, 2]] * 8, group_ids=list(range(8)),
+                         results=[GenerateResult(request_id=str(i), prompt_tokens=2, completions=[comp]) for i in range(8)])
+        for reward in (one_at_a_time, as_reward(hangs_sometimes, timeout_s=60), _UserReward("hangs")):
+            t0 = time.monotonic()
+            scored = asyncio.run(score_job_with(reward, tok, job, timeout_s=60, within_s=1.0))
+            assert time.monotonic() - t0 < 1.0, reward  # the caller would have given up
+            assert 0 < scored.failures < 8 or isinstance(reward, _UserReward) and scored.failures == 8
+        assert scoring_time_s(600) == 570 and scoring_time_s(20) == 18
+    finally:
+        release.set()
+
+
+def test_a_task_with_a_score_helper_is_scored_by_its_reward():
+    """A Task is recognised as a Task before a Reward (any object with a ``score`` attribute passes
+    the runtime-checkable protocol): its ``reward`` scores, not its ``score`` helper."""
+
+    class MyTask:
+        name = "mine"
+
+        def split(self, name):
+            return [Problem(0, "1+1=", "2")]
+
+        def score(self, problem, completion):  # a helper the reward uses
+            return float(completion.strip() == problem.answer)
+
+        def reward(self, problem, completion):
+            return self.score(problem, completion)
+
+    reward = as_reward(MyTask(), timeout_s=5)
+    assert isinstance(reward, FunctionReward)
+    assert [o.reward for o in score(reward, [Problem(0, "1+1=", "2")] * 2, ["2", "3"])] == [1.0, 0.0]
+    assert as_reward(_UserReward("mixed"), timeout_s=5).__class__ is _UserReward  # a Reward that is no Task
+
+
+@pytest.mark.slow
+def test_a_mesh_reward_serves_a_second_run(ray_cluster):
+    """The pipeline stops the meshes of a run, the reward's included; the same MeshReward object
+    passed to the next run (a resume in the same program) spawns a fresh mesh instead of calling
+    the dead one."""
+    from meshrl.envs import MeshReward
+
+    judge = MeshReward(Judge, num_workers=1, timeout_s=30)
+
+    async def run() -> list:
+        procs: list = []
+
+        def spawn(name, cls, *args, procs_n=1, **kwargs):  # the pipeline's _spawn, as it stops them
+            mesh = spawn_procs({"procs": kwargs.pop("procs", 1)}, cpus_per_proc=0.01, name=name)
+            procs.append(mesh)
+            return mesh.spawn(name, cls, *args, **kwargs)
+
+        try:
+            await judge.start(spawn)
+            return await judge.score(P[:1], ["abc"])
+        finally:
+            for mesh in procs:
+                mesh.stop()
+
+    first = asyncio.run(run())
+    second = asyncio.run(run())
+    assert first == second == [RewardOutput(3.0)]
+
+
+def _slow_judge(problem: Problem, completion: str) -> float:
+    time.sleep(0.5)
+    return 1.0
+
+
+@pytest.mark.slow
+def test_a_reward_worker_answers_within_its_callers_timeout(ray_cluster, tmp_path):
+    """What the rollout loop does: ``rewards.score.choose(job, within_s=t)`` bounded by ``t``. A
+    slow sync reward (8 samples x 0.5 s, one at a time) marks what it has not scored by then; the
+    call answers in time, so the run goes on."""
+    from meshrl.actors.reward import RewardWorker, RolloutJob
+    from meshrl.embedded.tokenizer import build_char_tokenizer
+    from meshrl.engines.types import Completion, GenerateResult
+
+    tok = build_char_tokenizer()
+    tok.save_pretrained(tmp_path / "tok")
+    ids = tok.encode("12", add_special_tokens=False)
+    comp = Completion(output_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="length", versions=[0] * len(ids))
+    job = RolloutJob(problems=P[:4], prompt_ids=[[1, 2]] * 4, group_ids=list(range(4)),
+                     results=[GenerateResult(request_id=str(i), prompt_tokens=2, completions=[comp, comp]) for i in range(4)])
+    procs = spawn_procs({"procs": 1}, cpus_per_proc=0.01, name="reward-within")
+    try:
+        workers = procs.spawn("reward-within", RewardWorker, FunctionReward(_slow_judge, threads=1), str(tmp_path / "tok"), 60.0)
+        asyncio.run(workers.ready().within(60))
+        t0 = time.monotonic()
+        scored = asyncio.run(workers.score.choose(job, within_s=2.5).within(2.5))
+        assert time.monotonic() - t0 < 2.5 and 0 < scored.failures < 8 and scored.rewards.count(1.0) == 8 - scored.failures
+    finally:
+        procs.stop()

@@ -3,8 +3,9 @@
 The reward is any ``meshrl.envs.Reward``: the task's own ``reward`` method, a plain function (sync
 or async, per sample or batched), a remote ``HTTPReward`` or a ``MeshReward`` on a mesh. A reward
 that raises, times out or returns a non-number marks its sample (``reward_failed``, reward 0) and
-the run goes on. An environment episode's reward is the sum of its step rewards, plus the reward
-function's score of its last policy turn when there is one; a failed episode gets 0, marked.
+the run goes on; so does one too slow for its job (a job answers within its caller's timeout). An
+environment episode's reward is the sum of its step rewards, plus the reward function's score of
+its last policy turn when there is one; a failed episode gets 0, marked.
 The worker returns the samples already encoded in the queue's wire format, so the controller only
 forwards bytes.
 """
@@ -27,7 +28,8 @@ from meshrl.mesh import Actor, endpoint
 from meshrl.queues import Sample, encode_samples
 from meshrl.tasks import Problem, RewardOutput, Task
 
-__all__ = ["RewardConfig", "RewardWorker", "RolloutJob", "Scored", "call_reward", "score_job", "score_job_with"]
+__all__ = ["RewardConfig", "RewardWorker", "RolloutJob", "Scored", "call_reward", "score_job", "score_job_with",
+           "scoring_time_s"]
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +39,9 @@ class RewardConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Reward workers; jobs go to the least busy one."""
     timeout_s: float = 60.0
     """Longest call of a reward function: per sample, or per batch for a batched one; past it the
-    samples are marked reward_failed (functions and scorers with their own timeout_s keep it)."""
+    samples are marked reward_failed (functions and scorers with their own timeout_s keep it). A
+    whole job is bounded too: samples not scored within run.step_timeout_s (less a tenth, at most
+    30 s) are marked, so a slow reward marks samples instead of ending the run."""
 
     def __post_init__(self) -> None:
         if self.num_workers < 1 or not self.timeout_s > 0:
@@ -136,34 +140,49 @@ def score_job(task: Task, tokenizer: Any, job: RolloutJob) -> Scored:
     return _build(job, outs)
 
 
-async def _score(reward: Reward, problems: list[Problem], texts: list[str], timeout_s: float) -> list[RewardOutput | None]:
-    """``reward.score``, one result per completion (None: failed). The library's rewards bound and
-    mark each call themselves; a user's own ``Reward`` is bounded here by ``timeout_s`` and, when it
-    raises, times out or answers wrongly, its samples are marked: it never ends the run."""
-    if isinstance(reward, (FunctionReward, HTTPReward, MeshReward)):
-        return list(await reward.score(problems, texts))
-    name = type(reward).__name__
+async def _score(reward: Reward, problems: list[Problem], texts: list[str], timeout_s: float,
+                 within_s: float | None = None) -> list[RewardOutput | None]:  # fmt: skip
+    """``reward.score``, one result per completion (None: failed), within ``within_s`` when given.
+    The library's rewards bound and mark each call themselves (a ``FunctionReward`` keeps what it
+    scored within ``within_s``); a user's own ``Reward`` is bounded here by ``timeout_s`` too and,
+    when it raises, times out or answers wrongly, its samples are marked: it never ends the run."""
+    if isinstance(reward, FunctionReward):
+        return list(await reward.score(problems, texts, within_s=within_s))
+    own = isinstance(reward, (HTTPReward, MeshReward))
+    name = repr(reward) if own else f"{type(reward).__name__}.score"
+    limits = [s for s in (within_s, None if own else timeout_s) if s is not None]
     try:
-        scored = list(await asyncio.wait_for(reward.score(problems, texts), timeout_s))
+        call = reward.score(problems, texts)
+        scored = list(await (asyncio.wait_for(call, min(limits)) if limits else call))
         if len(scored) != len(texts):
             raise ValueError(f"returned {len(scored)} results for {len(texts)} completions")
     except Exception as exc:  # TimeoutError included
-        log.warning("%s.score failed, so its %d samples are marked reward_failed: %s: %s", name, len(texts),
-                    type(exc).__name__, exc or f"no answer within reward.timeout_s={timeout_s:g}s")
+        log.warning("%s failed, so its %d samples are marked reward_failed: %s: %s", name, len(texts),
+                    type(exc).__name__, exc or f"no answer within {min(limits, default=0):g}s (reward.timeout_s or "
+                    "the caller's timeout, whichever is shorter)")  # fmt: skip
         return [None] * len(texts)
     outs: list[RewardOutput | None] = []
     for out in scored:
         try:
             outs.append(None if out is None else to_reward_output(out))
         except (TypeError, ValueError, ArithmeticError) as exc:
-            log.warning("%s.score: a result is marked reward_failed: %s", name, exc)
+            log.warning("%s: a result is marked reward_failed: %s", name, exc)
             outs.append(None)
     return outs
 
 
-async def score_job_with(reward: Reward | None, tokenizer: Any, job: RolloutJob, timeout_s: float = 60.0) -> Scored:
+def scoring_time_s(within_s: float) -> float:
+    """What a reward may spend on a job whose caller waits ``within_s``: the rest (a tenth, at most
+    30 s) decodes, builds and encodes the samples and carries them back before the caller gives up."""
+    return within_s - min(30.0, 0.1 * within_s)
+
+
+async def score_job_with(reward: Reward | None, tokenizer: Any, job: RolloutJob, timeout_s: float = 60.0, *,
+                         within_s: float | None = None) -> Scored:  # fmt: skip
     """``score_job`` with any ``Reward``, or none (episodes: the environment's rewards only);
-    episodes whose environment failed are not scored. ``timeout_s`` bounds a user's own ``Reward``."""
+    episodes whose environment failed are not scored. ``timeout_s`` bounds a user's own ``Reward``;
+    ``within_s``, the caller's timeout, bounds the whole job: samples the reward has not scored
+    within ``scoring_time_s(within_s)`` are marked reward_failed (the warning names the reward)."""
     problems, texts = _texts(tokenizer, job)
     failed = [e.failed for group in job.episodes for e in group] if job.episodes else [False] * len(texts)
     todo = [i for i, f in enumerate(failed) if not f]
@@ -174,7 +193,8 @@ async def score_job_with(reward: Reward | None, tokenizer: Any, job: RolloutJob,
         for i in todo:
             outs[i] = RewardOutput(reward=0.0)
     elif todo:
-        scored = await _score(reward, [problems[i] for i in todo], [texts[i] for i in todo], timeout_s)
+        budget = None if within_s is None else scoring_time_s(within_s)
+        scored = await _score(reward, [problems[i] for i in todo], [texts[i] for i in todo], timeout_s, budget)
         for i, out in zip(todo, scored):
             outs[i] = out
     return _build(job, outs)
@@ -193,6 +213,8 @@ class RewardWorker(Actor):
         self.timeout_s = timeout_s
 
     @endpoint
-    async def score(self, job: RolloutJob) -> Scored:
-        return await score_job_with(self.reward, self.tokenizer, job, self.timeout_s)
+    async def score(self, job: RolloutJob, within_s: float | None = None) -> Scored:
+        """``within_s``: how long the caller waits (its timeout); the job answers within it, marking
+        the samples a slow reward has not scored by then, so a slow reward never ends the run."""
+        return await score_job_with(self.reward, self.tokenizer, job, self.timeout_s, within_s=within_s)
 

@@ -6,10 +6,16 @@ class Env:                                   # any object with these two methods
     def reset(self) -> str: ...              # the first observation: the prompt
     def step(self, action: str) -> StepResult | tuple:   # (observation, reward, done[, info])
         ...
+    def close(self) -> None: ...             # optional: release what the episode held
 ```
 
 An environment is made per episode by a factory from the episode's ``Problem``
 (``environment=lambda problem: Env(problem)``), so an episode's state never leaks into another.
+The factory and every sync method run on a daemon thread of their own (``in_thread``), so one that
+blocks or hangs holds neither the engine's event loop nor a thread other calls need; each call is
+bounded by ``env_timeout_s`` from its start. ``close`` is called once per environment made, however
+its episode ended (done, a limit, a failure, a timeout); an environment whose factory returned
+after its timeout is closed on the factory's abandoned thread.
 The episode runner (``meshrl.envs.episode``) appends each policy turn and each observation to one
 token sequence; ``Episode`` records which tokens the policy produced (trained, loss mask 1) and
 which the environment did (context only, loss mask 0).
@@ -22,11 +28,12 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 from typing import Any, Awaitable, Callable, Protocol, Sequence, TypeVar, runtime_checkable
 
 import msgspec
 
-from meshrl.envs.rewards import finite_info, finite_number
+from meshrl.envs.rewards import finite_info, finite_number, in_thread
 from meshrl.tasks import Problem
 
 __all__ = ["Environment", "EnvFactory", "Episode", "EpisodeConfig", "StepResult", "as_step_result", "call_env",
@@ -60,6 +67,10 @@ class Environment(Protocol):
         """React to the policy's turn ``action`` (its text, special tokens removed)."""
         ...
 
+    # Optional, so not a member of the protocol (isinstance would then demand it):
+    # def close(self) -> None | Awaitable[None]: release what the episode held (a sandbox, a
+    # connection); called once, on every path out of the episode, bounded by env_timeout_s.
+
 
 EnvFactory = Callable[[Problem], Environment]
 """Makes the environment of one episode from its problem (a class taking a ``Problem`` is one)."""
@@ -74,7 +85,8 @@ class EpisodeConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Response tokens per episode, policy and environment tokens together (each policy turn is
     also bounded by rollout.max_new_tokens)."""
     env_timeout_s: float = 60.0
-    """Longest ``reset`` or ``step`` call; past it the episode ends, marked ``reward_failed``."""
+    """Longest call of the environment factory, ``reset``, ``step`` or ``close``, counted from the
+    call's start; past it the episode ends, marked ``reward_failed`` (a late ``close`` only warns)."""
 
     def __post_init__(self) -> None:
         if self.max_turns < 1 or self.max_tokens < 1:
@@ -125,17 +137,22 @@ async def maybe_await(value: T | Awaitable[T]) -> T:
     return await value if inspect.isawaitable(value) else value
 
 
-async def call_env(fn: Callable[..., Any], *args: Any, timeout_s: float, what: str) -> Any:
-    """Call an environment method, sync (in a thread: it may block) or async, within a timeout."""
-    async def call() -> Any:
-        if inspect.iscoroutinefunction(fn):
-            return await fn(*args)
-        return await maybe_await(await asyncio.to_thread(fn, *args))
-
+async def call_env(fn: Callable[..., Any], *args: Any, timeout_s: float, what: str,
+                   late: Callable[[Any], None] | None = None) -> Any:  # fmt: skip
+    """Call an environment method (or the factory), sync on a thread of its own (it may block:
+    ``in_thread``) or async, within ``timeout_s`` of its start. ``late``: see ``in_thread``."""
+    limit = f"environment {what} took longer than rollout.episode.env_timeout_s={timeout_s:g}s"
+    deadline = time.monotonic() + timeout_s
+    if inspect.iscoroutinefunction(fn):
+        value = fn(*args)
+    else:
+        value = await in_thread(fn, *args, timeout_s=timeout_s, what=limit, late=late)
+    if not inspect.isawaitable(value):
+        return value
     try:
-        return await asyncio.wait_for(call(), timeout_s)
+        return await asyncio.wait_for(value, max(0.0, deadline - time.monotonic()))
     except asyncio.TimeoutError:
-        raise TimeoutError(f"environment {what} took longer than rollout.episode.env_timeout_s={timeout_s:g}s") from None
+        raise TimeoutError(limit) from None
 
 
 def as_step_result(value: Any) -> StepResult:
@@ -151,10 +168,18 @@ def as_step_result(value: Any) -> StepResult:
         raise TypeError(f"Environment.step must return a StepResult or (observation, reward, done[, info]), got {value!r:.80}")
     if not isinstance(obs, str):
         raise TypeError(f"Environment.step: the observation must be a str, got {type(obs).__name__}")
+    if not _is_bool(done):  # bool("false") is True: a string or a number would end or go on by accident
+        raise TypeError(f"Environment.step: done must be a bool, got {done!r:.40} ({type(done).__name__})")
     try:
         return StepResult(obs, finite_number(reward, "reward"), bool(done), finite_info(info))
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"Environment.step: {exc}") from None
+
+
+def _is_bool(value: Any) -> bool:
+    """A Python bool or a numpy one (``np.bool_``, e.g. from ``array.all()``)."""
+    return isinstance(value, bool) or (type(value).__module__ == "numpy" and getattr(value, "shape", None) == ()
+                                       and getattr(getattr(value, "dtype", None), "kind", None) == "b")
 
 
 def stop_strings(env: Environment) -> Sequence[str]:

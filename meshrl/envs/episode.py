@@ -1,13 +1,19 @@
 """The episode runner: plays environments with an engine, one token sequence per episode.
 
 ```text
+env = make_env(problem)            (on a thread of its own, bounded by env_timeout_s, as every env call)
 prompt_ids = encode(env.reset())
 repeat up to max_turns:
     policy turn: engine.generate(context) until EOS, a stop string, or max_new_tokens
                  → tokens appended with their log-probs and versions, loss mask 1
     env.step(turn text) → observation, reward, done  (a cut-off turn is stepped too)
     done → stop; else the observation's tokens are appended with loss mask 0, log-prob 0.0
+env.close()                        (if it has one: once, however the episode ended)
 ```
+
+Whatever the environment gets wrong (raises, times out, returns a malformed step, a prompt or
+stop string the tokenizer cannot encode) fails only its own episode, marked ``failed``; engine
+errors do raise.
 
 Stop strings end a turn early: the engine stops at the *last token* of each stop string, and a
 turn that stopped there without the whole string at its end (``>`` of ``<calc>`` when the stop
@@ -26,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import traceback
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import msgspec
 
@@ -112,18 +118,19 @@ async def _policy_turn(engine: Engine, tokenizer: Any, trace: _Trace, sampling: 
 async def run_episode(engine: Engine, tokenizer: Any, env: Any, sampling: SamplingParams, limits: EpisodeConfig, *,
                       max_seq_len: int, fallback_prompt: str = "") -> Episode:  # fmt: skip
     """Play one episode of ``env`` (module docstring). An environment's error or timeout never
-    raises: the episode ends there, marked ``failed`` (engine errors do raise)."""
+    raises: the episode ends there, marked ``failed`` (engine errors do raise). ``env`` stays the
+    caller's to close (``run_episodes`` closes those it makes)."""
     timeout = limits.env_timeout_s
     try:
         prompt = await call_env(env.reset, timeout_s=timeout, what="reset")
         if not isinstance(prompt, str) or not prompt:
             raise TypeError(f"Environment.reset must return a non-empty str, got {prompt!r:.80}")
         stops = stop_strings(env)
+        trace = _Trace(_encoded(tokenizer, prompt, "the prompt Environment.reset returned", add_special_tokens=True))
+        stop_ids = tuple(sorted({_encoded(tokenizer, s, "the stop string")[-1] for s in stops}))
     except Exception:
         log.warning("environment reset failed:\n%s", traceback.format_exc())
-        return _failed(_Trace(tokenizer.encode(fallback_prompt or " ")), engine, tokenizer)
-    trace = _Trace(tokenizer.encode(prompt))
-    stop_ids = tuple(sorted({tokenizer.encode(s, add_special_tokens=False)[-1] for s in stops}))
+        return _failed(_Trace(_fallback_ids(tokenizer, fallback_prompt)), engine, tokenizer)
     limit = min(limits.max_tokens, max_seq_len - len(trace.prompt_ids))
     reward, info, turns, final_text, finish = 0.0, {}, 0, "", "length"
     while turns < limits.max_turns:
@@ -137,6 +144,7 @@ async def run_episode(engine: Engine, tokenizer: Any, env: Any, sampling: Sampli
             break
         try:
             result = as_step_result(await call_env(env.step, final_text, timeout_s=timeout, what="step"))
+            obs = [] if result.done else tokenizer.encode(result.observation, add_special_tokens=False)
         except Exception:
             log.warning("environment step failed:\n%s", traceback.format_exc())
             return trace.episode(final_text=final_text, info=info, turns=turns, finish_reason="abort", failed=True)
@@ -145,7 +153,7 @@ async def run_episode(engine: Engine, tokenizer: Any, env: Any, sampling: Sampli
         if result.done:
             finish = "length" if ended == "length" else "stop"  # a cut-off last turn counts as truncated
             break
-        obs = tokenizer.encode(result.observation, add_special_tokens=False)[: max(0, limit - len(trace.ids))]
+        obs = obs[: max(0, limit - len(trace.ids))]
         version = trace.versions[-1] if trace.versions else engine.version
         trace.add(obs, [0.0] * len(obs), [version] * len(obs), policy=False)
         if len(trace.ids) >= limit:
@@ -153,6 +161,23 @@ async def run_episode(engine: Engine, tokenizer: Any, env: Any, sampling: Sampli
     if not any(trace.mask):  # no room for a single policy token (a prompt as long as max_seq_len)
         return _failed(trace, engine, tokenizer)
     return trace.episode(final_text=final_text, reward=reward, info=info, turns=turns, finish_reason=finish)
+
+
+def _encoded(tokenizer: Any, text: str, what: str, add_special_tokens: bool = False) -> list[int]:
+    """``text``'s tokens; none (a tokenizer that drops characters it lacks, as the embedded
+    character tokenizer does) is the environment's error: an empty prompt would fail the engine's
+    whole batch, and a stop string needs a last token."""
+    ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    if not ids:
+        raise ValueError(f"{what} {text!r:.40} encodes to no tokens with this tokenizer (characters it lacks?)")
+    return ids
+
+
+def _fallback_ids(tokenizer: Any, prompt: str) -> list[int]:
+    """The prompt tokens of an episode that failed before it had its own: the problem's prompt,
+    or one EOS when that encodes to nothing (a sample needs a prompt)."""
+    ids = tokenizer.encode(prompt) if prompt else []
+    return ids or [tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0]
 
 
 def _failed(trace: _Trace, engine: Engine, tokenizer: Any) -> Episode:
@@ -165,17 +190,22 @@ def _failed(trace: _Trace, engine: Engine, tokenizer: Any) -> Episode:
 async def run_episodes(engine: Engine, tokenizer: Any, make_env: EnvFactory, requests: Sequence[EpisodeRequest],
                        limits: EpisodeConfig, *, max_seq_len: int) -> list[list[Episode]]:  # fmt: skip
     """Every request's ``n`` episodes, concurrently; episode ``j`` of a request is seeded from its
-    sampling seed and ``j``."""
+    sampling seed and ``j``. Each environment is made by ``make_env`` off the event loop, bounded
+    by env_timeout_s (a failure or timeout fails that episode), and closed after its episode."""
+    timeout = limits.env_timeout_s
 
     async def one(req: EpisodeRequest, j: int) -> Episode:
         try:
-            env = make_env(req.problem)
+            env = await call_env(make_env, req.problem, timeout_s=timeout, what="factory", late=_close_late(timeout))
         except Exception:
             log.warning("environment factory failed on problem %s:\n%s", req.problem.id, traceback.format_exc())
-            return _failed(_Trace(tokenizer.encode(req.problem.prompt or " ")), engine, tokenizer)
+            return _failed(_Trace(_fallback_ids(tokenizer, req.problem.prompt)), engine, tokenizer)
         sampling = msgspec.structs.replace(req.sampling, seed=_seed(req.sampling.seed, j))
-        return await run_episode(engine, tokenizer, env, sampling, limits, max_seq_len=max_seq_len,
-                                 fallback_prompt=req.problem.prompt)  # fmt: skip
+        try:
+            return await run_episode(engine, tokenizer, env, sampling, limits, max_seq_len=max_seq_len,
+                                     fallback_prompt=req.problem.prompt)  # fmt: skip
+        finally:
+            await _close(env, timeout)
 
     tasks = [[asyncio.ensure_future(one(r, j)) for j in range(r.n)] for r in requests]
     try:
@@ -184,3 +214,25 @@ async def run_episodes(engine: Engine, tokenizer: Any, make_env: EnvFactory, req
         for group in tasks:
             for t in group:
                 t.cancel()
+
+
+async def _close(env: Any, timeout_s: float) -> None:
+    """``env.close()`` if it has one, bounded like every env call; a failure only warns (the
+    episode is played already)."""
+    close = getattr(env, "close", None)
+    if not callable(close):
+        return
+    try:
+        await call_env(close, timeout_s=timeout_s, what="close")
+    except Exception:
+        log.warning("environment close failed:\n%s", traceback.format_exc())
+
+
+def _close_late(timeout_s: float) -> Callable[[Any], None]:
+    """Closes an environment whose factory returned after its timeout (on the factory's abandoned
+    thread, where blocking harms no one; an async close gets an event loop of its own there)."""
+
+    def close(env: Any) -> None:
+        asyncio.run(_close(env, timeout_s))
+
+    return close

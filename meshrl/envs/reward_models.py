@@ -9,7 +9,10 @@ Pipeline(cfg, reward=reward)
 
 The pipeline spawns the mesh (``start``) beside its other roles and stops it with them; reward
 workers then call ``score`` on the least busy actor (``choose``) with a timeout. A scorer actor's
-``score(problems, completions)`` returns one number (or ``RewardOutput``) per completion.
+``score(problems, completions)`` returns one number (or ``RewardOutput``) per completion. A mesh the
+reward spawned belongs to one run: the next ``start`` (the same object passed to a second Pipeline,
+e.g. a resume in the same program) spawns a fresh one. A mesh given to ``MeshReward.of`` is the
+caller's: used as it is, never stopped or replaced.
 
 Simplification on purpose: a failed or timed-out call marks its whole chunk of samples.
 """
@@ -42,6 +45,8 @@ class MeshReward:
         self.name = name or f"reward-{getattr(actor, '__name__', 'mesh').lower()}"
         """The mesh's name (actor names are ``<name>/<rank>``: unique within a Ray cluster)."""
         self.mesh: ActorMesh | None = None
+        self._spawned = False
+        """``mesh`` was spawned by ``start`` (so the run that spawned it stops it), not given to ``of``."""
 
     @classmethod
     def of(cls, mesh: ActorMesh, *, timeout_s: float = 120.0, batch_size: int | None = None) -> "MeshReward":
@@ -54,11 +59,16 @@ class MeshReward:
         return f"MeshReward({getattr(self.actor, '__name__', self.mesh)!r})"
 
     async def start(self, spawn: Callable[..., ActorMesh]) -> None:
-        """Spawn the mesh with the pipeline's ``spawn`` (so it stops with the run); wait until ready."""
+        """Spawn the mesh with the pipeline's ``spawn`` (so it stops with the run); wait until ready.
+        Each call spawns afresh: the mesh of a previous run was stopped with that run."""
+        if self._spawned:
+            self.mesh.stop()  # stopped with its run already (safe twice); frees its actors' names
+            self.mesh, self._spawned = None, False
         if self.mesh is None:
             if self.actor is None:
                 raise ValueError("MeshReward needs an actor class, or a running mesh through MeshReward.of(mesh)")
             self.mesh = spawn(self.name, self.actor, *self.args, procs=self.num_workers, **self.kwargs)
+            self._spawned = True
         try:
             await self.mesh.ready().within(self.timeout_s)
         except TimeoutError:

@@ -16,8 +16,16 @@ RewardModel("/path/to/seq-cls-model")                        # a reward model on
 A function that raises, times out or returns something that is not a finite number marks its sample
 (``reward_failed``, reward 0, the ``reward_failed_frac`` metric) and the run goes on.
 
+A sync per-sample function scores ``threads`` samples at once (default 8), each call on a daemon
+thread of its own (``in_thread``, which environments use too): a blocking judge call overlaps with
+the others, while a CPU-bound function shares the GIL, so each call (what ``timeout_s`` measures)
+takes longer with more threads (``FunctionReward(fn, threads=1)`` scores one at a time). A caller
+that waits a limited time passes ``within_s``: samples not scored by then are marked, the others
+kept, so a slow reward marks samples instead of outlasting its caller (the reward job, and so the
+run).
+
 Simplifications on purpose: a sync function that times out cannot be interrupted; its thread is
-abandoned (and the next samples go to a fresh thread). A batched function fails or succeeds as a
+abandoned (and the next samples go to fresh threads). A batched function fails or succeeds as a
 whole.
 """
 
@@ -35,7 +43,8 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 from meshrl.tasks import Problem, RewardOutput
 
-__all__ = ["FunctionReward", "HTTPReward", "Reward", "as_reward", "batched_reward", "to_reward_output"]
+__all__ = ["FunctionReward", "HTTPReward", "Reward", "as_reward", "batched_reward", "in_thread", "is_task",
+           "to_reward_output"]
 
 log = logging.getLogger(__name__)
 
@@ -87,10 +96,17 @@ class FunctionReward:
     """A reward function, sync or async, per sample (``fn(problem, completion)``) or batched."""
 
     def __init__(self, fn: Callable, *, batched: bool = False, timeout_s: float | None = None,
-                 max_concurrency: int = 64) -> None:  # fmt: skip
+                 max_concurrency: int = 64, threads: int = 8) -> None:  # fmt: skip
         if not callable(fn):
             raise TypeError(f"a reward function must be callable, got {fn!r:.80}")
-        self.fn, self.batched, self.max_concurrency = fn, batched, max_concurrency
+        if max_concurrency < 1 or threads < 1:
+            raise ValueError(f"FunctionReward: need max_concurrency >= 1 and threads >= 1, got {max_concurrency}, {threads}")
+        self.fn, self.batched = fn, batched
+        self.max_concurrency = max_concurrency
+        """An async per-sample function's calls in flight at once."""
+        self.threads = threads
+        """A sync per-sample function's calls in flight at once, each on a thread of its own
+        (module docstring: 1 for a CPU-bound function)."""
         self.timeout_s = timeout_s
         """Per sample (per batch when batched); None: the pipeline's reward.timeout_s."""
         self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
@@ -98,52 +114,64 @@ class FunctionReward:
     def __repr__(self) -> str:
         return f"FunctionReward({getattr(self.fn, '__qualname__', self.fn)!r}, batched={self.batched})"
 
-    async def score(self, problems: Sequence[Problem], completions: Sequence[str]) -> list[RewardOutput | None]:
+    async def score(self, problems: Sequence[Problem], completions: Sequence[str], *,
+                    within_s: float | None = None) -> list[RewardOutput | None]:  # fmt: skip
+        """One result per completion (None: failed). ``within_s``: the whole call's limit (its
+        caller's own timeout, less its margin); samples not scored by then are marked, the others kept."""
         timeout = self.timeout_s if self.timeout_s is not None else 60.0
+        deadline = math.inf if within_s is None else time.monotonic() + within_s
         if self.batched:
             try:
-                if self.is_async:
-                    values = await asyncio.wait_for(self.fn(list(problems), list(completions)), timeout)
-                else:
-                    values = (await _in_threads(self.fn, [(list(problems), list(completions))], timeout))[0]
-                    if isinstance(values, BaseException):
-                        raise values
-                    if inspect.isawaitable(values):  # an async function behind a plain wrapper or a lambda
-                        values = await asyncio.wait_for(values, timeout)
+                values = await self._call(list(problems), list(completions), timeout=timeout, deadline=deadline)
                 if len(values) != len(completions):
                     raise ValueError(f"batched reward returned {len(values)} results for {len(completions)} completions")
                 return [to_reward_output(v) for v in values]
             except Exception as exc:
                 _warn(self, exc)
                 return [None] * len(completions)
-        if self.is_async:
-            gate = asyncio.Semaphore(self.max_concurrency)
+        gate = asyncio.Semaphore(self.max_concurrency if self.is_async else self.threads)
 
-            async def one(p: Problem, c: str) -> Any:
-                async with gate:
-                    try:
-                        return await asyncio.wait_for(self.fn(p, c), timeout)
-                    except BaseException as exc:  # noqa: BLE001 - a timeout or the function's error
-                        if isinstance(exc, asyncio.CancelledError) and not isinstance(exc, asyncio.TimeoutError):
-                            raise
-                        return exc
+        async def one(p: Problem, c: str) -> Any:
+            async with gate:  # waits for: a call of this job to end (or to be abandoned at its timeout)
+                try:
+                    return await self._call(p, c, timeout=timeout, deadline=deadline)
+                except asyncio.CancelledError:
+                    raise
+                except BaseException as exc:  # noqa: BLE001 - a timeout or the function's error marks the sample
+                    return exc
 
-            values = await asyncio.gather(*(one(p, c) for p, c in zip(problems, completions)))
-        else:
-            values = await _in_threads(self.fn, list(zip(problems, completions)), timeout)
-            if any(inspect.isawaitable(v) for v in values):  # an async function behind a plain wrapper or a lambda
-                values = await asyncio.gather(*(_awaited(v, timeout) for v in values))
-        return [_checked(self, v) for v in values]
+        values = await asyncio.gather(*(one(p, c) for p, c in zip(problems, completions)))
+        late = [v for v in values if isinstance(v, _OverBudget)]
+        if late:  # one line for the job, not one per sample
+            log.warning("%r: %d of %d samples not scored within the caller's %gs, marked reward_failed (raise threads= "
+                        "or max_concurrency=, or make the reward faster)", self, len(late), len(values), within_s)
+        return [None if isinstance(v, _OverBudget) else _checked(self, v) for v in values]
+
+    async def _call(self, *args: Any, timeout: float, deadline: float) -> Any:
+        """``fn(*args)``, bounded by ``timeout`` and by ``deadline`` (time.monotonic); cut by the
+        deadline, it raises ``_OverBudget``."""
+        try:
+            limit = min(timeout, deadline - time.monotonic())
+            if limit <= 0:
+                raise TimeoutError
+            if self.is_async:
+                value = self.fn(*args)
+            else:
+                value = await in_thread(self.fn, *args, timeout_s=limit, what=f"{self!r} took longer than {timeout:g}s")
+            if inspect.isawaitable(value):  # async, or an async function behind a plain wrapper or a lambda
+                try:
+                    value = await asyncio.wait_for(value, max(0.0, min(timeout, deadline - time.monotonic())))
+                except asyncio.TimeoutError:
+                    raise TimeoutError(f"{self!r} took longer than {timeout:g}s") from None
+            return value
+        except TimeoutError:
+            if time.monotonic() >= deadline:
+                raise _OverBudget(f"{self!r}: not scored within the caller's time") from None
+            raise
 
 
-async def _awaited(value: Any, timeout: float) -> Any:
-    """``value``, awaited (bounded) if it is awaitable; a failure is returned, as ``_in_threads`` does."""
-    if not inspect.isawaitable(value):
-        return value
-    try:
-        return await asyncio.wait_for(value, timeout)
-    except Exception as exc:  # TimeoutError included
-        return exc
+class _OverBudget(TimeoutError):
+    """A sample that its caller's deadline left unscored (logged once per call)."""
 
 
 def _checked(reward: Any, value: Any) -> RewardOutput | None:
@@ -164,61 +192,79 @@ def _warn(reward: Any, exc: BaseException) -> None:
         log.warning("%r failed:\n%s", reward, "".join(traceback.format_exception(exc)))
 
 
-async def _in_threads(fn: Callable, calls: list[tuple], timeout_s: float) -> list[Any]:
-    """``fn(*args)`` for each call, in order, on one background thread; a call running longer than
-    ``timeout_s`` becomes a ``TimeoutError`` and the rest continue on a fresh thread."""
-    results: list[Any] = [None] * len(calls)
-    start = 0
-    while start < len(calls):
-        # "current" is (index, start time), stored as one tuple: a reader never pairs a new index with
-        # the previous call's start time (which would time out a call that just began)
-        state: dict[str, Any] = {"current": (start, time.monotonic()), "abandoned": False}
-        done = asyncio.get_running_loop().create_future()
-        loop = asyncio.get_running_loop()
+async def in_thread(fn: Callable, *args: Any, timeout_s: float, what: str,
+                    late: Callable[[Any], None] | None = None) -> Any:  # fmt: skip
+    """``fn(*args)`` on a daemon thread of its own, awaited at most ``timeout_s`` from the call's
+    start; past it ``TimeoutError(what)``, and the thread is abandoned (a sync function cannot be
+    interrupted). Not the loop's default executor (``asyncio.to_thread``): a hung call would hold
+    one of its few threads for good, so later calls (a weight receive included) would wait behind
+    it, and ``asyncio.run`` would wait for it at exit. ``late(value)`` runs on the abandoned thread
+    with what the call returned after all (e.g. to close an environment made too late)."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    lock, state = threading.Lock(), {"abandoned": False, "delivered": False}
 
-        def work(lo: int = start, state: dict = state, done: asyncio.Future = done) -> None:
-            for i in range(lo, len(calls)):
-                state["current"] = (i, time.monotonic())
-                try:
-                    value: Any = fn(*calls[i])
-                except Exception as exc:  # the caller marks the sample
-                    value = exc
-                if state["abandoned"]:
-                    return
-                results[i] = value
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+    def settle(value: Any, error: BaseException | None) -> None:
+        if not done.done():
+            done.set_result(value) if error is None else done.set_exception(error)
 
-        threading.Thread(target=work, name="meshrl-reward", daemon=True).start()
-        while True:
-            i, since = state["current"]
-            wait = since + timeout_s - time.monotonic()
-            if wait > 0:
-                try:
-                    await asyncio.wait_for(asyncio.shield(done), wait)
-                except asyncio.TimeoutError:
-                    pass
-            if done.done():
-                return results
-            i, since = state["current"]
-            if time.monotonic() - since >= timeout_s:  # the current call is stuck
-                state["abandoned"] = True
-                results[i] = TimeoutError(f"reward call took longer than {timeout_s:g}s")
-                start = i + 1
-                break
-    return results
+    def work() -> None:
+        value, error = None, None
+        try:
+            value = fn(*args)
+        except Exception as exc:  # the caller's to judge
+            error = exc
+        except BaseException as exc:  # SystemExit and the like: raised into the loop they would end it
+            error = RuntimeError(f"{getattr(fn, '__qualname__', fn)} raised {type(exc).__name__}: {exc}")
+        with lock:
+            state["delivered"] = not state["abandoned"]
+        if state["delivered"]:
+            try:
+                loop.call_soon_threadsafe(settle, value, error)
+            except RuntimeError:  # the loop closed meanwhile: nobody waits for the value
+                pass
+        elif late is not None and error is None:
+            try:
+                late(value)
+            except Exception:
+                log.warning("cleaning up after an abandoned call of %s failed:\n%s", getattr(fn, "__qualname__", fn),
+                            traceback.format_exc())  # fmt: skip
+
+    threading.Thread(target=work, name="meshrl-call", daemon=True).start()  # returns once the thread runs
+    try:
+        # waits for: the call to return; unblocked by: work's settle (or the timeout)
+        return await asyncio.wait_for(asyncio.shield(done), None if math.isinf(timeout_s) else timeout_s)
+    except asyncio.TimeoutError:
+        with lock:
+            state["abandoned"] = not state["delivered"]
+        if not state["abandoned"]:  # it returned just now: its value is on its way
+            return await done
+        raise TimeoutError(what) from None
+    except asyncio.CancelledError:
+        with lock:
+            state["abandoned"] = True  # a value not delivered yet goes to ``late``
+        raise
+
+
+def is_task(value: Any) -> bool:
+    """A Task: ``split`` and a callable ``reward``. Recognised before a ``Reward``, which is any
+    object with a ``score`` attribute (a runtime-checkable protocol checks names only), so a task
+    with a ``score`` helper of its own is still scored by its ``reward`` method."""
+    return callable(getattr(value, "split", None)) and callable(getattr(value, "reward", None))
 
 
 def as_reward(value: Any, *, timeout_s: float) -> Reward:
-    """A ``Reward`` from a Reward, a Task (its ``reward`` method) or a plain function; functions
-    without their own ``timeout_s`` get ``timeout_s``."""
+    """A ``Reward`` from, in this order: a ``FunctionReward``; a Task (``is_task``: its ``reward``
+    method); a Reward (an object with async ``score``); a plain function. Functions without their
+    own ``timeout_s`` get ``timeout_s``."""
     if isinstance(value, FunctionReward):
         if value.timeout_s is None:
             value.timeout_s = timeout_s
         return value
+    if is_task(value):
+        return FunctionReward(value.reward, timeout_s=timeout_s)
     if isinstance(value, Reward) and not inspect.isfunction(value):
         return value
-    if hasattr(value, "split") and callable(getattr(value, "reward", None)):  # a Task
-        return FunctionReward(value.reward, timeout_s=timeout_s)
     if callable(value):
         return FunctionReward(value, timeout_s=timeout_s)
     raise TypeError(f"reward must be a function, a Reward (with async score) or a Task, got {value!r:.80}")

@@ -28,7 +28,7 @@ async def evaluate(driver: RolloutDriver, task: Task, log: RunLog, *, step: int,
             for i in range(0, len(problems), chunk)]  # fmt: skip
     scored = []
     for job in await asyncio.gather(*jobs):
-        scored.append(await bounded(roles.rewards.score.choose(job), timeout, "held-out scoring"))
+        scored.append(await bounded(roles.rewards.score.choose(job, within_s=timeout), timeout, "held-out scoring"))
     rewards = [x for s in scored for x in s.rewards]
     n = max(1, len(rewards))
     means = {k: sum(s.info.get(k, 0.0) * len(s.rewards) for s in scored) / n for s in scored for k in s.info}

@@ -150,7 +150,8 @@ class RolloutDriver:
                                          what=f"rollout worker {worker_index} to generate")  # fmt: skip
                 t1 = self.log.now()
                 self.log.span("rollout", "generate", t0, t1, worker=worker_index)
-                scored = await bounded(self.roles.rewards.score.choose(job_in), timeout, "a reward worker")
+                # the reward worker answers within `timeout`, marking what a slow reward has not scored by then
+                scored = await bounded(self.roles.rewards.score.choose(job_in, within_s=timeout), timeout, "a reward worker")
                 encoded = scored.encoded
                 if self.roles.reference is not None:
                     encoded = await bounded(self.roles.reference.annotate.choose(encoded), timeout, "the reference worker")
