@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from pathlib import Path
 from typing import Literal, Sequence
 
@@ -225,7 +226,9 @@ class PolicyTrainer:
                 max_grad_norm=self.cfg.max_grad_norm, generator=self.generator,
             )  # fmt: skip
         metrics["lr"] = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
+        with warnings.catch_warnings():  # the schedule counts steps, also those whose updates were all skipped
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+            self.scheduler.step()
         self.steps += 1
         skipped = metrics["skipped_updates"] + metrics["critic_skipped_updates"] > 0
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
