@@ -236,7 +236,10 @@ def table(model: dict) -> list[str]:
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in model["runs"]:
         ok = r.get("accepted")
-        verdict = "-" if ok is None else ("PASS" if all(ok.values()) else "FAIL: " + "; ".join(k for k, v in ok.items() if not v))
+        if ok is None or model["model"] == "tiny":  # the CPU check of the script: its numbers mean nothing
+            verdict = "-"
+        else:
+            verdict = "PASS" if all(ok.values()) else "FAIL: " + "; ".join(k for k, v in ok.items() if not v)
         lines.append(
             f"| {r['eta']} | {r['samples_per_s']:.1f} | {r['tokens_per_s']:,.0f} | {r['t_step_s']:.3f} | {r['t_gen_s']:.3f} | "
             f"{r['t_train_s']:.3f} | {r.get('speedup', float('nan')):.2f}x | {ev.get('ideal_speedup', float('nan')):.2f}x | "

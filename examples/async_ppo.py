@@ -9,8 +9,8 @@ first run), then trains it with RL: rollout, reward and training run at once as 
 by a staleness-bounded queue. It prints one line per step and writes, under run.output_dir,
 metrics.jsonl, timeline.jsonl, plots.png, config.yaml and final/ (a Hugging Face checkpoint).
 Ctrl-C stops cleanly: the steps in flight finish, a checkpoint is written (``run.resume=latest``
-continues from it) and final/ is exported; a second Ctrl-C aborts (once the warm start, if one is
-running, has finished: it runs in a thread that cannot be interrupted).
+continues from it) and final/ is exported; a second Ctrl-C aborts (a warm start under way ends at
+its next step, caching nothing).
 """
 
 from __future__ import annotations

@@ -37,7 +37,8 @@ def test_every_snippet_of_the_embedding_docs_runs(ray_cluster, tmp_path, monkeyp
                                            "bash", "python", "bash", "python"]  # fmt: skip
     docs_yaml = tmp_path / "docs_run.yaml"
     docs_yaml.write_text(found[0][1])
-    meshrl.load_config(meshrl.PipelineConfig, str(docs_yaml))  # the page's YAML is a valid config
+    for overrides in ([], ["queue.max_staleness=2"], ["run.resume=latest"]):  # as the page loads it
+        meshrl.load_config(meshrl.PipelineConfig, str(docs_yaml), overrides).validate()  # a config that runs
 
     model_dir = tiny_model_dir(tmp_path / "model", layers=1)
     (tmp_path / "my_run.yaml").write_text(f"""

@@ -404,10 +404,10 @@ def test_the_factory_runs_off_the_loop_bounded_and_every_environment_is_closed_o
 
 
 def test_a_prompt_or_stop_string_the_tokenizer_cannot_encode_fails_only_its_episode(model_dir, tok):
-    """The embedded character tokenizer drops characters it lacks: a stop string "\\n" has no last
-    token and a prompt of unknown characters has no tokens at all; either fails its own episode
-    (before: an IndexError or an empty engine request lost the whole batch)."""
-    assert tok.encode("\n", add_special_tokens=False) == [] and tok.encode("日本") == []
+    """The embedded character tokenizer, loaded from a Qwen2 folder, drops characters it lacks: a stop
+    string of them has no last token and a prompt of them has no tokens at all; either fails its own
+    episode (before: an IndexError or an empty engine request lost the whole batch)."""
+    assert tok.encode("日", add_special_tokens=False) == [] and tok.encode("日本") == []
     eng = engine(model_dir)
 
     class Good(Returns):
@@ -415,7 +415,7 @@ def test_a_prompt_or_stop_string_the_tokenizer_cannot_encode_fails_only_its_epis
             super().__init__(problem, ("", 1.0, True))
 
     class LineEnv(Good):
-        stop = ("\n",)
+        stop = ("日",)
 
     class OddPrompt(Good):
         def reset(self) -> str:
@@ -431,7 +431,7 @@ def test_a_prompt_or_stop_string_the_tokenizer_cannot_encode_fails_only_its_epis
     with pytest.raises(ValueError, match="encodes to no tokens"):
         from meshrl.envs.episode import _encoded
 
-        _encoded(tok, "\n", "the stop string")
+        _encoded(tok, "日", "the stop string")
 
 
 def test_done_must_be_a_bool():

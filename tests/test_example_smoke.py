@@ -39,6 +39,7 @@ def test_example_runs_end_to_end_and_writes_its_outputs(tmp_path, algo):
     out = run_example(tmp_path, *TINY, *extra, f"run.output_dir={tmp_path / 'run'}")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "held-out accuracy:" in out.stdout
+    assert "held-out accuracy at step 2 (v" in out.stdout  # the periodic evaluation (run.eval_every=2) is printed
 
     run = tmp_path / "run"
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -22,6 +22,25 @@ def test_char_tokenizer_round_trips_through_save_pretrained(tmp_path):
     assert loaded.decode(ids + [tok.eos_token_id], skip_special_tokens=True) == "37+45=82"
 
 
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "llama"])
+def test_char_tokenizer_keeps_whitespace_when_auto_loaded_from_a_model_folder(tmp_path, model_type):
+    """transformers 5 loads a Qwen2 folder's tokenizer as Qwen2Tokenizer, with its own byte-level
+    pre-tokenizer: the plain " " and "\\n" tokens were never produced, so "What is 2 + 3?" came back
+    as "Whatis2+3?" (prompts, observations and chat templates lost their whitespace)."""
+    from transformers import AutoConfig
+
+    tok = build_char_tokenizer()
+    text = "What is 2 + 3?\n\tanswer: 5 ~{}|"
+    ids = tok.encode(text)
+    assert len(ids) == len(text) and tok.decode(ids) == text
+    config = AutoConfig.for_model(model_type, vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    config.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert loaded.encode(text) == ids and loaded.decode(ids) == text
+
+
 def test_addition_splits_are_disjoint_and_answers_are_right():
     task = AdditionTask(digits=2, num_test=300, seed=3)
     train, test = task.split("train"), task.split("test")

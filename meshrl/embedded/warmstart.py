@@ -33,7 +33,9 @@ from meshrl.tasks import Task
 
 __all__ = ["WarmStartConfig", "WarmStartStopped", "warm_start", "default_cache_dir"]
 
-_FORMAT = 1  # bump when the warm start's procedure changes, so old cache entries are not reused
+_FORMAT = 2  # bump when the warm start's procedure changes, so old cache entries are not reused
+# 2: the char tokenizer spelled in the byte-level alphabet (entries of 1 carry a tokenizer that
+#    transformers 5 reads without whitespace in Qwen2 folders)
 
 
 class WarmStartConfig(msgspec.Struct, frozen=True, kw_only=True):

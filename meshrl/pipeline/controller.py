@@ -409,7 +409,11 @@ class Pipeline:
         await: guarded like the loops, so a failure stops the run now instead of waiting in the task
         until the run ends. Its record is in the run log; the task's result is not used."""
         what = f"the held-out evaluation after train step {self.step} (run.eval_every={self.cfg.run.eval_every})"
-        await self._guard(self._evaluate(), always_fails=True, what=what)
+        await self._guard(self._echo_evaluation(), always_fails=True, what=what)
+
+    async def _echo_evaluation(self) -> None:
+        record = await self._evaluate()
+        self._echo(f"held-out accuracy at step {record['step']} (v{record['version']}): {record['accuracy']:.1%}")
 
     def _shutdown(self) -> None:
         for mesh in self._procs:
