@@ -252,9 +252,11 @@ def test_committing_a_step_again_never_leaves_latest_without_a_complete_checkpoi
     again.rename(aside)
     found = latest_checkpoint(tmp_path)
     assert found == aside and read_run_state(found).generated_tokens == 3
-    # the next commit of that step cleans up
+    # the next commit of that step cleans up, and so does any commit a killed run's unfinished one
+    stray = partial_dir(tmp_path, 7)
+    stray.mkdir()
     final = _commit_step(tmp_path, 6, keep=1, generated_tokens=4)
-    assert latest_checkpoint(tmp_path) == final and not aside.exists()
+    assert latest_checkpoint(tmp_path) == final and not aside.exists() and not stray.exists()
 
 
 def test_a_refused_resume_leaves_the_runs_config_file_alone(tmp_path):

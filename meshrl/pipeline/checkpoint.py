@@ -239,6 +239,8 @@ def commit(partial: Path, *, keep: int) -> Path:
     tmp.write_text(final.name + "\n")
     os.replace(tmp, pointer)  # atomic: a crash leaves the previous latest, which is still complete
     shutil.rmtree(replaced, ignore_errors=True)
+    for stray in final.parent.glob("step_*.partial"):  # a checkpoint a killed run never finished: never read
+        shutil.rmtree(stray, ignore_errors=True)
     if keep > 0:
         step = int(m.group(1))
         ours = [p for s, p in _complete(final.parent.parent) if s <= step]
