@@ -8,6 +8,7 @@ position ``P_i + j`` and is predicted by the logits at position ``P_i + j - 1``.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -16,7 +17,23 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PreTrainedModel
 
-__all__ = ["Packed", "pack", "response_logprobs", "ValueModel", "load_causal_lm", "count_parameters"]
+__all__ = ["Packed", "pack", "response_logprobs", "ValueModel", "load_causal_lm", "count_parameters",
+           "no_progress_bars"]
+
+
+@contextlib.contextmanager
+def no_progress_bars():
+    """transformers' progress bars off meanwhile ("Writing model shards" on every save): the run's
+    own progress line is the one a user reads."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
 
 
 @dataclass

@@ -13,11 +13,12 @@ TINY = EmbeddedModelConfig(hidden_size=32, num_hidden_layers=1, num_attention_he
                            intermediate_size=64, max_position_embeddings=32)
 
 
-def test_warm_start_lowers_the_loss_saves_and_reuses(tmp_path):
+def test_warm_start_lowers_the_loss_saves_and_reuses(tmp_path, capfd):
     task = AdditionTask(digits=1, num_test=10)
     cfg = WarmStartConfig(max_steps=30, target_accuracy=None, check_every=30, batch_size=32, lr=3e-3, cache_dir=str(tmp_path))
     lines: list[str] = []
     path = warm_start(TINY, task, cfg, log=lines.append)
+    assert "Writing model shards" not in capfd.readouterr().err  # transformers' bar would cut into the run's lines
     model = AutoModelForCausalLM.from_pretrained(path)
     tok = AutoTokenizer.from_pretrained(path)
     assert sum(p.numel() for p in model.parameters()) < 100_000

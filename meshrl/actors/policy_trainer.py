@@ -30,7 +30,7 @@ import torch
 from meshrl.actors.algo_config import AlgoConfig
 from meshrl.actors.data_parallel import DataParallel, full_state_dict, shard_model
 from meshrl.actors.train_step import PolicyUpdater, build_step_batch
-from meshrl.modeling import ValueModel, load_causal_lm
+from meshrl.modeling import ValueModel, load_causal_lm, no_progress_bars
 from meshrl.queues import Sample
 
 __all__ = ["TrainerConfig", "PolicyTrainer", "NonFiniteStepsError", "batch_stats", "lr_lambda"]
@@ -254,9 +254,14 @@ class PolicyTrainer:
     def save_hf(self, path: str | Path) -> str:
         """An HF-loadable safetensors checkpoint (config, generation config, tokenizer) at ``path``,
         written by rank 0 from the gathered full state dict; a collective."""
+        out = Path(path)
+        with no_progress_bars():
+            self._save_hf(out)
+        return str(out)
+
+    def _save_hf(self, out: Path) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        out = Path(path)
         if not self.dp.sharded:
             self.policy.save_pretrained(out, safe_serialization=True)
         else:
@@ -271,4 +276,3 @@ class PolicyTrainer:
                 twin.save_pretrained(out, safe_serialization=True)
         if self.dp.rank == 0:
             AutoTokenizer.from_pretrained(self.model_path).save_pretrained(out)
-        return str(out)

@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM
 from meshrl.embedded.model import EmbeddedModelConfig, build_model_config
 from meshrl.embedded.tokenizer import build_char_tokenizer
 from meshrl.envs.rewards import to_reward_output
-from meshrl.modeling import pack, response_logprobs
+from meshrl.modeling import no_progress_bars, pack, response_logprobs
 from meshrl.tasks import Task
 
 __all__ = ["WarmStartConfig", "WarmStartStopped", "warm_start", "default_cache_dir"]
@@ -153,7 +153,8 @@ def warm_start(
 
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
+    with no_progress_bars():
+        model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     meta = {"steps": step + 1, "train_accuracy": accuracy, "final_loss": last_loss, "seconds": time.perf_counter() - start}
     (tmp / "meshrl_warmstart.json").write_text(json.dumps(meta))
