@@ -18,7 +18,24 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PreTrainedModel
 
 __all__ = ["Packed", "pack", "response_logprobs", "ValueModel", "load_causal_lm", "count_parameters",
-           "no_progress_bars"]
+           "disable_dropout", "no_progress_bars"]
+
+
+def disable_dropout(model: nn.Module) -> nn.Module:
+    """Every dropout rate of ``model`` set to 0, in place (the saved config keeps its own values).
+
+    RL recomputes log-probs and values that must equal the engine's and the reference's (which run
+    without dropout): with dropout on, the importance ratio and the KL are noise even when the
+    policy has not moved, and the noise differs with the dp size. Modules stay in train mode, so
+    activation checkpointing still applies. Covers ``nn.Dropout`` modules and the float rates that
+    attention modules pass to their kernels (``attention_dropout``, ``dropout``)."""
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+        for name in ("attention_dropout", "dropout"):
+            if isinstance(getattr(m, name, None), float):
+                setattr(m, name, 0.0)
+    return model
 
 
 @contextlib.contextmanager

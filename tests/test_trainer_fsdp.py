@@ -114,8 +114,12 @@ def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float) 
 @pytest.fixture(scope="module")
 def dp2_run(tmp_path_factory):
     """5 steps at dp=2 (checkpoint after 3, resumed copy of steps 4-5, HF export) in 2 processes."""
+    import json
+
     root = tmp_path_factory.mktemp("fsdp")
     model_dir = tiny_model_dir(root / "model")
+    generation = Path(model_dir) / "generation_config.json"  # sampling defaults the export must keep
+    generation.write_text(json.dumps({**json.loads(generation.read_text()), "temperature": 0.7, "eos_token_id": [1, 2]}))
     run_processes(_rank_main, (free_port(), model_dir, str(root)), 2, timeout_s=300, what="the dp=2 trainer ranks")
     return model_dir, root, torch.load(root / "dp2.pt")
 
@@ -176,6 +180,28 @@ def test_dp2_hf_export_loads_and_gives_the_same_logits(dp2_run, dp1_run):
         a, b = exported(input_ids=ids).logits, trained(input_ids=ids).logits
     trained.train()
     assert (a - b).abs().max().item() <= 1e-4, "exported dp=2 checkpoint disagrees with the dp=1 trainer"
+    # the model's generation config, not the default one a model built from config.json gets
+    assert (exported.generation_config.temperature, exported.generation_config.eos_token_id) == (0.7, [1, 2])
+
+
+def test_the_trainer_computes_log_probs_and_values_without_dropout(tmp_path):
+    """The policy and critic train in train mode: with a config's dropout (attention_dropout here)
+    every recomputed log-prob was noisy, so the importance ratio and the KL were not 1 and 0 for an
+    unchanged policy (the engine and the reference run without dropout)."""
+    import json
+
+    model_dir = tiny_model_dir(tmp_path / "model", layers=1)
+    config = Path(model_dir) / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "attention_dropout": 0.5}))
+    t = _trainer(model_dir, DataParallel(None), algo=AlgoConfig(advantage="gae"))
+    assert t.policy.training and t.policy.config.attention_dropout == 0.5  # the config as saved, unchanged
+    from meshrl.modeling import pack
+
+    ids = torch.tensor([[3, 10, 11, 12, 13, 14, 15]])
+    packed = pack([[3, 10, 11]], [[12, 13, 14, 15]], pad_id=0)
+    with torch.no_grad():
+        assert torch.equal(t.policy(input_ids=ids).logits, t.policy(input_ids=ids).logits)
+        assert torch.equal(t.critic(packed), t.critic(packed))
 
 
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -30,7 +30,7 @@ import torch
 from meshrl.actors.algo_config import AlgoConfig
 from meshrl.actors.data_parallel import DataParallel, full_state_dict, shard_model
 from meshrl.actors.train_step import PolicyUpdater, build_step_batch
-from meshrl.modeling import ValueModel, load_causal_lm, no_progress_bars
+from meshrl.modeling import ValueModel, disable_dropout, load_causal_lm, no_progress_bars
 from meshrl.queues import Sample
 
 __all__ = ["TrainerConfig", "PolicyTrainer", "NonFiniteStepsError", "batch_stats", "lr_lambda"]
@@ -170,9 +170,9 @@ class PolicyTrainer:
     ) -> None:
         torch.manual_seed(cfg.seed)
         self.cfg, self.algo, self.dp, self.model_path = cfg, algo, dp, model_path
-        self.policy = self._place(load_causal_lm(model_path).train())
+        self.policy = self._place(disable_dropout(load_causal_lm(model_path).train()))
         self.pad_id = self.policy.config.pad_token_id if self.policy.config.pad_token_id is not None else 0
-        self.critic = self._place(ValueModel.from_pretrained(model_path).train()) if algo.uses_critic else None
+        self.critic = self._place(disable_dropout(ValueModel.from_pretrained(model_path).train())) if algo.uses_critic else None
         self.reference = None
         if cfg.reference_in_trainer and algo.kl_coef > 0:
             frozen = load_causal_lm(model_path).eval().requires_grad_(False)
@@ -273,6 +273,7 @@ class PolicyTrainer:
                     twin = AutoModelForCausalLM.from_config(self.policy.config)
                 twin.load_state_dict(full, assign=True, strict=True)
                 twin.tie_weights()
+                twin.generation_config = self.policy.generation_config  # from_config made a default one
                 twin.save_pretrained(out, safe_serialization=True)
         if self.dp.rank == 0:
             AutoTokenizer.from_pretrained(self.model_path).save_pretrained(out)
