@@ -74,7 +74,9 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     cpu_bf16_autocast: bool = False
     """On cpu: forward and backward under bf16 autocast, fp32 master weights and optimiser
     (several times faster matmuls on CPUs with AMX or AVX512-BF16; log-probs then differ from an
-    fp32 engine's by ~1e-2, which the importance ratio absorbs)."""
+    fp32 engine's by ~1e-2, which the importance ratio absorbs). The in-trainer reference runs under
+    the same autocast; a separate reference worker computes in fp32, so the KL to it starts at
+    ~1e-4, not 0."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward (less memory, ~1/3 more compute)."""
     reference_in_trainer: bool = False
