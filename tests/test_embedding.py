@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import random
 import sys
 
 import msgspec
@@ -129,3 +130,46 @@ def test_user_script_with_custom_reward_and_environment_stops_without_losing_sam
     assert last["step"] == summary["steps"] + 1 and len(records) > len(records_before) // 2
     assert last["queue/samples_consumed"] == c.samples_consumed + 8
     assert last["queue/dropped_stale"] == c.dropped_stale and last["queue/dropped_incomplete"] == c.dropped_incomplete
+
+
+def test_a_users_cancelled_evaluate_does_not_end_the_run(ray_cluster, tmp_path):
+    """evaluate() waits for a detached weight push (settle); a caller that gave up (wait_for) used to
+    cancel that push itself, and the train loop took its CancelledError for the end of the run:
+    run() returned normally after a fraction of run.total_steps."""
+    from test_trainer_fsdp import tiny_model_dir
+
+    cfg = meshrl.load_config(meshrl.PipelineConfig, None, [
+        f"model.path={tiny_model_dir(tmp_path / 'model', layers=1)}", f"run.output_dir={tmp_path / 'run'}",
+        "run.total_steps=14", "run.eval_every=0", "run.progress=false", "task.digits=1", "task.num_test=4",
+        "algo=grpo", "algo.samples_per_prompt=2", "queue.max_staleness=1", "trainer.samples_per_step=4",
+        "rollout.prompts_per_request=2", "rollout.requests_in_flight=1", "rollout.max_new_tokens=3",
+    ])  # fmt: skip
+
+    async def main() -> tuple[dict, int]:
+        pipeline = meshrl.Pipeline(cfg)
+        run = asyncio.create_task(pipeline.run())
+        async for record in pipeline.metrics():
+            if record["kind"] == "step":
+                break
+        train = pipeline._train
+        assert train._detach  # the pushes this is about: detached (distributed, staged, η >= 1)
+        cancelled = 0
+        while not run.done():
+            flipping = train._flipping
+            if flipping is not None and not flipping.done():  # a push landing: what evaluate() waits for
+                with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
+                    await asyncio.wait_for(train.settle(), 0.001)  # evaluate()'s first wait, given up
+                    continue
+                cancelled += 1
+                continue
+            try:
+                await asyncio.wait_for(pipeline.evaluate(), random.uniform(0.001, 0.03))
+            except (TimeoutError, asyncio.TimeoutError):
+                cancelled += 1
+            except RuntimeError as exc:  # the run ended, before or under this call: it says so
+                assert "the pipeline shut down" in str(exc) or "has shut down" in str(exc), exc
+                break
+        return await run, cancelled
+
+    summary, cancelled = asyncio.run(main())
+    assert cancelled > 0 and summary["steps"] == 14 and not summary["stopped"], (summary["steps"], cancelled)

@@ -39,6 +39,7 @@ a failure in any loop closes the queue, which wakes every waiter, and the run st
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -118,6 +119,7 @@ class Pipeline:
         self._rollout: RolloutDriver | None = None
         self._train: TrainLoop | None = None
         self._summary: dict[str, Any] | None = None
+        self._closed = False  # the run closed its log and stops its roles
 
     @property
     def policy_version(self) -> int:
@@ -357,6 +359,7 @@ class Pipeline:
             # every dp rank takes part (the full weights are gathered); rank 0 writes
             final_dir = (await roles.trainer.save_hf.call(str(self.out_dir / "final")).within(cfg.run.step_timeout_s)).values()[0]
         finally:
+            self._closed = True  # a user's call still running fails from here as "shut down" (_user_call)
             log.close()
             self._shutdown()
         from meshrl.pipeline.plots import plot_run
@@ -472,27 +475,40 @@ class Pipeline:
                 yield rec
 
     async def _running(self, what: str) -> RolloutDriver:
-        if not await self._wait_for(self._roles_ready, what, self._startup_timeout_s()):
+        if not await self._wait_for(self._roles_ready, what, self._startup_timeout_s()) or self._closed:
             raise RuntimeError(f"{what}: the pipeline has shut down")
         return self._rollout
+
+    @contextlib.asynccontextmanager
+    async def _user_call(self, what: str) -> AsyncIterator[RolloutDriver]:
+        """A call of the embedding API: refused once the run shut down, and failing as such when the
+        run ends under it (its roles stopped, its log closed), not with what that did to the call."""
+        rollout = await self._running(what)
+        try:
+            yield rollout
+        except Exception as exc:
+            if self._closed:
+                raise RuntimeError(f"{what}: the pipeline shut down while this call ran") from exc
+            raise
 
     async def generate(self, prompts: Sequence[str], *, max_new_tokens: int | None = None,
                        temperature: float = 0.0) -> list[str]:  # fmt: skip
         """Complete ``prompts`` on the rollout engines, on the weights they serve (``policy_version``, or
         the one before while a push lands; greedy
         by default; ``max_new_tokens`` defaults to rollout.max_new_tokens)."""
-        rollout = await self._running("Pipeline.generate")
-        return await evaluation.generate(rollout, prompts, max_new_tokens=max_new_tokens or self.cfg.rollout.max_new_tokens,
-                                         temperature=temperature)  # fmt: skip
+        async with self._user_call("Pipeline.generate") as rollout:
+            return await evaluation.generate(rollout, prompts, max_new_tokens=max_new_tokens or self.cfg.rollout.max_new_tokens,
+                                             temperature=temperature)  # fmt: skip
 
     async def evaluate(self) -> dict[str, Any]:
         """Held-out accuracy (and reward metrics) now, at the current policy version (once every
         engine serves it); also logged."""
-        await self._running("Pipeline.evaluate")
-        await self._train.settle()  # a detached push lands first: the record's version is the one evaluated
-        return await self._evaluate()
+        async with self._user_call("Pipeline.evaluate"):
+            await self._train.settle()  # a detached push lands first: the record's version is the one evaluated
+            return await self._evaluate()
 
     async def export_hf(self, path: str | os.PathLike) -> str:
         """Write the current policy as a Hugging Face checkpoint at ``path`` (between train steps)."""
-        trainer = (await self._running("Pipeline.export_hf")).roles.trainer
-        return (await bounded(trainer.save_hf.call(str(path)), self.cfg.run.step_timeout_s, "the trainer's HF export")).values()[0]
+        async with self._user_call("Pipeline.export_hf") as rollout:
+            return (await bounded(rollout.roles.trainer.save_hf.call(str(path)), self.cfg.run.step_timeout_s,
+                                  "the trainer's HF export")).values()[0]

@@ -169,13 +169,15 @@ class TrainLoop:
         if self._flipping is not None:
             flipping = self._flipping
             try:
-                stats = await flipping
+                # shielded: a caller that gives up (a user's evaluate() under wait_for) must not cancel
+                # the push itself, whose CancelledError the train loop would then take for the run's end
+                stats = await asyncio.shield(flipping)
             except BaseException as exc:
                 if not isinstance(exc, asyncio.CancelledError) or flipping.cancelled():
                     self._flip_error = exc
                 raise
             finally:
-                if self._flipping is flipping:
+                if self._flipping is flipping and flipping.done():  # (a cancelled caller leaves it to the next)
                     self._flipping = None
             self.push_phases, self._phases_logged = {f"sync/{k}": v for k, v in stats.phases.items()}, False
 
