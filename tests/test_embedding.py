@@ -132,18 +132,36 @@ def test_user_script_with_custom_reward_and_environment_stops_without_losing_sam
     assert last["queue/dropped_stale"] == c.dropped_stale and last["queue/dropped_incomplete"] == c.dropped_incomplete
 
 
+def _small(tmp_path, steps: int) -> meshrl.PipelineConfig:
+    """A pipeline of small steps (η = 1: detached weight pushes)."""
+    from test_trainer_fsdp import tiny_model_dir
+
+    return meshrl.load_config(meshrl.PipelineConfig, None, [
+        f"model.path={tiny_model_dir(tmp_path / 'model', layers=1)}", f"run.output_dir={tmp_path / 'run'}",
+        f"run.total_steps={steps}", "run.eval_every=0", "run.progress=false", "task.digits=1", "task.num_test=4",
+        "algo=grpo", "algo.samples_per_prompt=2", "queue.max_staleness=1", "trainer.samples_per_step=4",
+        "rollout.prompts_per_request=2", "rollout.requests_in_flight=1", "rollout.max_new_tokens=3",
+    ])  # fmt: skip
+
+
+def test_stop_before_run_leaves_a_later_run_alone(ray_cluster, tmp_path):
+    """stop() before run() returned None but left the run stopping: a later run() started every role,
+    evaluated, checkpointed step 0, exported, and returned "stopped" after 0 steps."""
+
+    async def main() -> dict:
+        pipeline = meshrl.Pipeline(_small(tmp_path, 2))
+        assert await pipeline.stop() is None
+        return await pipeline.run()
+
+    summary = asyncio.run(main())
+    assert summary["steps"] == 2 and not summary["stopped"]
+
+
 def test_a_users_cancelled_evaluate_does_not_end_the_run(ray_cluster, tmp_path):
     """evaluate() waits for a detached weight push (settle); a caller that gave up (wait_for) used to
     cancel that push itself, and the train loop took its CancelledError for the end of the run:
     run() returned normally after a fraction of run.total_steps."""
-    from test_trainer_fsdp import tiny_model_dir
-
-    cfg = meshrl.load_config(meshrl.PipelineConfig, None, [
-        f"model.path={tiny_model_dir(tmp_path / 'model', layers=1)}", f"run.output_dir={tmp_path / 'run'}",
-        "run.total_steps=14", "run.eval_every=0", "run.progress=false", "task.digits=1", "task.num_test=4",
-        "algo=grpo", "algo.samples_per_prompt=2", "queue.max_staleness=1", "trainer.samples_per_step=4",
-        "rollout.prompts_per_request=2", "rollout.requests_in_flight=1", "rollout.max_new_tokens=3",
-    ])  # fmt: skip
+    cfg = _small(tmp_path, 14)
 
     async def main() -> tuple[dict, int]:
         pipeline = meshrl.Pipeline(cfg)

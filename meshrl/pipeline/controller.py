@@ -435,8 +435,12 @@ class Pipeline:
         self._stopping.set()
         await asyncio.sleep(0)  # a run task created just before gets to start
         if not self._started.is_set():
+            # nothing to stop: a run() started later runs (it used to start every role, evaluate,
+            # checkpoint step 0 and export, then return "stopped" without a word)
+            self._stop_requested.clear()
+            self._stopping.clear()
             return None
-        limit = timeout_s or self.cfg.run.stop_drain_timeout_s + 3 * self.cfg.run.step_timeout_s
+        limit = self.cfg.run.stop_drain_timeout_s + 3 * self.cfg.run.step_timeout_s if timeout_s is None else timeout_s
         try:
             # waits for: run() to drain, checkpoint, export and stop the roles; unblocked by: run()
             await asyncio.wait_for(self._finished.wait(), limit)
@@ -468,7 +472,8 @@ class Pipeline:
 
     async def metrics(self) -> AsyncIterator[dict[str, Any]]:
         """Every metrics record (steps, evals) of the run, from its first, as the run writes them;
-        ends when the run ends. Iterate it beside ``run()``, before or after it started."""
+        ends when the run ends. Iterate it beside ``run()``, from the loop turn its task is created in
+        (``asyncio.create_task(pipeline.run())`` first) or any time after."""
         await self._wait_for(self._log_ready, "Pipeline.metrics", self._startup_timeout_s())
         if self.log is not None:
             async for rec in self.log.stream(replay=True):
