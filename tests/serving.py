@@ -60,3 +60,22 @@ def running_server(model_dir: str | Path, *args: str, env: dict[str, str] | None
         yield url
     finally:
         stop(proc)
+
+
+@contextlib.asynccontextmanager
+async def app_session(app, timeout_s: float = 30.0):
+    """An aiohttp ``app`` served in this process on a free port of 127.0.0.1; yields ``(session, port)``,
+    a client session whose relative URLs reach it."""
+    import aiohttp
+    from aiohttp import web
+
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}", timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+            yield session, port
+    finally:
+        await runner.cleanup()

@@ -13,16 +13,15 @@ import contextlib
 import aiohttp
 import pytest
 import torch
-from aiohttp import web
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from meshrl.engines import GenerateRequest, SamplingParams, TorchEngine, TorchEngineConfig
 from meshrl.engines.openai_api import render_simple_chat
 from meshrl.engines.serve import make_app
 from meshrl.modeling import pack, response_logprobs
+from serving import app_session
 
 torch.set_num_threads(1)
-TIMEOUT = aiohttp.ClientTimeout(total=30)
 
 
 @pytest.fixture(scope="module")
@@ -35,16 +34,8 @@ def model_dir(tmp_path_factory):
 @contextlib.asynccontextmanager
 async def serve(model_dir: str, engine_config: TorchEngineConfig = TorchEngineConfig(max_batch_size=8), **kwargs):
     engine = TorchEngine.from_pretrained(model_dir, engine_config)
-    runner = web.AppRunner(make_app(engine, **kwargs))
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    try:
-        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}", timeout=TIMEOUT) as session:
-            yield session, engine
-    finally:
-        await runner.cleanup()
+    async with app_session(make_app(engine, **kwargs)) as (session, _):
+        yield session, engine
 
 
 async def post(s: aiohttp.ClientSession, path: str, body) -> tuple[int, dict]:

@@ -15,15 +15,14 @@ import json
 import aiohttp
 import pytest
 import torch
-from aiohttp import web
 from transformers import AutoTokenizer
 
 from meshrl.engines import TorchEngine, TorchEngineConfig
 from meshrl.engines.serve import make_app
 from meshrl.engines.weights import iter_safetensors, load_hf_config
+from serving import app_session
 
 torch.set_num_threads(1)
-TIMEOUT = aiohttp.ClientTimeout(total=30)
 CHAT = [{"role": "user", "content": "1+2="}]
 
 
@@ -54,16 +53,8 @@ async def serve(model_dir: str, config: TorchEngineConfig = TorchEngineConfig(ma
     else:
         engine = TorchEngine(load_hf_config(model_dir), iter_safetensors(model_dir), config, eos_ids=(),
                              model_path=model_dir)
-    runner = web.AppRunner(make_app(engine, **kwargs))
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    try:
-        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}", timeout=TIMEOUT) as session:
-            yield session, engine, port
-    finally:
-        await runner.cleanup()
+    async with app_session(make_app(engine, **kwargs)) as (session, port):
+        yield session, engine, port
 
 
 async def post(s: aiohttp.ClientSession, path: str, body) -> tuple[int, dict]:

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 from meshrl.engines import GenerateRequest, SamplingParams, TorchEngine, TorchEngineConfig
 from meshrl.engines.serve import SGLANG_COMPAT_VERSION, make_app
-from serving import running_server
+from serving import app_session, running_server
 
 torch.set_num_threads(1)
 TIMEOUT = aiohttp.ClientTimeout(total=30)
@@ -85,16 +85,8 @@ def make_engine(hf) -> TorchEngine:
 @contextlib.asynccontextmanager
 async def serve(engine: TorchEngine):
     """The app on a free port of 127.0.0.1; yields (session, base_url)."""
-    runner = web.AppRunner(make_app(engine, server_args={"host": "127.0.0.1"}))
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    try:
-        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}", timeout=TIMEOUT) as session:
-            yield session
-    finally:
-        await runner.cleanup()
+    async with app_session(make_app(engine, server_args={"host": "127.0.0.1"})) as (session, _):
+        yield session
 
 
 async def post(s: aiohttp.ClientSession, path: str, body: dict | None = None):
