@@ -20,7 +20,6 @@ import contextlib
 import multiprocessing as mp
 import time
 
-import aiohttp
 import pytest
 import torch
 from aiohttp import web
@@ -29,6 +28,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 from meshrl.engines import TorchEngine, TorchEngineConfig
 from meshrl.engines.serve_weights import WeightSync
 from meshrl.mesh.distributed import free_port
+from serving import app_session
 
 pytestmark = pytest.mark.slow  # a trainer process starts (torch import) and two receives time out: ~15 s
 
@@ -78,17 +78,11 @@ async def _serve(sync: WeightSync):
     app = web.Application()
     for method, path, handler in sync.routes():
         app.router.add_route(method, path, handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
     try:
-        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}", timeout=aiohttp.ClientTimeout(total=60)) as s:
+        async with app_session(app, timeout_s=60) as (s, _):
             yield s
     finally:
         await sync.close()
-        await runner.cleanup()
 
 
 def test_a_timed_out_receive_breaks_the_group_until_it_is_recreated():
