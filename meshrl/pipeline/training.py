@@ -261,9 +261,9 @@ class TrainLoop:
             await bounded(queue.cancel.call_one(reservation_id), timeout, "the queue to cancel a reservation")
         every = self.cfg.run.eval_every
         if (every and state.step % every == 0 and 0 < state.step < self.cfg.run.total_steps
-                and not any(r.get("kind") == "eval" and r.get("step") == state.step for r in ckpt.read_records(path))):
+                and not any(r["kind"] == "eval" and r.get("step") == state.step for r in self.log.records)):
             # a periodic checkpoint is written before its step's evaluation starts: run it now, as the
-            # uninterrupted run did at this step and version (its record was not in the checkpoint)
+            # uninterrupted run did at this step and version (the log holds the checkpoint's records)
             self.evals.append(asyncio.create_task(self._evaluate()))
         pending = self.rollout.ledger.reissue_pending
         off_cadence = "" if self._pushes_after(state.step) else (
