@@ -11,7 +11,7 @@ from meshrl.actors.algo_config import AlgoConfig
 from meshrl.actors.data_parallel import DataParallel
 from meshrl.actors.policy_trainer import PolicyTrainer, TrainerConfig
 from meshrl.actors.trainer_checkpoint import load_trainer_state, save_trainer_state
-from tests.test_trainer_fsdp import make_samples, tiny_model_dir
+from test_trainer_fsdp import make_samples, tiny_model_dir
 
 
 def _trainer(model: str, algo: AlgoConfig, **cfg) -> PolicyTrainer:
