@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import json
 import random
 import sys
@@ -130,6 +131,12 @@ def test_user_script_with_custom_reward_and_environment_stops_without_losing_sam
     assert last["step"] == summary["steps"] + 1 and len(records) > len(records_before) // 2
     assert last["queue/samples_consumed"] == c.samples_consumed + 8
     assert last["queue/dropped_stale"] == c.dropped_stale and last["queue/dropped_incomplete"] == c.dropped_incomplete
+    if importlib.util.find_spec("tensorboard"):  # the dev extra installs it: both runs wrote scalars, one per step
+        from test_run_log import scalars
+
+        tb = scalars(tmp_path / "run")
+        assert [s for s, _ in tb["reward_mean"]] == list(range(1, summary["steps"] + 2))
+        assert tb["reward_mean"][-1][1] == pytest.approx(last["reward_mean"]) and "eval/accuracy" in tb
 
 
 def _small(tmp_path, steps: int) -> meshrl.PipelineConfig:
@@ -191,3 +198,20 @@ def test_a_users_cancelled_evaluate_does_not_end_the_run(ray_cluster, tmp_path):
 
     summary, cancelled = asyncio.run(main())
     assert cancelled > 0 and summary["steps"] == 14 and not summary["stopped"], (summary["steps"], cancelled)
+
+
+def test_two_pipelines_run_at_once_in_one_program(ray_cluster, tmp_path):
+    """A program may train two policies side by side (a sweep, two agents): each run's actors live in
+    a Ray namespace of its own. They shared the driver's, and the second run failed at once with
+    "an actor named 'queue/0' already exists"."""
+
+    async def main() -> list[dict]:
+        a, b = meshrl.Pipeline(_small(tmp_path / "a", 3)), meshrl.Pipeline(_small(tmp_path / "b", 3))
+        return await asyncio.gather(a.run(), b.run())
+
+    summaries = asyncio.run(main())
+    assert [s["steps"] for s in summaries] == [3, 3] and not any(s["stopped"] for s in summaries)
+    assert summaries[0]["checkpoint"] != summaries[1]["checkpoint"]
+    for run in ("a", "b"):
+        steps = [json.loads(line) for line in (tmp_path / run / "run" / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in steps if r["kind"] == "step"] == [1, 2, 3]

@@ -313,6 +313,26 @@ def test_spawn_refuses_bad_input(procs, counters, waiters):
         procs.spawn("clash", Clash)
 
 
+def test_a_mesh_name_is_unique_per_namespace(ray_cluster, counters):
+    """Actors are named ``name/rank`` in a Ray namespace: a second "counters" mesh clashes in the
+    driver's, and lives beside the first in a namespace of its own."""
+    other = spawn_procs({"a": 1}, cpus_per_proc=0.01, name="other")
+    try:
+        with pytest.raises(ValueError, match=r"an actor named 'counters/0' already exists: .*spawn_procs\(namespace"):
+            other.spawn("counters", Counter, 0)
+    finally:
+        other.stop()
+    apart = spawn_procs({"a": 1}, cpus_per_proc=0.01, name="apart", namespace="test-apart")
+    try:
+        mesh = apart.spawn("counters", Counter, 5, share=0.5)
+        assert mesh.incr.call(1).get(timeout=60).values() == [6]
+        assert ray_cluster.get_actor("counters/0", namespace="test-apart") is not None
+        with pytest.raises(ValueError, match="already exists in Ray namespace 'test-apart'"):
+            apart.spawn("counters", Counter, 0, share=0.5)
+    finally:
+        apart.stop()
+
+
 def test_unplaceable_proc_mesh_times_out_with_the_reason(ray_cluster):
     with pytest.raises(TimeoutError, match=r"'gpu-mesh'.*'GPU': 1"):
         spawn_procs({"gpus": 1}, cpus_per_proc=0.1, name="gpu-mesh", timeout=0.5)

@@ -100,6 +100,32 @@ def test_run_summary_reads_throughput_and_staleness_of_the_measured_steps(tmp_pa
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
+def test_plot_run_leaves_the_callers_matplotlib_alone(tmp_path):
+    """The run's plots are drawn off the event loop in a thread, and in a program that may have its own
+    figures (a notebook): no pyplot figure is opened and the backend is not switched (it was set to Agg)."""
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    from meshrl.pipeline.plots import plot_run
+
+    spans = sync_run(steps=3, t_gen=1.0, t_score=0.1, t_train=1.0, t_push=0.1)
+    (tmp_path / "timeline.jsonl").write_text("".join(json.dumps(s) + "\n" for s in spans))
+    records = [{"kind": "step", "step": i + 1, "reward_mean": 0.1 * i, "tokens_per_s": 100.0, "step_time_s": 1.0,
+                "staleness_mean": 0.5, "staleness_max": 1.0} for i in range(3)]  # fmt: skip
+    records.append({"kind": "eval", "step": 3, "accuracy": 0.5})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    before = matplotlib.get_backend()
+    try:
+        matplotlib.use("svg")
+        mine = plt.figure()
+        png = plot_run(tmp_path)
+        assert matplotlib.get_backend() == "svg" and plt.get_fignums() == [mine.number]
+        plt.close(mine)
+    finally:
+        matplotlib.use(before)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (tmp_path / "timeline.png").stat().st_size > 10_000
+
+
 @pytest.mark.slow
 def test_e2e_bench_tiny_cpu_mode(tmp_path):
     """The GPU bench's own code path at tiny size on CPU: sync and one async run, table and files."""

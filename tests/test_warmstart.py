@@ -43,6 +43,39 @@ def test_warm_start_lowers_the_loss_saves_and_reuses(tmp_path, capfd):
     assert other != path  # a different recipe is a different cache entry
 
 
+def test_two_runs_warm_starting_the_same_entry_at_once_both_get_it(tmp_path):
+    """Two pipelines of one program warm-start the same entry side by side. Both wrote the same
+    temporary folder (named by the process id alone) and renamed it into place: one deleted what the
+    other was writing. Here both reach the save together (a barrier in their log)."""
+    import threading
+
+    task = AdditionTask(digits=1, num_test=10)
+    cfg = WarmStartConfig(max_steps=3, target_accuracy=None, check_every=3, batch_size=8, cache_dir=str(tmp_path))
+    barrier = threading.Barrier(2, timeout=60)
+    results: dict[int, object] = {}
+
+    def log(line: str) -> None:
+        if line.startswith("warm start: step 3"):  # the last step: both save from here
+            barrier.wait()
+
+    def one(i: int) -> None:
+        try:
+            results[i] = warm_start(TINY, task, cfg, log=log)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            results[i] = exc
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert results[0] == results[1], results
+    entries = sorted(p.name for p in (tmp_path / "warmstart").iterdir())
+    assert entries == [results[0].name]  # one entry, no temporary folder left
+    AutoModelForCausalLM.from_pretrained(results[0])
+    AutoTokenizer.from_pretrained(results[0])
+
+
 def test_the_cache_key_covers_every_training_answer(tmp_path):
     """Two files with the same prompts and corrected labels shared one key (only the first and last
     prompts were in it), so fixing the answers reused a model trained on the wrong ones."""

@@ -151,14 +151,25 @@ def warm_start(
             if cfg.target_accuracy is not None and accuracy >= cfg.target_accuracy:
                 break
 
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    # one folder per writer: two runs (two processes, or two pipelines of one program) may warm-start
+    # the same entry at once; the first to finish puts it in place and the other keeps that one
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}-{threading.get_ident()}")
     shutil.rmtree(tmp, ignore_errors=True)
     with no_progress_bars():
         model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     meta = {"steps": step + 1, "train_accuracy": accuracy, "final_loss": last_loss, "seconds": time.perf_counter() - start}
     (tmp / "meshrl_warmstart.json").write_text(json.dumps(meta))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    if not (out / "meshrl_warmstart.json").is_file():
+        shutil.rmtree(out, ignore_errors=True)  # an entry without its metadata file is not one
+        try:
+            tmp.rename(out)
+        except OSError:  # another writer put its entry in place between the check and here
+            if not (out / "meshrl_warmstart.json").is_file():
+                raise
+    if tmp.exists():
+        shutil.rmtree(tmp, ignore_errors=True)
+        log(f"warm start: another run cached {out} first; using it")
+        return out
     log(f"warm start: {meta['steps']} steps in {meta['seconds']:.0f}s, accuracy {accuracy:.0%}, saved {out}")
     return out

@@ -19,6 +19,10 @@ an engine at 0.5 each on one GPU); a spawn that would not fit fails at once inst
 forever for resources. The accounting is per ``ProcMesh`` handle (and its views), in this process.
 ``ProcMesh.stop()`` kills every actor spawned through it and frees the reservation.
 
+Actor names (``name/rank``) are unique per Ray namespace, by default the driver's. ``namespace``
+gives a proc mesh's actors a namespace of their own, so that two programs (or two pipelines in one
+program) can each have a mesh called ``"trainer"``.
+
 Ray is started (``ray.init()``) on first use when this process is not connected to a cluster.
 """
 
@@ -54,6 +58,7 @@ def spawn_procs(
     gpus_per_proc: int | None = None,
     env: dict[str, str] | None = None,
     name: str | None = None,
+    namespace: str | None = None,
     timeout: float = 60.0,
 ) -> ProcMesh:
     """Reserve ``hosts`` × ``prod(per_host)`` processes with dims ``per_host`` (e.g. ``{"gpus": 2}``).
@@ -99,7 +104,7 @@ def spawn_procs(
             f"within {timeout} s; the cluster has {ray.cluster_resources()} "
             f"({ray.available_resources()} free)"
         )
-    return ProcMesh(mesh_name, uid, shape, pg, bundle_of, cpus_per_proc, gpus_per_proc, env or {})
+    return ProcMesh(mesh_name, uid, shape, pg, bundle_of, cpus_per_proc, gpus_per_proc, env or {}, namespace)
 
 
 class ProcMesh:
@@ -115,6 +120,7 @@ class ProcMesh:
         cpus_per_proc: float,
         gpus_per_proc: int,
         env: dict[str, str],
+        namespace: str | None = None,
     ):
         self._name = name
         self._uid = uid
@@ -124,11 +130,13 @@ class ProcMesh:
         self._cpus = cpus_per_proc
         self._gpus = gpus_per_proc
         self._env = env
+        self._namespace = namespace
         self._spawned: list[_ActorMeshImpl[Any]] = []  # meshes spawned through this handle
         self._used = [0.0] * len(bundle_of)  # share of each slot taken by spawned actors
 
     def __reduce__(self) -> Any:
-        args = (self._name, self._uid, self._shape, self._pg, self._bundle_of, self._cpus, self._gpus, self._env)
+        args = (self._name, self._uid, self._shape, self._pg, self._bundle_of, self._cpus, self._gpus, self._env,
+                self._namespace)
         return (ProcMesh, args)
 
     @property
@@ -155,7 +163,8 @@ class ProcMesh:
         return self._view(self._shape.flatten(name))
 
     def _view(self, shape: Shape) -> ProcMesh:
-        view = ProcMesh(self._name, self._uid, shape, self._pg, self._bundle_of, self._cpus, self._gpus, self._env)
+        view = ProcMesh(self._name, self._uid, shape, self._pg, self._bundle_of, self._cpus, self._gpus, self._env,
+                        self._namespace)
         view._spawned = self._spawned
         view._used = self._used
         return view
@@ -214,6 +223,8 @@ class ProcMesh:
             options["max_concurrency"] = max_concurrency
         if self._env:
             options["runtime_env"] = {"env_vars": dict(self._env)}
+        if self._namespace is not None:
+            options["namespace"] = self._namespace
         handles: list[Any] = []
         for rank, proc_rank in enumerate(self._shape.ranks):
             ctx = Context(name, uid, rank, self._shape.labels, self._shape.sizes)
@@ -228,8 +239,10 @@ class ProcMesh:
                     raise
                 for started in handles:
                     ray.kill(started, no_restart=True)
+                where = f" in Ray namespace {self._namespace!r}" if self._namespace is not None else ""
                 raise ValueError(
-                    f"an actor named {actor_name!r} already exists: stop that mesh first or spawn under another name"
+                    f"an actor named {actor_name!r} already exists{where}: stop that mesh first, spawn under "
+                    "another name, or give the proc mesh a namespace of its own (spawn_procs(namespace=...))"
                 ) from exc
             handles.append(handle)
         shape = Shape(self._shape.labels, self._shape.sizes)

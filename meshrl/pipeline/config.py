@@ -46,6 +46,9 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True):
     seed: int = 0
     progress: bool = True
     """Show a progress bar (the per-step metrics lines print either way)."""
+    tensorboard: bool | None = None
+    """TensorBoard scalars under output_dir/tensorboard: null writes them when the ``tensorboard``
+    package is installed, true requires it (the run fails at start without it), false never."""
     step_timeout_s: float = 600.0
     """Longest wait for one train step, one batch or one weight push before the run stops."""
     num_cpus: int | None = None
@@ -134,6 +137,12 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
                               f"trainer.sync_interval={sync} (a checkpoint follows a weight push)")
         if not self.run.stop_drain_timeout_s >= 0:
             raise ConfigError(f"`run.stop_drain_timeout_s`: must be >= 0 seconds, got {self.run.stop_drain_timeout_s}")
+        if self.run.tensorboard:
+            from meshrl.pipeline.metrics import tensorboard_available
+
+            if not tensorboard_available():
+                raise ConfigError("`run.tensorboard`: true, but the tensorboard package is not installed "
+                                  "(pip install tensorboard), or set it to null to write scalars only when it is")
         if self.run.keep_checkpoints < 0:
             raise ConfigError(f"`run.keep_checkpoints`: must be >= 0, got {self.run.keep_checkpoints}")
         resume = self.run.resume

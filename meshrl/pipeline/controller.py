@@ -45,6 +45,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any, AsyncIterator, Sequence
 
@@ -77,17 +78,64 @@ _WORKER_ENV = {
 }
 
 
+_ray_init_lock = threading.Lock()
+
+
 def ensure_ray(num_cpus: int | None) -> None:
-    """Start a local Ray cluster unless this process is already connected to one."""
-    if ray.is_initialized():
-        return
+    """Start a local Ray cluster unless this process is already connected to one.
+
+    Thread-safe: the pipeline calls it off its event loop (``ray.init`` takes seconds), and two
+    pipelines may at once. Off the main thread, Ray is started on a thread that lives as long as the
+    process: Ray's GCS and raylet die with the *thread* that started them (Linux's parent-death
+    signal), and an executor's thread ends with its ``asyncio.run``, which killed the cluster under
+    the next run of the program."""
+    with _ray_init_lock:
+        if ray.is_initialized():
+            return
+        if threading.current_thread() is threading.main_thread():
+            _ray_init(num_cpus)
+            return
+        started: list[BaseException | None] = []
+        ready = threading.Event()
+
+        def owner() -> None:
+            try:
+                _ray_init(num_cpus)
+                started.append(None)
+            except BaseException as exc:  # noqa: BLE001 - raised in the caller below
+                started.append(exc)
+            ready.set()
+            if started[0] is None:
+                threading.Event().wait()  # the cluster's processes live while this thread does
+
+        threading.Thread(target=owner, name="meshrl-ray", daemon=True).start()
+        ready.wait()
+        if started[0] is not None:
+            raise started[0]
+
+
+def _ray_init(num_cpus: int | None) -> None:
     os.environ.setdefault("RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "0")
-    ray.init(
-        num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING,
-        runtime_env={"env_vars": _WORKER_ENV},
-        # Batches of small samples stay out of the shared-memory store (about +30% queue speed).
-        _system_config={"max_direct_call_object_size": 1 << 20},
-    )  # fmt: skip
+    with _quiet_sigterm_warning():  # off the main thread Ray leaves SIGTERM alone and says so
+        ray.init(
+            num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING,
+            runtime_env={"env_vars": _WORKER_ENV},
+            # Batches of small samples stay out of the shared-memory store (about +30% queue speed).
+            _system_config={"max_direct_call_object_size": 1 << 20},
+        )  # fmt: skip
+
+
+@contextlib.contextmanager
+def _quiet_sigterm_warning():
+    def drop(record: logging.LogRecord) -> bool:
+        return "SIGTERM handler is not set" not in record.getMessage()
+
+    worker_log = logging.getLogger("ray._private.worker")
+    worker_log.addFilter(drop)
+    try:
+        yield
+    finally:
+        worker_log.removeFilter(drop)
 
 
 class Pipeline:
@@ -115,6 +163,9 @@ class Pipeline:
         self._log_ready, self._roles_ready = asyncio.Event(), asyncio.Event()
         self._failure: BaseException | None = None
         self._procs: list[ProcMesh] = []
+        # the run's actors live in a Ray namespace of their own: a second Pipeline in this program (or
+        # another program on the same cluster) has meshes called "queue", "trainer", ... as well
+        self._namespace = f"meshrl-{uuid.uuid4().hex[:12]}"
         self.log: RunLog | None = None
         self._rollout: RolloutDriver | None = None
         self._train: TrainLoop | None = None
@@ -195,13 +246,13 @@ class Pipeline:
     def _spawn(self, name: str, cls: type, *args: Any, procs: int = 1, dims: dict[str, int] | None = None,
                gpus_per_proc: int = 0, **kwargs: Any) -> ActorMesh:
         mesh = spawn_procs(dims or {"procs": procs}, cpus_per_proc=0.01, gpus_per_proc=gpus_per_proc,
-                           env=_WORKER_ENV, name=name)  # fmt: skip
+                           env=_WORKER_ENV, name=name, namespace=self._namespace)  # fmt: skip
         self._procs.append(mesh)
         return mesh.spawn(name, cls, *args, **kwargs)
 
     async def _start_roles(self, model_dir: str) -> Roles:
         cfg, env = self.cfg, self.environment
-        ensure_ray(cfg.run.num_cpus)
+        await asyncio.to_thread(ensure_ray, cfg.run.num_cpus)  # seconds: not on the caller's event loop
         queue = self._spawn("queue", QueueActor, cfg.queue, samples_per_step=cfg.trainer.samples_per_step,
                             steps_per_version=cfg.trainer.sync_interval)  # fmt: skip
         max_new_tokens = cfg.rollout.episode.max_tokens if env else cfg.rollout.max_new_tokens
@@ -300,9 +351,11 @@ class Pipeline:
         tp = f" (x{cfg.rollout.tp_size} tensor-parallel ranks each)" if cfg.rollout.tp_size > 1 else ""
         self._echo(f"starting roles: queue, {cfg.rollout.num_workers} rollout{tp}, {cfg.reward.num_workers} reward, "
                    f"trainer (dp={cfg.trainer.dp})" + (", reference" if reference else ""))  # fmt: skip
-        self.log = log = RunLog(self.out_dir, cfg.run.total_steps, progress=cfg.run.progress)
+        resumed_step = ckpt.read_run_state(resume_from).step if resume_from is not None else 0
+        self.log = log = RunLog(self.out_dir, cfg.run.total_steps, progress=cfg.run.progress,
+                                tensorboard=cfg.run.tensorboard, resumed_step=resumed_step)  # fmt: skip
         for rec in ckpt.read_records(resume_from) if resume_from is not None else []:
-            log.record(rec.pop("kind"), **rec)  # the log continues the checkpointed run's
+            log.replay(rec)  # the log continues the checkpointed run's
         self._log_ready.set()
         stopped = False
         try:
@@ -365,7 +418,7 @@ class Pipeline:
         from meshrl.pipeline.plots import plot_run
         from meshrl.pipeline.timeline import run_summary
 
-        plot = plot_run(self.out_dir)
+        plot = await asyncio.to_thread(plot_run, self.out_dir)  # ~1 s: not on the caller's event loop
         summary = {
             "accuracy_before": train.accuracy_before, "accuracy_after": after, "steps": train.step,
             "version": train.version, "seconds": time.perf_counter() - started, "checkpoint": final_dir,

@@ -1,21 +1,31 @@
-"""What a run shows and writes: a progress bar, one line per step, metrics.jsonl, a role timeline.
+"""What a run shows and writes: a progress bar, one line per step, metrics.jsonl, a role timeline,
+and TensorBoard scalars when the ``tensorboard`` package is installed (``run.tensorboard``).
 
 Every record in ``metrics.jsonl`` is one JSON object with a ``kind`` ("step", "eval", "summary"),
 the train ``step`` and the policy ``version``; step records carry everything the trainer, the
 queue and the controller measured. The timeline (``timeline.jsonl``) holds one span per piece of
 work a role did (role, what, start, end, in seconds since the run began) — the picture of overlap.
+TensorBoard (``output_dir/tensorboard``) gets every number of the step records under their own
+names (``reward_mean``, ``queue/...``, ``reward_info/...``) and of the eval records under
+``eval/...``, at the train step; a resumed run hides what the earlier run logged past its checkpoint.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import sys
 import time
 from pathlib import Path
 from typing import Any, AsyncIterator
 
-__all__ = ["RunLog", "format_step"]
+__all__ = ["RunLog", "format_step", "tensorboard_available"]
+
+
+def tensorboard_available() -> bool:
+    """Whether ``torch.utils.tensorboard`` can write (it needs the ``tensorboard`` package)."""
+    return importlib.util.find_spec("tensorboard") is not None
 
 
 def format_step(m: dict[str, Any], total_steps: int) -> str:
@@ -34,10 +44,20 @@ def format_step(m: dict[str, Any], total_steps: int) -> str:
 class RunLog:
     """Writes metrics.jsonl and timeline.jsonl under ``out_dir`` and prints progress."""
 
-    def __init__(self, out_dir: Path, total_steps: int, *, progress: bool = True) -> None:
+    def __init__(self, out_dir: Path, total_steps: int, *, progress: bool = True, tensorboard: bool | None = False,
+                 resumed_step: int = 0) -> None:  # fmt: skip
+        """``tensorboard``: write scalars under ``out_dir/tensorboard`` (None: when the package is
+        installed). ``resumed_step``: the checkpoint's step a resumed run continues from; TensorBoard
+        hides what the earlier run wrote from that step on (its records are replayed, ``replay``)."""
+        self._resumed_step = resumed_step
         self.out_dir = out_dir
         self.total_steps = total_steps
         out_dir.mkdir(parents=True, exist_ok=True)
+        self._tb = None
+        if tensorboard or (tensorboard is None and tensorboard_available()):
+            from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package (run.tensorboard)
+
+            self._tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=resumed_step or None, flush_secs=10)
         self._metrics = (out_dir / "metrics.jsonl").open("w")
         self._timeline = (out_dir / "timeline.jsonl").open("w")
         self.t0 = time.perf_counter()
@@ -66,12 +86,32 @@ class RunLog:
 
     def record(self, kind: str, **fields: Any) -> dict[str, Any]:
         rec = {"kind": kind, "time_s": round(self.now(), 3), **fields}
+        self._write(rec)
+        self._scalars(rec)
+        return rec
+
+    def replay(self, rec: dict[str, Any]) -> None:
+        """A record of the checkpointed run this one continues, as written then: into metrics.jsonl
+        and the streams, and into TensorBoard from the resumed step on (the purged ones)."""
+        rec = dict(rec)
+        self._write(rec)
+        if rec.get("step", -1) >= self._resumed_step:
+            self._scalars(rec)
+
+    def _scalars(self, rec: dict[str, Any]) -> None:
+        if self._tb is None or rec["kind"] not in ("step", "eval") or not isinstance(rec.get("step"), int):
+            return
+        prefix = "" if rec["kind"] == "step" else "eval/"
+        for key, value in rec.items():
+            if key not in ("step", "time_s") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._tb.add_scalar(prefix + key, value, rec["step"])
+
+    def _write(self, rec: dict[str, Any]) -> None:
         self.records.append(rec)
         self._metrics.write(json.dumps(rec) + "\n")
         self._metrics.flush()
         for q in self._subscribers:
             q.put_nowait(rec)
-        return rec
 
     def step(self, metrics: dict[str, Any]) -> None:
         self.record("step", **metrics)
@@ -104,3 +144,5 @@ class RunLog:
             q.put_nowait(None)
         self._metrics.close()
         self._timeline.close()
+        if self._tb is not None:
+            self._tb.close()

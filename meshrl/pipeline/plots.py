@@ -63,15 +63,13 @@ def draw_timeline(ax: Any, spans: Sequence[dict[str, Any]], *, warmup_steps: int
 def plot_timeline(run_dir: str | Path, *, warmup_steps: int = 1, out: str | Path | None = None,
                   xlim: tuple[float, float] | None = None) -> Path:  # fmt: skip
     """Write the role timeline of ``run_dir`` as a PNG (default ``run_dir/timeline.png``)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: the caller's backend and figures stay as they are
 
     run_dir = Path(run_dir)
     spans = _load(run_dir / "timeline.jsonl")
     lanes = {lane_of(s) for s in spans}
-    fig, ax = plt.subplots(figsize=(14, 1.2 + 0.7 * max(1, len(lanes))))
+    fig = Figure(figsize=(14, 1.2 + 0.7 * max(1, len(lanes))))
+    ax = fig.subplots()
     s = draw_timeline(ax, spans, warmup_steps=warmup_steps, xlim=xlim)
     if s["steps"]:
         ax.set_title(f"What each role was doing — steady state: {s['steps']} steps in {s['window_s']:.1f}s; per step "
@@ -79,7 +77,6 @@ def plot_timeline(run_dir: str | Path, *, warmup_steps: int = 1, out: str | Path
     fig.tight_layout()
     out = Path(out) if out is not None else run_dir / "timeline.png"
     fig.savefig(out, dpi=100)
-    plt.close(fig)
     return out
 
 
@@ -91,10 +88,7 @@ def _load(path: Path) -> list[dict]:
 
 def plot_run(run_dir: str | Path) -> Path:
     """Write ``run_dir/plots.png`` (and ``timeline.png``); return the first's path."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: thread-safe, and a notebook's backend stays its own
 
     run_dir = Path(run_dir)
     records = _load(run_dir / "metrics.jsonl")
@@ -102,7 +96,8 @@ def plot_run(run_dir: str | Path) -> Path:
     evals = [r for r in records if r["kind"] == "eval"]
     spans = _load(run_dir / "timeline.jsonl")
 
-    fig, axes = plt.subplots(2, 2, figsize=(13, 8))
+    fig = Figure(figsize=(13, 8))
+    axes = fig.subplots(2, 2)
     ax = axes[0][0]
     x = [r["step"] for r in steps]
     ax.plot(x, [r["reward_mean"] for r in steps], label="train reward (sampled)", alpha=0.6)
@@ -129,7 +124,6 @@ def plot_run(run_dir: str | Path) -> Path:
     fig.tight_layout()
     out = run_dir / "plots.png"
     fig.savefig(out, dpi=90)
-    plt.close(fig)
     plot_timeline(run_dir)
     return out
 
