@@ -336,7 +336,8 @@ def test_hung_sync_env_calls_hold_no_shared_thread_and_the_timeout_counts_the_ca
 def test_the_factory_runs_off_the_loop_bounded_and_every_environment_is_closed_once(model_dir, tok):
     """A slow factory fails its own episode at env_timeout_s without stalling the event loop (the
     engine's); close() is called once per environment on every path: done, a raising step, a
-    timed-out step (whose close hangs too: the episode still ends), and an environment its factory
+    timed-out step (its close waits on the environment's thread behind the hung step and times out
+    too: the episode still ends; it runs once the step returns), and an environment its factory
     made after its timeout (closed then, on the factory's thread)."""
     eng = engine(model_dir)
     release, closed, lock = threading.Event(), [], threading.Lock()
@@ -394,9 +395,10 @@ def test_the_factory_runs_off_the_loop_bounded_and_every_environment_is_closed_o
         groups, took, stall = asyncio.run(main())
         assert [e.failed for g in groups for e in g] == [True, False, True, True, False]
         assert took < 2.5 and stall < 0.5, (took, stall)  # 0.5 s step timeout + 0.5 s close timeout, loop free
-        assert sorted(closed) == [1, 2, 3, 4]  # the slow factory's environment does not exist yet
+        assert sorted(closed) == [1, 2, 4]  # the slow factory's environment does not exist yet; 3's step hangs
+        release.set()  # 3's step returns: its close runs, on its thread
         deadline = time.monotonic() + 5
-        while 0 not in closed and time.monotonic() < deadline:  # waits for: the slow factory to return
+        while len(closed) < 5 and time.monotonic() < deadline:  # waits for: the slow factory to return
             time.sleep(0.05)
         assert sorted(closed) == [0, 1, 2, 3, 4]  # each once
     finally:
@@ -447,3 +449,44 @@ def test_done_must_be_a_bool():
     assert as_step_result(("obs", 0.0, np.bool_(False))).done is False
     assert as_step_result(("obs", 0.0, np.array([1, 2]).all())).done is True
     assert as_step_result(StepResult("obs", 0.0, True)).done is True
+
+
+def test_an_environment_bound_to_its_thread_works_across_its_episode(model_dir, tok):
+    """An environment holding an object that only the thread which made it may use (sqlite's default
+    connection; sync Playwright and GL contexts alike) ran each call on a new thread: its first step
+    failed with sqlite's ProgrammingError. The factory and every sync method of one environment now
+    run on that environment's own thread; other episodes run on threads of their own."""
+    import sqlite3
+
+    eng = engine(model_dir)
+    threads: dict[int, set[int]] = {}
+
+    class Ledger:
+        def __init__(self, problem: Problem) -> None:
+            self.problem, self.db = problem, sqlite3.connect(":memory:")
+            self.db.execute("create table turns (action text)")
+            self._saw()
+
+        def _saw(self) -> None:
+            threads.setdefault(self.problem.id, set()).add(threading.get_ident())
+
+        def reset(self) -> str:
+            self._saw()
+            return self.problem.prompt
+
+        def step(self, action: str):
+            self._saw()
+            self.db.execute("insert into turns values (?)", (action,))
+            (turns,) = self.db.execute("select count(*) from turns").fetchone()
+            return ("", 1.0, True) if turns == 2 else (" again:", 0.0, False)
+
+        def close(self) -> None:
+            self._saw()
+            self.db.close()
+
+    reqs = [EpisodeRequest(problem=Problem(i, f"{i}+1=", "x"), n=1, sampling=SamplingParams(max_new_tokens=3, seed=i))
+            for i in range(3)]  # fmt: skip
+    groups = asyncio.run(run_episodes(eng, tok, Ledger, reqs, EpisodeConfig(max_turns=3), max_seq_len=64))
+    episodes = [e for g in groups for e in g]
+    assert [e.failed for e in episodes] == [False] * 3 and [e.reward for e in episodes] == [1.0] * 3
+    assert all(len(t) == 1 for t in threads.values()) and len(set.union(*threads.values())) == 3, threads

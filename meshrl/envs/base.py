@@ -11,11 +11,13 @@ class Env:                                   # any object with these two methods
 
 An environment is made per episode by a factory from the episode's ``Problem``
 (``environment=lambda problem: Env(problem)``), so an episode's state never leaks into another.
-The factory and every sync method run on a daemon thread of their own (``in_thread``), so one that
-blocks or hangs holds neither the engine's event loop nor a thread other calls need; each call is
-bounded by ``env_timeout_s`` from its start. ``close`` is called once per environment made, however
-its episode ended (done, a limit, a failure, a timeout); an environment whose factory returned
-after its timeout is closed on the factory's abandoned thread.
+The factory and every sync method of one episode's environment run on one daemon thread of that
+episode's own (``CallThread``): one that blocks or hangs holds neither the engine's event loop nor a
+thread other episodes need, and an object bound to the thread that made it (an sqlite connection, a
+sync Playwright browser) works across the episode's calls. Each call is bounded by
+``env_timeout_s`` from its start. ``close`` is called once per environment made, however its
+episode ended (done, a limit, a failure, a timeout); an environment whose factory returned after
+its timeout is closed on that thread.
 The episode runner (``meshrl.envs.episode``) appends each policy turn and each observation to one
 token sequence; ``Episode`` records which tokens the policy produced (trained, loss mask 1) and
 which the environment did (context only, loss mask 0).
@@ -33,7 +35,7 @@ from typing import Any, Awaitable, Callable, Protocol, Sequence, TypeVar, runtim
 
 import msgspec
 
-from meshrl.envs.rewards import finite_info, finite_number, in_thread
+from meshrl.envs.rewards import CallThread, finite_info, finite_number, in_thread
 from meshrl.tasks import Problem
 
 __all__ = ["Environment", "EnvFactory", "Episode", "EpisodeConfig", "StepResult", "as_step_result", "call_env",
@@ -138,13 +140,16 @@ async def maybe_await(value: T | Awaitable[T]) -> T:
 
 
 async def call_env(fn: Callable[..., Any], *args: Any, timeout_s: float, what: str,
-                   late: Callable[[Any], None] | None = None) -> Any:  # fmt: skip
-    """Call an environment method (or the factory), sync on a thread of its own (it may block:
-    ``in_thread``) or async, within ``timeout_s`` of its start. ``late``: see ``in_thread``."""
+                   late: Callable[[Any], None] | None = None, thread: CallThread | None = None) -> Any:  # fmt: skip
+    """Call an environment method (or the factory), async, or sync off the event loop (it may
+    block): on ``thread`` (the episode's ``CallThread``), else on a thread of its own
+    (``in_thread``); within ``timeout_s`` of its start. ``late``: see ``in_thread``."""
     limit = f"environment {what} took longer than rollout.episode.env_timeout_s={timeout_s:g}s"
     deadline = time.monotonic() + timeout_s
     if inspect.iscoroutinefunction(fn):
         value = fn(*args)
+    elif thread is not None:
+        value = await thread.call(fn, *args, timeout_s=timeout_s, what=limit, late=late)
     else:
         value = await in_thread(fn, *args, timeout_s=timeout_s, what=limit, late=late)
     if not inspect.isawaitable(value):

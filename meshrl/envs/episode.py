@@ -30,6 +30,7 @@ for every call (no prefix cache).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import traceback
 from typing import Any, Callable, Sequence
@@ -38,6 +39,7 @@ import msgspec
 
 from meshrl.engines.types import Engine, GenerateRequest, SamplingParams
 from meshrl.envs.base import EnvFactory, Episode, EpisodeConfig, as_step_result, call_env, stop_strings
+from meshrl.envs.rewards import CallThread
 from meshrl.tasks import Problem
 
 __all__ = ["EpisodeRequest", "run_episode", "run_episodes"]
@@ -116,13 +118,14 @@ async def _policy_turn(engine: Engine, tokenizer: Any, trace: _Trace, sampling: 
 
 
 async def run_episode(engine: Engine, tokenizer: Any, env: Any, sampling: SamplingParams, limits: EpisodeConfig, *,
-                      max_seq_len: int, fallback_prompt: str = "") -> Episode:  # fmt: skip
+                      max_seq_len: int, fallback_prompt: str = "", thread: CallThread | None = None) -> Episode:  # fmt: skip
     """Play one episode of ``env`` (module docstring). An environment's error or timeout never
     raises: the episode ends there, marked ``failed`` (engine errors do raise). ``env`` stays the
-    caller's to close (``run_episodes`` closes those it makes)."""
+    caller's to close (``run_episodes`` closes those it makes). ``thread``: where ``env``'s sync
+    methods run (``run_episodes``: the thread its factory ran on); None: a thread per call."""
     timeout = limits.env_timeout_s
     try:
-        prompt = await call_env(env.reset, timeout_s=timeout, what="reset")
+        prompt = await call_env(env.reset, timeout_s=timeout, what="reset", thread=thread)
         if not isinstance(prompt, str) or not prompt:
             raise TypeError(f"Environment.reset must return a non-empty str, got {prompt!r:.80}")
         stops = stop_strings(env)
@@ -143,7 +146,7 @@ async def run_episode(engine: Engine, tokenizer: Any, env: Any, sampling: Sampli
             finish = "length" if ended == "budget" else ended
             break
         try:
-            result = as_step_result(await call_env(env.step, final_text, timeout_s=timeout, what="step"))
+            result = as_step_result(await call_env(env.step, final_text, timeout_s=timeout, what="step", thread=thread))
             obs = [] if result.done else tokenizer.encode(result.observation, add_special_tokens=False)
         except Exception:
             log.warning("environment step failed:\n%s", traceback.format_exc())
@@ -195,17 +198,22 @@ async def run_episodes(engine: Engine, tokenizer: Any, make_env: EnvFactory, req
     timeout = limits.env_timeout_s
 
     async def one(req: EpisodeRequest, j: int) -> Episode:
+        thread = CallThread(f"meshrl-env-{req.problem.id}-{j}")  # the environment's factory and methods, in order
         try:
-            env = await call_env(make_env, req.problem, timeout_s=timeout, what="factory", late=_close_late(timeout))
-        except Exception:
-            log.warning("environment factory failed on problem %s:\n%s", req.problem.id, traceback.format_exc())
-            return _failed(_Trace(_fallback_ids(tokenizer, req.problem.prompt)), engine, tokenizer)
-        sampling = msgspec.structs.replace(req.sampling, seed=_seed(req.sampling.seed, j))
-        try:
-            return await run_episode(engine, tokenizer, env, sampling, limits, max_seq_len=max_seq_len,
-                                     fallback_prompt=req.problem.prompt)  # fmt: skip
+            try:
+                env = await call_env(make_env, req.problem, timeout_s=timeout, what="factory", thread=thread,
+                                     late=_close_late(timeout))  # fmt: skip
+            except Exception:
+                log.warning("environment factory failed on problem %s:\n%s", req.problem.id, traceback.format_exc())
+                return _failed(_Trace(_fallback_ids(tokenizer, req.problem.prompt)), engine, tokenizer)
+            sampling = msgspec.structs.replace(req.sampling, seed=_seed(req.sampling.seed, j))
+            try:
+                return await run_episode(engine, tokenizer, env, sampling, limits, max_seq_len=max_seq_len,
+                                         fallback_prompt=req.problem.prompt, thread=thread)  # fmt: skip
+            finally:
+                await _close(env, timeout, thread)
         finally:
-            await _close(env, timeout)
+            thread.close()  # the thread ends after the calls given to it (a hung one keeps it)
 
     tasks = [[asyncio.ensure_future(one(r, j)) for j in range(r.n)] for r in requests]
     try:
@@ -216,23 +224,33 @@ async def run_episodes(engine: Engine, tokenizer: Any, make_env: EnvFactory, req
                 t.cancel()
 
 
-async def _close(env: Any, timeout_s: float) -> None:
+async def _close(env: Any, timeout_s: float, thread: CallThread | None = None) -> None:
     """``env.close()`` if it has one, bounded like every env call; a failure only warns (the
     episode is played already)."""
     close = getattr(env, "close", None)
     if not callable(close):
         return
     try:
-        await call_env(close, timeout_s=timeout_s, what="close")
+        await call_env(close, timeout_s=timeout_s, what="close", thread=thread)
     except Exception:
         log.warning("environment close failed:\n%s", traceback.format_exc())
 
 
 def _close_late(timeout_s: float) -> Callable[[Any], None]:
-    """Closes an environment whose factory returned after its timeout (on the factory's abandoned
-    thread, where blocking harms no one; an async close gets an event loop of its own there)."""
+    """Closes an environment whose factory returned after its timeout, on the factory's thread (the
+    one the environment belongs to, abandoned by the episode, where blocking harms no one); an async
+    close gets an event loop of its own there, bounded by ``timeout_s``."""
 
     def close(env: Any) -> None:
-        asyncio.run(_close(env, timeout_s))
+        fn = getattr(env, "close", None)
+        if not callable(fn):
+            return
+        if inspect.iscoroutinefunction(fn):
+            asyncio.run(_close(env, timeout_s))
+            return
+        try:
+            fn()
+        except Exception:
+            log.warning("environment close failed:\n%s", traceback.format_exc())
 
     return close
