@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import signal
 import sys
 from pathlib import Path
@@ -36,7 +37,11 @@ def parse(argv: list[str] | None) -> PipelineConfig:
     parser.add_argument("--model", help="a local Hugging Face causal LM directory (same as model.path=DIR)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     args = parser.parse_intermixed_args(argv)  # overrides before and after --model alike
-    overrides = list(args.overrides) + ([f"model.path={args.model}"] if args.model else [])
+    overrides = list(args.overrides)
+    if args.model is not None:
+        if any(o.partition("=")[0].strip() in ("model", "model.path") for o in overrides):
+            raise ConfigError("--model DIR and a model.path= override both name the model: give one")
+        overrides.append(f"model.path={json.dumps(args.model)}")  # quoted: `2024`, `null` or `a#b` stay the path
     cfg = load_config(PipelineConfig, args.config, overrides).validate()
     if args.print_config:
         print(to_yaml(cfg), end="")

@@ -8,15 +8,20 @@ a malformed override:
     cfg = load_config(PipelineConfig, "run.yaml", ["algo=grpo", "queue.max_staleness=2"])
 
 Override values are parsed as YAML scalars/lists (``2`` is an int, ``1e-4`` a float, ``[1, 2]``
-a list, ``null`` None). Assigning a string to a field that holds a Struct selects one of that
-Struct's presets (``algo=grpo``): a Struct type opts in with a ``presets()`` classmethod that
-returns ``{name: {field: value}}``.
+a list, ``null`` None). YAML 1.1's octal (``0400`` = 256) and base-60 (``1:30`` = 90) numbers are
+refused, in files and overrides: nobody means them in a config. Assigning a string to a field
+that holds a Struct selects one of that Struct's presets (``algo=grpo``): a Struct type opts in
+with a ``presets()`` classmethod that returns ``{name: {field: value}}``. A preset sets every key
+that any preset of the Struct sets (its own values, the defaults for the others), so presets
+replace each other whole; keys no preset sets (``algo.kl_coef``) keep what the file or an
+earlier override gave them.
 
 Simplification: unions of Structs are not supported as config fields (one type per key).
 """
 
 from __future__ import annotations
 
+import re
 import typing
 from pathlib import Path
 from typing import Any, Sequence, TypeVar
@@ -79,8 +84,11 @@ def _preset_value(cls: type[msgspec.Struct], name: str, dotted: str) -> dict:
     if name not in presets:
         known = ", ".join(sorted(presets)) or "none"
         raise ConfigError(f"`{dotted}={name}`: no such preset for {cls.__name__} (presets: {known})")
-    # A preset starts from the Struct's defaults, so `algo=grpo` after `algo.x=1` resets x.
-    return {**msgspec.to_builtins(cls()), **presets[name]}
+    # Every key some preset sets is reset to its default first: `algo=grpo` after `algo=dr_grpo`
+    # is GRPO, not a mix; keys outside the presets (kl_coef, entropy_coef, ...) are left alone.
+    defaults = msgspec.to_builtins(cls())
+    governed = {key for preset in presets.values() for key in preset}
+    return {**{key: defaults[key] for key in governed}, **presets[name]}
 
 
 def _nest(dotted: str, value: Any) -> dict:
@@ -100,9 +108,10 @@ def apply_override(cls: type[T], data: dict, override: str) -> dict:
     if not sep or not key:
         raise ConfigError(f"override `{override}` is not of the form key=value")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = yaml.load(raw, Loader=_ScalarLoader) if raw.strip() else ""
     except yaml.YAMLError as exc:
-        raise ConfigError(f"`{key}`: cannot parse value {raw!r}: {exc}") from None
+        what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"`{key}`: cannot parse value {raw!r}: {what}") from None
     return _merge(cls, data, _nest(key, value), "")
 
 
@@ -119,7 +128,36 @@ def _convert(cls: type[T], data: dict) -> T:
         raise ConfigError(f"`{where}`: {msg}" if where else msg) from None
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
+_YAML11_INT = re.compile(r"[-+]?(0[0-7_]+|[0-9][0-9_]*(:[0-5]?[0-9])+)")
+_YAML11_FLOAT = re.compile(r"[-+]?[0-9][0-9_]*(:[0-5]?[0-9])+\.[0-9_]*")
+
+
+class _ScalarLoader(yaml.SafeLoader):
+    """``yaml.safe_load``, refusing YAML 1.1's octal and base-60 numbers (``0400`` would be 256 and
+    ``1:30`` 90): quote the value for a string, or drop the leading zero."""
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        return self._refuse_yaml11(node, _YAML11_INT) or super().construct_yaml_int(node)
+
+    def construct_yaml_float(self, node: yaml.ScalarNode) -> float:
+        return self._refuse_yaml11(node, _YAML11_FLOAT) or super().construct_yaml_float(node)
+
+    def _refuse_yaml11(self, node: yaml.ScalarNode, form: re.Pattern) -> None:
+        if form.fullmatch(node.value):
+            if ":" in node.value:
+                what = f"a YAML 1.1 base-60 number ({yaml.safe_load(node.value)}): quote it for a string"
+            else:
+                sign, digits = (node.value[0], node.value[1:]) if node.value[0] in "+-" else ("", node.value)
+                decimal = sign + (digits.lstrip("0_") or "0")
+                what = f"a YAML 1.1 octal number ({yaml.safe_load(node.value)}): write {decimal}, or quote it for a string"
+            raise yaml.constructor.ConstructorError(None, None, f"{node.value} is {what}", node.start_mark)
+
+
+_ScalarLoader.add_constructor("tag:yaml.org,2002:int", _ScalarLoader.construct_yaml_int)
+_ScalarLoader.add_constructor("tag:yaml.org,2002:float", _ScalarLoader.construct_yaml_float)
+
+
+class _UniqueKeyLoader(_ScalarLoader):
     """``yaml.safe_load``, except that a key repeated in one mapping is an error: YAML keeps the last,
     so a second ``rollout:`` section would silently reset the first's keys to their defaults."""
 

@@ -206,6 +206,39 @@ def test_resume_refuses_a_checkpoint_of_another_model_task_or_group_shape(tmp_pa
     check_fingerprint(tmp_path / "ck", old, load_config(PipelineConfig, None, ["algo=grpo"]))
 
 
+def test_a_file_task_is_fingerprinted_by_its_problems_not_its_path(tmp_path, monkeypatch):
+    """The resume check compared the task's settings: a prompt file rewritten in place (100 problems,
+    then 37: the saved prompt position points into another shuffle) was accepted, and the same file
+    named by an absolute path instead of a relative one, or an unused task.digits, was refused."""
+    import pytest
+
+    from meshrl.config import ConfigError, load_config
+    from meshrl.pipeline import PipelineConfig
+    from meshrl.pipeline.checkpoint import check_fingerprint, run_fingerprint
+    from meshrl.tasks import build_task
+
+    def write(n: int) -> None:
+        (tmp_path / "train.jsonl").write_text("".join(f'{{"prompt": "{i}+1=", "answer": "{i + 1}"}}\n' for i in range(n)))
+
+    def cfg(train: str, *extra: str) -> PipelineConfig:
+        return load_config(PipelineConfig, None, ["task.kind=file", f"task.train_file={train}",
+                                                  f"task.test_file={tmp_path / 'train.jsonl'}", *extra])  # fmt: skip
+
+    monkeypatch.chdir(tmp_path)
+    write(100)
+    first = cfg("train.jsonl")
+    state = RunState(step=2, version=2, prompt_position=0, next_group=0, generated_tokens=0, accuracy_before=None,
+                     in_flight=[], queue_snapshot=b"", fingerprint=run_fingerprint(first, build_task(first.task).split("train")))
+    for same in (cfg(str(tmp_path / "train.jsonl")), cfg("./train.jsonl", "task.digits=3")):
+        check_fingerprint(tmp_path, state, same, build_task(same.task).split("train"))
+    write(37)
+    with pytest.raises(ConfigError, match=r"other settings \(the training problems: 100 there, 37 now\)"):
+        check_fingerprint(tmp_path, state, first, build_task(first.task).split("train"))
+    (tmp_path / "train.jsonl").write_text("".join(f'{{"prompt": "{i}+2=", "answer": "{i + 2}"}}\n' for i in range(100)))
+    with pytest.raises(ConfigError, match=r"the training problems: 100 there, 100 now, other prompts or answers"):
+        check_fingerprint(tmp_path, state, first, build_task(first.task).split("train"))
+
+
 def test_resume_may_switch_between_advantage_estimators_without_a_critic(tmp_path):
     """grpo, rloo and reinforce_pp keep no state and read the same groups: a resume may switch among
     them; to or from gae (a critic in the checkpoint, or none) is refused. Checkpoints that recorded

@@ -24,6 +24,18 @@ def test_preset_selects_algorithm_and_later_overrides_apply():
     assert not cfg.algo.uses_critic
 
 
+def test_a_preset_replaces_the_other_presets_keys_and_keeps_the_rest(tmp_path):
+    """`--config run.yaml algo=grpo` reset every algo key to its default: the file's kl_coef=0.05
+    became 0 and the KL term was gone. A preset now sets only the keys presets set (so one preset
+    still replaces another whole); the others keep the file's values."""
+    (tmp_path / "run.yaml").write_text("algo:\n  advantage: gae\n  kl_coef: 0.05\n  entropy_coef: 0.01\n")
+    cfg = load_config(PipelineConfig, tmp_path / "run.yaml", ["algo=grpo"])
+    assert (cfg.algo.advantage, cfg.algo.samples_per_prompt, cfg.algo.clip_high) == ("grpo", 4, 0.28)
+    assert cfg.algo.kl_coef == 0.05 and cfg.algo.entropy_coef == 0.01
+    after_dr = load_config(PipelineConfig, None, ["algo=dr_grpo", "algo=grpo"])
+    assert after_dr.algo == load_config(PipelineConfig, None, ["algo=grpo"]).algo  # not a mix of the two
+
+
 def test_round_trip_through_yaml(tmp_path):
     cfg = load_config(PipelineConfig, None, ["algo=grpo", "queue.max_staleness=2", "model.path=/x"])
     (tmp_path / "c.yaml").write_text(to_yaml(cfg))
@@ -52,6 +64,16 @@ def test_round_trip_through_yaml(tmp_path):
         (["warmstart.max_steps=0"], "warmstart.max_steps must be >= 1"),
         (["warmstart.check_every=0"], "warmstart.check_every must be >= 1"),
         (["queue.get_timeout_s=.inf"], "get_timeout_s must be a finite number of seconds"),
+        # YAML 1.1 reads these as 256 and 90: nobody means that in a config
+        (["trainer.samples_per_step=0400"], "`trainer.samples_per_step`: cannot parse value '0400': 0400 is a YAML 1.1 "
+                                            "octal number (256): write 400, or quote it for a string"),
+        (["run.total_steps=1:30"], "1:30 is a YAML 1.1 base-60 number (90)"),
+        # accepted, then failing (or meaning something else) deep in the run
+        (["algo.kl_coef=.nan"], "algo.kl_coef must be a finite number >= 0, got nan"),
+        (["algo.entropy_coef=.inf"], "algo.entropy_coef must be a finite number >= 0"),
+        (["trainer.weight_decay=.nan"], "trainer.weight_decay must be a finite number >= 0"),
+        (["reshard.timeout_s=.inf"], "timeout_s a finite number of seconds > 0"),
+        (["rollout.engine.generate_timeout_s=0"], "generate_timeout_s must be > 0 seconds"),
     ],
 )
 def test_bad_input_fails_with_one_line_naming_the_key(overrides, message):
@@ -147,6 +169,14 @@ def test_validate_checks_paths_and_cross_component_rules(tmp_path):
         load_config(PipelineConfig, None, ["algo=grpo", "trainer.samples_per_step=14"]).validate()
     with pytest.raises(ConfigError, match="`task.train_file`"):
         load_config(PipelineConfig, None, ["task.kind=file"]).validate()
+    # the file keys without task.kind=file trained on addition, silently
+    with pytest.raises(ConfigError, match="`task.kind`: task.train_file/test_file are set, but task.kind=addition"):
+        load_config(PipelineConfig, None, [f"task.train_file={model / 'config.json'}"]).validate()
+    # the engine refused every request at its first generate, after the warm start and the roles
+    with pytest.raises(ConfigError, match="`rollout.engine.max_batch_size`: 4 rows cannot hold one prompt's "
+                                          "algo.samples_per_prompt=8"):
+        load_config(PipelineConfig, None, ["algo=grpo", "algo.samples_per_prompt=8", "trainer.samples_per_step=64",
+                                           "rollout.prompts_per_request=8", "rollout.engine.max_batch_size=4"]).validate()  # fmt: skip
 
 
 def test_sizes_that_could_never_fill_a_batch_are_refused():
@@ -183,3 +213,54 @@ def test_tensor_parallel_rollouts_are_checked_at_start(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(PipelineConfig, None, overrides).validate()
     load_config(PipelineConfig, None, ["rollout.tp_size=2"]).validate()  # the embedded model splits over 2
+
+
+def test_the_capacity_check_reads_a_real_models_positions(tmp_path):
+    """With model.path set and rollout.engine.max_seq_len=0 the queue's deadlock check was skipped
+    (its sequence length fell back to 0); the engine serves min(positions, 4096)."""
+    from test_trainer_fsdp import tiny_model_dir
+
+    model = tiny_model_dir(tmp_path / "model", layers=1)
+    small = ["trainer.samples_per_step=8", "rollout.prompts_per_request=2", "queue.capacity_tokens=64"]
+    with pytest.raises(ConfigError, match="`queue.capacity_tokens`: 64 cannot hold a train batch"):
+        load_config(PipelineConfig, None, [f"model.path={model}", *small]).validate()
+
+
+def test_the_examples_model_flag_is_taken_verbatim_and_alone(tmp_path):
+    """--model went through the YAML parser as `model.path=DIR`: `2024` was an int, `null` meant the
+    embedded default, and `a #2` was cut at the comment; with model.path= too, one silently won."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    try:
+        from async_ppo import parse
+    finally:
+        sys.path.pop(0)
+    for name in ("2024", "null", "a #2"):
+        with pytest.raises(ConfigError, match=f"`model.path`: .*{name} does not exist"):
+            parse(["--model", str(tmp_path / name)]) if name != "null" else parse(["--model", name])
+    with pytest.raises(ConfigError, match="--model DIR and a model.path= override both name the model"):
+        parse(["--model", str(tmp_path), "model.path=/elsewhere"])
+
+
+def test_answers_longer_than_a_completion_are_reported_at_start(tmp_path, capsys):
+    """The task's reward matches an answer whole: one longer than rollout.max_new_tokens can never earn
+    it. All of them fail the run at start; some print a warning naming the key."""
+    import meshrl
+
+    def check(*overrides: str) -> None:
+        cfg = load_config(PipelineConfig, None, ["task.digits=3", f"run.output_dir={tmp_path}", *overrides])
+        meshrl.Pipeline(cfg)._check_prompt_lengths()
+
+    with pytest.raises(ConfigError, match=r"`rollout.max_new_tokens`: 500 of the 500 test answers are longer than "
+                                          r"rollout.max_new_tokens=1 tokens .*: raise it"):
+        check("rollout.max_new_tokens=1")  # (a few train answers have one digit: a warning for those)
+    check("rollout.max_new_tokens=3")
+    out = capsys.readouterr().out
+    assert "warning: " in out and "train answers are longer than rollout.max_new_tokens=3 tokens" in out
+    assert "test answers are longer than rollout.max_new_tokens=3 tokens" in out
+    check("rollout.max_new_tokens=4", "run.eval_max_new_tokens=3")
+    assert "test answers are longer than run.eval_max_new_tokens=3 tokens" in capsys.readouterr().out
+    check("rollout.max_new_tokens=4")
+    assert "warning" not in capsys.readouterr().out

@@ -82,8 +82,9 @@ def test_bad_config_stops_at_start_with_one_line(tmp_path):
     # a prompt with no room for its completion is found before the warm start and any actor
     out = run_example(tmp_path, "rollout.max_new_tokens=60", f"run.output_dir={tmp_path / 'long'}", timeout=120)
     assert out.returncode == 2, out.stderr[-2000:]
-    assert out.stderr.strip().splitlines()[-1].startswith("config error: `rollout.max_new_tokens`: the train prompt")
-    assert "exceed the engine's max_seq_len=64" in out.stderr and "warm start" not in out.stdout
+    assert out.stderr.strip().splitlines()[-1].startswith("config error: `rollout.max_new_tokens`: ")
+    assert "train prompt(s) leave no room for 60 new tokens in the engine's max_seq_len=64" in out.stderr
+    assert "warm start" not in out.stdout
     # characters the embedded default's tokenizer lacks would be <unk>: such an answer could never match
     (tmp_path / "accents.jsonl").write_text('{"prompt": "caf", "answer": "\u00e9"}\n', encoding="utf-8")
     out = run_example(tmp_path, "task.kind=file", f"task.train_file={tmp_path / 'accents.jsonl'}",

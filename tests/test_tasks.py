@@ -78,13 +78,13 @@ def test_file_task_reads_jsonl_and_reports_bad_records(tmp_path):
     assert task.reward(task.split("test")[0], "18").reward == 1.0
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"q": "1"}\n')
-    with pytest.raises(ValueError, match="record 0 has no field 'a'"):
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: the record has no field 'a' \(it has \['q'\]\)"):
         FileTask(bad, test, prompt_key="q", answer_key="a")
     (tmp_path / "x.csv").write_text("q,a\n")
     with pytest.raises(ValueError, match=r"\.jsonl or \.parquet"):
         FileTask(tmp_path / "x.csv", test)
     bad.write_text("[1, 2]\n")
-    with pytest.raises(ValueError, match="record 0 is not an object"):
+    with pytest.raises(ValueError, match="bad.jsonl:1: the record is not an object"):
         FileTask(bad, test)
 
 

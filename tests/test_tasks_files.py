@@ -31,7 +31,7 @@ def test_fields_that_are_not_a_prompt_or_an_answer_fail_clearly(tmp_path):
                           ({"prompt": "2+2=", "answer": ["4", "four"]}, "answer"),
                           ({"prompt": "2+2=", "answer": True}, "answer")):  # fmt: skip
         path.write_text(json.dumps({"prompt": "ok", "answer": "1"}) + "\n" + json.dumps(record) + "\n")
-        with pytest.raises(ValueError, match=f"t.jsonl: record 1: field '{field}' must be"):
+        with pytest.raises(ValueError, match=f"t.jsonl:2: field '{field}' must be"):
             FileTask(path, path)
 
 
@@ -53,3 +53,38 @@ def test_a_byte_order_mark_and_an_upper_case_suffix_are_fine(tmp_path):
     path = tmp_path / "TRAIN.JSONL"
     path.write_bytes("\ufeff".encode() + b'{"prompt": "1+1=", "answer": "2"}\n')
     assert [(p.prompt, p.answer) for p in load_problems(path)] == [("1+1=", "2")]
+
+
+def test_parquet_float32_and_decimal_answers_read_as_they_were_written(tmp_path):
+    """pyarrow gives a float32 0.1 back as 0.10000000149011612, and a decimal column as Decimal: the
+    first never matched a correct "0.1", the second was refused as "not a number"."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    import decimal
+
+    pq.write_table(pa.table({"prompt": ["a", "b", "c"], "answer": pa.array([0.1, 3.7, 2.0], type=pa.float32())}),
+                   tmp_path / "f32.parquet")  # fmt: skip
+    assert [p.answer for p in load_problems(tmp_path / "f32.parquet")] == ["0.1", "3.7", "2"]
+    pq.write_table(pa.table({"prompt": ["a", "b"], "answer": pa.array([0.5, 2.25], type=pa.float16())}), tmp_path / "f16.parquet")
+    assert [p.answer for p in load_problems(tmp_path / "f16.parquet")] == ["0.5", "2.25"]
+    answers = pa.array([decimal.Decimal("3.50"), decimal.Decimal("100.00")], type=pa.decimal128(6, 2))
+    pq.write_table(pa.table({"prompt": ["a", "b"], "answer": answers}), tmp_path / "dec.parquet")
+    assert [p.answer for p in load_problems(tmp_path / "dec.parquet")] == ["3.5", "100"]
+
+
+def test_blank_answers_other_encodings_and_folders_are_refused_naming_the_line(tmp_path):
+    """A blank answer made an empty completion score 1.0; a UTF-16 file (PowerShell's >) failed with a
+    bare codec error naming no file; a folder read as "file not found"; errors counted records, not
+    lines."""
+    path = tmp_path / "t.jsonl"
+    path.write_text('\n\n{"prompt": "2+2=", "answer": "  "}\n')
+    with pytest.raises(ValueError, match=r"t.jsonl:3: field 'answer' is blank"):
+        load_problems(path)
+    path.write_text('{"prompt": "  ", "answer": "4"}\n')
+    with pytest.raises(ValueError, match=r"t.jsonl:1: field 'prompt' must be a non-blank string"):
+        load_problems(path)
+    path.write_text('{"prompt": "2+2=", "answer": "4"}\n', encoding="utf-16")
+    with pytest.raises(ValueError, match=r"t.jsonl: not UTF-8 text .* save it as UTF-8"):
+        load_problems(path)
+    with pytest.raises(ValueError, match="is a directory: name one .jsonl or .parquet file"):
+        load_problems(tmp_path)

@@ -86,8 +86,8 @@ class AlgoConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.drop_uniform_groups and self.advantage not in ("grpo", "rloo"):
             raise ValueError(f"algo.drop_uniform_groups filters groups: it needs advantage grpo or rloo, "
                              f"not {self.advantage}")
-        if self.kl_coef < 0:
-            raise ValueError(f"algo.kl_coef must be >= 0, got {self.kl_coef}")
+        if not 0 <= self.kl_coef < math.inf:  # NaN too: it would turn the KL term off unnoticed
+            raise ValueError(f"algo.kl_coef must be a finite number >= 0, got {self.kl_coef}")
         if not 0 < self.clip_low < 1:
             raise ValueError(f"algo.clip_low must be in (0, 1), got {self.clip_low}")
         if not 0 < self.clip_high < math.inf:
@@ -107,8 +107,8 @@ class AlgoConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.value_clip is not None and not self.value_clip > 0:
             raise ValueError(f"algo.value_clip must be > 0 (or null), got {self.value_clip}")
         for name in ("value_coef", "entropy_coef"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"algo.{name} must be >= 0, got {getattr(self, name)}")
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"algo.{name} must be a finite number >= 0, got {getattr(self, name)}")
 
     @classmethod
     def presets(cls) -> dict[str, dict[str, Any]]:

@@ -109,8 +109,8 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"trainer.max_grad_norm must be > 0 (.inf: no clipping), got {self.max_grad_norm}")
         if not 0 < self.collective_timeout_s < math.inf:
             raise ValueError(f"trainer.collective_timeout_s must be a finite number > 0, got {self.collective_timeout_s}")
-        if not self.weight_decay >= 0:
-            raise ValueError(f"trainer.weight_decay must be >= 0, got {self.weight_decay}")
+        if not 0 <= self.weight_decay < math.inf:
+            raise ValueError(f"trainer.weight_decay must be a finite number >= 0, got {self.weight_decay}")
         if not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"trainer.betas must both be in [0, 1), got {self.betas}")
         if self.warmup_steps < 0:

@@ -50,6 +50,8 @@ class TorchEngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.max_batch_size < 1 or self.max_prefill_tokens < 1 or self.stream_interval_steps < 1:
             raise ValueError(f"max_batch_size, max_prefill_tokens and stream_interval_steps must be >= 1, got "
                              f"{self.max_batch_size}, {self.max_prefill_tokens} and {self.stream_interval_steps}")
+        if not self.generate_timeout_s > 0:  # inf: no bound
+            raise ValueError(f"generate_timeout_s must be > 0 seconds, got {self.generate_timeout_s}")
         if self.max_seq_len < 0 or self.kv_cache_bytes < 0:
             raise ValueError(f"max_seq_len and kv_cache_bytes must be >= 0 (0: derived), got {self.max_seq_len} "
                              f"and {self.kv_cache_bytes}")

@@ -27,6 +27,7 @@ holds, under it, with their original prompts and group ids.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -84,7 +85,7 @@ class RunState(msgspec.Struct, kw_only=True):
     """``run_fingerprint`` of the config that wrote it (empty in checkpoints from before it existed)."""
 
 
-def run_fingerprint(cfg: Any) -> dict[str, Any]:
+def run_fingerprint(cfg: Any, train: Sequence[Problem] | None = None) -> dict[str, Any]:
     """The settings a resumed run must share with the run it continues: the model, the task and the
     seed (the prompt position counts into that seed's shuffle of the task's training split), the
     algorithm's shape (the group size, and whether a critic is trained: its weights and optimiser are
@@ -92,24 +93,46 @@ def run_fingerprint(cfg: Any) -> dict[str, Any]:
     ``trainer.samples_per_step``, ``trainer.sync_interval`` to a version: other sizes would read it
     wrongly and wait forever for admission). Everything else may change: learning rate, steps,
     staleness, and the advantage estimator among those without a critic (grpo, rloo, reinforce_pp
-    read the same groups and keep no state)."""
-    return {
+    read the same groups and keep no state).
+
+    ``train``, the training split, makes the task's entry its content: the number of problems and a
+    hash of their prompts and answers ("data"), with the model's path resolved. A prompt file
+    rewritten in place is then told apart, and the same file named another way, or a file task's
+    unused ``task.digits``, is not. Without it: the settings alone, as checkpoints before it hold."""
+    fp = {
         "model": msgspec.to_builtins(cfg.model), "task": msgspec.to_builtins(cfg.task), "run.seed": cfg.run.seed,
         "algo.samples_per_prompt": cfg.algo.samples_per_prompt, "algo.critic": cfg.algo.uses_critic,
         "trainer.samples_per_step": cfg.trainer.samples_per_step, "trainer.sync_interval": cfg.trainer.sync_interval,
-    }
+    }  # fmt: skip
+    if train is not None:
+        if fp["model"].get("path"):
+            fp["model"]["path"] = str(Path(fp["model"]["path"]).resolve())
+        task = fp["task"]
+        kept = ("kind", "prompt_key", "answer_key") if task.get("kind") == "file" else task.keys() - {"train_file", "test_file"}
+        fp["task"] = {k: task[k] for k in task if k in kept}
+        digest = hashlib.sha256(msgspec.msgpack.encode([(p.prompt, p.answer) for p in train])).hexdigest()
+        fp["data"] = {"train_problems": len(train), "train_sha256": digest}
+    return fp
 
 
-def check_fingerprint(path: Path, state: RunState, cfg: Any) -> None:
-    """Raise ``ConfigError`` naming every setting that differs from the checkpoint's run."""
+def check_fingerprint(path: Path, state: RunState, cfg: Any, train: Sequence[Problem] | None = None) -> None:
+    """Raise ``ConfigError`` naming every setting that differs from the checkpoint's run (``train``:
+    see ``run_fingerprint``; a checkpoint written without it is compared by settings alone)."""
     from meshrl.config import ConfigError
 
-    now, then = run_fingerprint(cfg), dict(state.fingerprint)
+    then = dict(state.fingerprint)
+    now = run_fingerprint(cfg, train if "data" in then else None)
     if "algo.advantage" in then:  # written before "algo.critic" replaced it: only gae trains a critic
         then["algo.critic"] = then.pop("algo.advantage") == "gae"
     differ = [k for k, v in then.items() if now.get(k) != v]
     if differ:
-        shown = "; ".join(f"{k}: {then[k]!r} there, {now.get(k)!r} now" for k in differ)
+        def show(key: str) -> str:
+            if key != "data":
+                return f"{key}: {then[key]!r} there, {now.get(key)!r} now"
+            a, b = then[key]["train_problems"], now[key]["train_problems"]
+            return f"the training problems: {a} there, {b} now" + (", other prompts or answers" if a == b else "")
+
+        shown = "; ".join(show(k) for k in differ)
         raise ConfigError(f"`run.resume`: {path} was written by a run with other settings ({shown}); resume with "
                           "the same ones, or start fresh in another run.output_dir")
 
@@ -123,7 +146,8 @@ class PromptLedger:
     """
 
     def __init__(self, problems: Sequence[Problem], seed: int) -> None:
-        self._problems, self._seed = problems, seed
+        self.problems = self._problems = problems
+        self._seed = seed
         self.stream = PromptStream(problems, seed)
         self.next_group = 0
         self.in_flight: dict[int, InFlight] = {}  # by reservation id

@@ -119,6 +119,13 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
     colocated: ColocatedConfig = ColocatedConfig()
     """The switch between the two modes (placement=colocated only)."""
 
+    def model_positions(self) -> int:
+        """The longest sequence the engine serves by default: the model's positions, at most 4096
+        (TorchEngine's own default when rollout.engine.max_seq_len is 0)."""
+        if self.model.path is None:
+            return self.model.embedded.max_position_embeddings
+        return min(ModelSpec.from_hf_config(load_hf_config(str(self.model.path))).max_position_embeddings, 4096)
+
     def validate(self) -> "PipelineConfig":
         """Cross-component checks; raise ConfigError naming the key."""
         if self.model.path is not None:
@@ -154,6 +161,13 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
         self._validate_placement()
         if self.task.kind == "file" and not (self.task.train_file and self.task.test_file):
             raise ConfigError("`task.train_file`: task.kind=file needs task.train_file and task.test_file")
+        if self.task.kind != "file" and (self.task.train_file or self.task.test_file):
+            raise ConfigError(f"`task.kind`: task.train_file/test_file are set, but task.kind={self.task.kind} does not "
+                              "read them: set task.kind=file")
+        n, rows = self.algo.samples_per_prompt, self.rollout.engine.max_batch_size
+        if n > rows:
+            raise ConfigError(f"`rollout.engine.max_batch_size`: {rows} rows cannot hold one prompt's "
+                              f"algo.samples_per_prompt={n} samples (they share its prefill): raise it")
         for key in ("train_file", "test_file"):
             path = getattr(self.task, key)
             if self.task.kind == "file" and path and not Path(path).is_file():
@@ -199,8 +213,7 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError(f"`rollout.prompts_per_request`: {sizes}, not a multiple of {r}, so with "
                               f"queue.max_staleness={eta} requests can never cover a whole version (the run would "
                               "wait forever): make it a multiple, or raise max_staleness")
-        seq = self.rollout.engine.max_seq_len or (
-            self.model.embedded.max_position_embeddings if self.model.path is None else 0)
+        seq = self.rollout.engine.max_seq_len or self.model_positions()
         # a batch short of its last group, and one more request's put: less, and the put waits for room
         # that only a train step frees while the train step waits for that put
         sps, group = self.trainer.samples_per_step, self.algo.samples_per_prompt

@@ -199,8 +199,10 @@ class Pipeline:
 
     def _check_prompt_lengths(self) -> None:
         """Prompts that leave no room for their completion in the engine's max_seq_len (or encode to
-        nothing) fail the run at start, naming the keys, not as an engine error after the roles start.
-        The longest prompts by characters are checked (the engine refuses any other at its turn)."""
+        nothing) fail the run at start, naming the keys, not as an engine error after the roles start;
+        every prompt is tokenized (a prompt short in characters may be long in tokens). Answers longer
+        than the completions may be (the task's own reward matches them whole) are reported: all of
+        them fail the run, some print a warning."""
         cfg = self.cfg
         if self.environment is not None:  # episodes grow turn by turn: rollout.episode bounds them
             return
@@ -228,20 +230,34 @@ class Pipeline:
                                   f"have ({''.join(sorted(unknown))[:20]!r}; it has printable ASCII): use --model DIR "
                                   "with a tokenizer that covers them")
         seq = cfg.rollout.engine.max_seq_len or min(positions, 4096)  # TorchEngine's own default
+        eval_key = "run.eval_max_new_tokens" if cfg.run.eval_max_new_tokens else "rollout.max_new_tokens"
         for split, new_key, new in (("train", "rollout.max_new_tokens", cfg.rollout.max_new_tokens),
-                                    ("test", "run.eval_max_new_tokens", cfg.run.eval_max_new_tokens or cfg.rollout.max_new_tokens)):
+                                    ("test", eval_key, cfg.run.eval_max_new_tokens or cfg.rollout.max_new_tokens)):
             problems = self.task.split(split)
-            longest = sorted(problems, key=lambda p: len(p.prompt), reverse=True)[:256]
-            for p in longest + list(problems[:8]):
-                n = len(tokenizer.encode(p.prompt))
-                if n == 0:
-                    raise ConfigError(f"`model.path`: its tokenizer encodes the {split} prompt {p.prompt[:60]!r} to no "
-                                      "tokens: is it the model's own tokenizer?")
-                if n + new > seq:
-                    raise ConfigError(f"`{new_key}`: the {split} prompt {p.prompt[:60]!r} is {n} tokens, and {n} + "
-                                      f"{new} new tokens exceed the engine's max_seq_len={seq} "
-                                      "(rollout.engine.max_seq_len, or the model's positions): shorten the prompts, "
-                                      f"lower {new_key}, or raise rollout.engine.max_seq_len")
+            if not problems:
+                continue
+            lengths = [len(ids) for ids in tokenizer([p.prompt for p in problems])["input_ids"]]
+            if self.reward is None:  # the task's reward: an answer longer than a completion is never matched
+                answers = [len(ids) for ids in tokenizer([p.answer for p in problems], add_special_tokens=False)["input_ids"]]
+                long = [i for i, k in enumerate(answers) if k > new]
+                if long:
+                    a = problems[long[0]].answer
+                    what = (f"{len(long)} of the {len(problems)} {split} answers are longer than {new_key}={new} tokens "
+                            f"(e.g. {a[:40]!r}: {answers[long[0]]} tokens), so the task's reward can never match them")
+                    if len(long) == len(problems):
+                        raise ConfigError(f"`{new_key}`: {what}: raise it")
+                    self._echo(f"warning: {what}; raise {new_key} to {'train on' if split == 'train' else 'score'} them")
+            if 0 in lengths:
+                p = problems[lengths.index(0)]
+                raise ConfigError(f"`model.path`: its tokenizer encodes the {split} prompt {p.prompt[:60]!r} to no "
+                                  "tokens: is it the model's own tokenizer?")
+            n = max(lengths)
+            if n + new > seq:
+                p, over = problems[lengths.index(n)], sum(k + new > seq for k in lengths)
+                raise ConfigError(f"`{new_key}`: {over} {split} prompt(s) leave no room for {new} new tokens in the "
+                                  f"engine's max_seq_len={seq} (rollout.engine.max_seq_len, or the model's positions), "
+                                  f"the longest {p.prompt[:60]!r} with {n} tokens: shorten the prompts, lower "
+                                  f"{new_key}, or raise rollout.engine.max_seq_len")
 
     def _spawn(self, name: str, cls: type, *args: Any, procs: int = 1, dims: dict[str, int] | None = None,
                gpus_per_proc: int = 0, **kwargs: Any) -> ActorMesh:
@@ -331,7 +347,7 @@ class Pipeline:
 
         resume_from = ckpt.resolve_resume(cfg.run.resume, self.out_dir)
         if resume_from is not None:  # before the warm start and the roles, as the prompt check below
-            ckpt.check_fingerprint(resume_from, ckpt.read_run_state(resume_from), cfg)
+            ckpt.check_fingerprint(resume_from, ckpt.read_run_state(resume_from), cfg, self.task.split("train"))
         # after the check: a refused resume leaves the folder describing the run its checkpoints are of
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / "config.yaml").write_text(to_yaml(cfg))

@@ -23,12 +23,18 @@ async def evaluate(driver: RolloutDriver, task: Task, log: RunLog, *, step: int,
     """Greedy held-out accuracy on the engines' current version; the ``eval`` record it wrote."""
     roles, timeout, t0 = driver.roles, driver.cfg.run.step_timeout_s, log.now()
     problems = list(task.split("test"))
-    chunk = max(1, -(-len(problems) // max(1, len(roles.rollouts))))
-    jobs = [driver.play(roles.rollouts, problems[i : i + chunk], greedy=True, n=1, group_ids=None, what="held-out generation")
-            for i in range(0, len(problems), chunk)]  # fmt: skip
-    scored = []
-    for job in await asyncio.gather(*jobs):
-        scored.append(await bounded(roles.rewards.score.choose(job, within_s=timeout), timeout, "held-out scoring"))
+    # parts of at most one engine batch, two per worker in flight: each part's run.step_timeout_s then
+    # covers its own generation, not the wait behind the rest of a large held-out split
+    workers = max(1, len(roles.rollouts))
+    chunk = max(1, min(-(-len(problems) // workers), driver.cfg.rollout.engine.max_batch_size))
+    gate = asyncio.Semaphore(2 * workers)
+
+    async def part(problems: list[Problem]) -> Any:
+        async with gate:
+            job = await driver.play(roles.rollouts, problems, greedy=True, n=1, group_ids=None, what="held-out generation")
+        return await bounded(roles.rewards.score.choose(job, within_s=timeout), timeout, "held-out scoring")
+
+    scored = await asyncio.gather(*(part(problems[i : i + chunk]) for i in range(0, len(problems), chunk)))
     rewards = [x for s in scored for x in s.rewards]
     n = max(1, len(rewards))
     means = {k: sum(s.info.get(k, 0.0) * len(s.rewards) for s in scored) / n for s in scored for k in s.info}

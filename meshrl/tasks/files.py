@@ -7,6 +7,7 @@ Parquet needs ``pyarrow``.
 
 from __future__ import annotations
 
+import decimal
 import json
 import math
 import numbers
@@ -18,65 +19,95 @@ from meshrl.tasks.base import Problem, RewardOutput, exact_match_reward
 __all__ = ["FileTask", "load_problems"]
 
 
-def _records(path: Path) -> list[dict]:
+def _records(path: Path) -> list[tuple[str, object]]:
+    """``(where, record)`` for each record: where is ``path:line`` (JSON Lines) or ``path: row i``."""
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         records = []
-        # JSON Lines is UTF-8 and ends records at "\n" only; str.splitlines would also split inside
-        # a JSON string at the line separators JSON leaves unescaped (U+2028, U+2029, U+0085)
-        # (utf-8-sig: a byte-order mark, as some Windows editors write, is not part of the first record)
-        for lineno, line in enumerate(path.read_text(encoding="utf-8-sig").split("\n"), 1):
+        try:
+            # utf-8-sig: a byte-order mark, as some Windows editors write, is not part of the first record
+            text = path.read_text(encoding="utf-8-sig")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason}); JSON Lines is UTF-8: save it "
+                             "as UTF-8 (PowerShell's > writes UTF-16)") from None
+        # JSON Lines ends records at "\n" only; str.splitlines would also split inside a JSON string at
+        # the line separators JSON leaves unescaped (U+2028, U+2029, U+0085)
+        for lineno, line in enumerate(text.split("\n"), 1):
             if not line.strip():
                 continue
             try:
-                records.append(json.loads(line))
+                records.append((f"{path}:{lineno}", json.loads(line)))
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
         return records
     if suffix == ".parquet":
         try:
+            import pyarrow as pa
             import pyarrow.parquet as pq
         except ImportError:
             raise ValueError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from None
         try:
-            return pq.read_table(path).to_pylist()
+            table = pq.read_table(path)
         except Exception as exc:  # pyarrow's errors (e.g. ArrowInvalid: not a Parquet file) say little of the file
             raise ValueError(f"{path}: not a readable Parquet file ({type(exc).__name__}: {exc})") from None
+        rows = table.to_pylist()
+        for field in table.schema:  # a float32 0.1 reads back as 0.10000000149011612: keep the value it was written as
+            if pa.types.is_float32(field.type) or pa.types.is_float16(field.type):
+                for row in rows:
+                    if isinstance(row[field.name], float):
+                        row[field.name] = _shortest(row[field.name], field.type)
+        return [(f"{path}: row {i}", row) for i, row in enumerate(rows)]
     raise ValueError(f"{path}: prompts must be a .jsonl or .parquet file")
 
 
-def _answer_text(answer: object, path: Path, index: int, key: str) -> str:
+def _shortest(value: float, type_: object) -> float:
+    """The shortest decimal that reads back as the same float32 (or float16) ``value``."""
+    import numpy as np
+
+    return float(str(np.float16(value) if str(type_) in ("halffloat", "float16") else np.float32(value)))
+
+
+def _answer_text(answer: object, where: str, key: str) -> str:
     """The answer as a completion would write it: a whole number without ``.0`` (Parquet and JSON readers
     give ``2.0`` for a float column's 2, and ``"2.0"`` would mark a correct ``2`` wrong)."""
     if isinstance(answer, str):
         return answer
+    if isinstance(answer, decimal.Decimal) and answer.is_finite():  # Parquet's decimal columns
+        return format(answer.normalize(), "f")
     if isinstance(answer, numbers.Real) and not isinstance(answer, bool):
         if isinstance(answer, numbers.Integral):
             return str(int(answer))
         value = float(answer)
         if math.isfinite(value):
             return str(int(value)) if value.is_integer() else repr(value)
-    raise ValueError(f"{path}: record {index}: field {key!r} must be a string or a finite number, got {answer!r:.80}")
+    raise ValueError(f"{where}: field {key!r} must be a string or a finite number, got {answer!r:.80} "
+                     f"({type(answer).__name__})")
 
 
 def load_problems(path: str | Path, *, prompt_key: str = "prompt", answer_key: str = "answer") -> list[Problem]:
-    """Read problems from ``path``; every record must carry both keys."""
+    """Read problems from ``path``; every record must carry both keys, neither blank."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{path} is a directory: name one .jsonl or .parquet file (a data set of several Parquet "
+                         "shards: join them into one file per split first)")
     if not path.is_file():
         raise ValueError(f"prompts file not found: {path}")
     problems = []
-    for index, record in enumerate(_records(path)):
+    for index, (where, record) in enumerate(_records(path)):
         if not isinstance(record, dict):
-            raise ValueError(f"{path}: record {index} is not an object with fields (got {type(record).__name__})")
+            raise ValueError(f"{where}: the record is not an object with fields (got {type(record).__name__})")
         for key in (prompt_key, answer_key):
             if key not in record:
-                raise ValueError(f"{path}: record {index} has no field {key!r}")
+                raise ValueError(f"{where}: the record has no field {key!r} (it has {sorted(record)[:8]})")
         prompt, answer = record[prompt_key], record[answer_key]
         # str() of a list of chat messages or of a missing (null) answer would be a silent, wrong problem
-        if not isinstance(prompt, str) or not prompt:
-            raise ValueError(f"{path}: record {index}: field {prompt_key!r} must be a non-empty string, got "
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ValueError(f"{where}: field {prompt_key!r} must be a non-blank string, got "
                              f"{prompt!r:.80} (chat messages: render them to one string first)")  # fmt: skip
-        problems.append(Problem(id=index, prompt=prompt, answer=_answer_text(answer, path, index, answer_key)))
+        text = _answer_text(answer, where, answer_key)
+        if not text.strip():  # exact match after stripping: an empty completion would earn the full reward
+            raise ValueError(f"{where}: field {answer_key!r} is blank: an empty completion would match it")
+        problems.append(Problem(id=index, prompt=prompt, answer=text))
     if not problems:
         raise ValueError(f"{path}: no records")
     return problems
