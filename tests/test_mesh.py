@@ -206,6 +206,41 @@ def test_broadcast_failure_surfaces_on_flush_and_on_next_call(counters):
             time.sleep(0.05)
 
 
+class Sender(Actor):
+    """Gets a mesh as an argument, broadcasts to it and returns: no copy of it is left in its process."""
+
+    @endpoint
+    def send_failing(self, target: ActorMesh[Counter]) -> None:
+        target.slice(a=0, b=0).fail.broadcast("sent and forgotten")
+
+    @endpoint
+    def collect(self) -> None:
+        import gc
+
+        gc.collect()  # the first copy (held in cycles) is gone
+
+    @endpoint
+    def flush_again(self, target: ActorMesh[Counter]) -> str:
+        try:
+            target.flush().get(timeout=30)
+        except KeyError as exc:
+            return str(exc)
+        return "no failure reported"
+
+
+def test_a_broadcast_failure_outlives_the_mesh_copy_that_sent_it(procs, counters):
+    """The pending broadcasts and their failures lived only while some copy of the mesh did: an actor
+    that broadcast through a mesh it got as an argument lost the failure at the next GC, and a later
+    flush reported success."""
+    sender = procs.slice(a=1, b=1).spawn("sender", Sender, share=0.01)
+    try:
+        sender.send_failing.call_one(counters).get(timeout=30)
+        sender.collect.call_one().get(timeout=30)
+        assert "sent and forgotten" in sender.flush_again.call_one(counters).get(timeout=60)
+    finally:
+        sender.stop()
+
+
 def test_endpoint_exception_keeps_type_message_and_remote_traceback(counters):
     with pytest.raises(KeyError) as info:
         counters.slice(a=0, b=1).fail.call_one("no such key").get(timeout=30)
@@ -252,6 +287,55 @@ def test_choose_picks_the_least_loaded(waiters):
     # Idle actors are taken in turn.
     ranks = [waiters.rank.choose().get(timeout=30) for _ in range(4)]
     assert ranks[:2] == ranks[2:] and sorted(ranks[:2]) == [0, 1]
+
+
+def test_a_cancelled_wait_keeps_counting_the_call_as_load_until_it_ends(waiters):
+    """A choose() awaited under asyncio.wait_for and cancelled gave its rank's load back while the call
+    still ran there: the next choose() sent work to the busy actor."""
+
+    async def run() -> tuple[int, list[int]]:
+        busy = waiters.hold.choose("cancel-load")
+        busy_rank = waiters._state.outstanding.index(1)
+        with pytest.raises((TimeoutError, asyncio.TimeoutError)):
+            await asyncio.wait_for(busy, 0.2)  # cancels the await only: `hold` still runs on its actor
+        picks = [await waiters.rank.choose().within(30) for _ in range(3)]  # idle ranks would take turns
+        await waiters.open_gate.call("cancel-load").within(30)
+        return busy_rank, picks
+
+    busy_rank, picks = asyncio.run(run())
+    assert busy_rank not in picks, (busy_rank, picks)
+    deadline = time.monotonic() + 20
+    while any(waiters._state.outstanding) and time.monotonic() < deadline:  # the held call's end releases it
+        time.sleep(0.05)
+    assert waiters._state.outstanding == [0, 0]
+
+
+def test_flush_waits_for_the_broadcasts_before_it_on_the_loop(waiters):
+    """flush() polled on a thread holding a lock every other call on the mesh waited for (the loop
+    stalled), could not be cancelled, and waited for broadcasts sent after it too."""
+    w0 = waiters.slice(b=0)
+
+    async def run() -> tuple[float, bool]:
+        w0.hold.broadcast("flush-1")
+        flush = w0.flush()
+        w0.hold.broadcast("flush-2")  # after the flush: not waited for
+        with pytest.raises(TimeoutError, match=r"1 of the 1 broadcast call\(s\) sent before it did not finish"):
+            await flush.within(0.3)
+        t0 = time.monotonic()
+        for _ in range(5):
+            await w0.echo.call_one(1).within(30)  # not held up by a pending flush
+        quick = time.monotonic() - t0
+        waiting = asyncio.ensure_future(w0.flush().within(30))
+        await asyncio.sleep(0.2)
+        waiting.cancel()  # a cancelled flush leaves no thread behind
+        await w0.open_gate.call_one("flush-1").within(30)
+        await flush.within(30)  # done although "flush-2", sent after it, still holds
+        return quick, not any(t.name.startswith("asyncio_") for t in threading.enumerate())
+
+    quick, no_threads = asyncio.run(run())
+    assert quick < 5 and no_threads
+    w0.open_gate.call_one("flush-2").get(timeout=30)
+    w0.flush().get(timeout=30)
 
 
 def test_sync_endpoint_of_async_actor_runs_off_the_loop(waiters):

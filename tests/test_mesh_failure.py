@@ -178,3 +178,55 @@ def test_stop_during_on_restart_does_not_watch_the_stopped_actor_again(procs, ca
         assert not thread.is_alive(), "the supervision thread still watches a stopped mesh"
     reports = [r.getMessage() for r in caplog.records if r.name == "meshrl.mesh" and "interrupted" in r.getMessage()]
     assert reports == [], f"a deliberately stopped actor was reported: {reports}"
+
+
+class Member(Fragile):
+    @endpoint
+    def all_reduce(self) -> float:
+        import torch
+        import torch.distributed as dist
+
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        return t.item()
+
+    @endpoint
+    def leave(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_a_group_is_re_created_after_a_supervised_restart(procs):
+    """The documented recovery (re-create the whole group) timed out on every rank: the rendezvous key
+    counted init calls per process, and the restarted process counted from 0 again while the other
+    was at 1. init_torch_distributed_on now hands every rank one fresh key."""
+    from meshrl.mesh import init_torch_distributed_on
+
+    restarted = threading.Event()
+    mesh = procs.spawn("regroup", Member, max_restarts=1, on_restart=lambda _: restarted.set(), share=0.25)
+    try:
+        init_torch_distributed_on(mesh, backend="gloo", timeout=30).get(timeout=90)
+        assert mesh.all_reduce.call().get(timeout=60).values() == [2.0, 2.0]
+        with pytest.raises(ActorFailure):
+            mesh.slice(procs=1).die.call_one().get(timeout=60)
+        assert restarted.wait(60), "the actor was not restarted"
+        mesh.ready().get(timeout=60)
+        mesh.leave.call().get(timeout=60)  # the survivor leaves its broken group
+        info = init_torch_distributed_on(mesh, backend="gloo", timeout=30).get(timeout=90)
+        assert [i["world_size"] for i in info.values()] == [2, 2]
+        assert mesh.all_reduce.call().get(timeout=60).values() == [2.0, 2.0]
+    finally:
+        mesh.stop()
+
+
+def test_a_stopped_proc_mesh_refuses_to_spawn(ray_cluster):
+    """After stop() its reservation is gone: a spawn on it (or a view of it) returned actors that could
+    never be placed, and every call on them waited out its timeout."""
+    procs = spawn_procs({"procs": 2}, cpus_per_proc=0.05, name="stopped")
+    view = procs.slice(procs=0)
+    procs.stop()
+    for handle in (procs, view):
+        with pytest.raises(RuntimeError, match="proc mesh 'stopped' was stopped: spawn_procs"):
+            handle.spawn("late", Fragile)

@@ -136,12 +136,13 @@ class _ActorMeshImpl(Generic[A]):
             except Exception as exc:  # already dead, or Ray shut down: nothing left to stop
                 log.debug("stopping an actor of %s: %s", self._name, exc)
 
-    def _run_all(self, fn: Any, *args: Any) -> Future[Any]:
-        """``fn(*args)`` in every actor (library helpers, e.g. ``init_torch_distributed_on``)."""
-        return Endpoint(self, "_meshrl_run").call(fn, *args)
+    def _run_all(self, fn: Any, *args: Any, what: str | None = None) -> Future[Any]:
+        """``fn(*args)`` in every actor (library helpers, e.g. ``init_torch_distributed_on``); errors
+        and timeouts name ``what`` (default: the function's name)."""
+        return Endpoint(self, "_meshrl_run", what or getattr(fn, "__name__", None)).call(fn, *args)
 
-    def _run_one(self, fn: Any, *args: Any) -> Future[Any]:
-        return Endpoint(self, "_meshrl_run").call_one(fn, *args)
+    def _run_one(self, fn: Any, *args: Any, what: str | None = None) -> Future[Any]:
+        return Endpoint(self, "_meshrl_run", what or getattr(fn, "__name__", None)).call_one(fn, *args)
 
     # -- used by Endpoint --------------------------------------------------------------------
 

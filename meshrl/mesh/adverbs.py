@@ -112,10 +112,22 @@ class Future(Generic[R]):
         self._state = state
         self._released = False
 
-    def _release(self) -> None:
-        if not self._released:
-            self._released = True
+    def _release(self, *, finished: bool = True) -> None:
+        """Give the ranks' load (``choose``) back: at once for calls that finished; a wait that was
+        cancelled or failed early (``finished=False``) leaves some running, released at their end."""
+        if self._released:
+            return
+        self._released = True
+        if finished:
             self._state.release(self._ranks)
+            return
+        state, refs = self._state, list(self._refs)
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
+        for ref, rank in zip(refs, self._ranks):
+            if ref in ready:
+                state.release([rank])
+            else:
+                ref.future().add_done_callback(lambda _, rank=rank: state.release([rank]))
 
     def __del__(self) -> None:
         # A dropped future no longer counts as load on its actors (see ``choose``).
@@ -133,7 +145,7 @@ class Future(Generic[R]):
         except ray.exceptions.GetTimeoutError:
             raise self._timeout(timeout, _not_ready(refs, self._ranks)) from None
         except ray.exceptions.RayError as exc:
-            self._release()
+            self._release(finished=False)  # the other ranks' calls may still run
             raise _failure(refs, self._ranks, exc, self._mesh, self._method) from None
         self._release()
         return self._finish(values)
@@ -150,21 +162,28 @@ class Future(Generic[R]):
             try:
                 value = await self._refs[0]
             except ray.exceptions.RayError as exc:
-                raise translate(exc, self._mesh, self._ranks[0], self._method) from None
-            finally:
                 self._release()
+                raise translate(exc, self._mesh, self._ranks[0], self._method) from None
+            except BaseException:  # cancelled (wait_for, a task's cancel): the call runs on
+                self._release(finished=False)
+                raise
+            self._release()
             return self._finish([value])
         cfs = [ref.future() for ref in self._refs]
         settled = _settled(cfs)
-        if timeout is None:
-            await settled
-        else:
-            try:
-                await asyncio.wait_for(settled, timeout)
-            except TimeoutError:
-                waiting = [rank for cf, rank in zip(cfs, self._ranks) if not cf.done()]
-                raise self._timeout(timeout, waiting) from None
-        self._release()
+        try:
+            if timeout is None:
+                await settled
+            else:
+                try:
+                    await asyncio.wait_for(settled, timeout)
+                except TimeoutError:
+                    waiting = [rank for cf, rank in zip(cfs, self._ranks) if not cf.done()]
+                    raise self._timeout(timeout, waiting) from None
+        except asyncio.CancelledError:
+            self._release(finished=False)
+            raise
+        self._release(finished=all(cf.done() for cf in cfs))  # settled early on a failure: the rest run on
         for cf, rank in zip(cfs, self._ranks):
             if cf.done() and (err := cf.exception()) is not None:
                 raise translate(err, self._mesh, rank, self._method)
@@ -249,18 +268,19 @@ class Stream(Generic[R]):
 class Endpoint(Generic[P, R, L]):
     """``mesh.method``: the adverbs that call ``method`` on the actors of ``mesh``."""
 
-    __slots__ = ("_mesh", "_method")
+    __slots__ = ("_mesh", "_method", "_label")
 
-    def __init__(self, mesh: _ActorMeshImpl[Any], method: str):
+    def __init__(self, mesh: _ActorMeshImpl[Any], method: str, label: str | None = None):
         self._mesh = mesh
         self._method = method
+        self._label = label or method  # what errors and timeouts call it (a library helper's own name)
 
     def call(self, *args: P.args, **kwargs: P.kwargs) -> Future[ValueMesh[R]]:
         """Call every actor; the answers as a ``ValueMesh`` over the mesh's dims."""
         mesh = self._mesh
         refs = mesh._submit_all(self._method, args, kwargs)
         shape: Shape = mesh._shape
-        return Future(mesh._name, self._method, refs, shape.ranks, functools.partial(ValueMesh, shape), mesh._state)
+        return Future(mesh._name, self._label, refs, shape.ranks, functools.partial(ValueMesh, shape), mesh._state)
 
     def call_one(self, *args: P.args, **kwargs: P.kwargs) -> Future[R]:
         """Call the mesh's only actor (slice the mesh down to one first)."""
@@ -271,20 +291,20 @@ class Endpoint(Generic[P, R, L]):
                 f"{mesh._name!r} has {len(mesh._handles)} ({mesh._shape.dims}): slice it first"
             )
         ref = mesh._submit_one(self._method, 0, args, kwargs)
-        return Future(mesh._name, self._method, [ref], mesh._shape.ranks, _only, mesh._state)
+        return Future(mesh._name, self._label, [ref], mesh._shape.ranks, _only, mesh._state)
 
     def choose(self, *args: P.args, **kwargs: P.kwargs) -> Future[R]:
         """Call the one actor with the fewest outstanding calls from this process."""
         mesh = self._mesh
         pos = mesh._least_loaded()
         ref = mesh._submit_one(self._method, pos, args, kwargs)
-        return Future(mesh._name, self._method, [ref], (mesh._shape.ranks[pos],), _only, mesh._state)
+        return Future(mesh._name, self._label, [ref], (mesh._shape.ranks[pos],), _only, mesh._state)
 
     def stream(self, *args: P.args, **kwargs: P.kwargs) -> Stream[R]:
         """Call every actor; iterate over the answers as they arrive."""
         mesh = self._mesh
         refs = mesh._submit_all(self._method, args, kwargs)
-        return Stream(mesh._name, self._method, refs, mesh._shape.ranks, mesh._state)
+        return Stream(mesh._name, self._label, refs, mesh._shape.ranks, mesh._state)
 
     def broadcast(self, *args: P.args, **kwargs: P.kwargs) -> None:
         """Call every actor without waiting; failures are logged and raised later (module doc)."""

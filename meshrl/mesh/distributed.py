@@ -19,9 +19,12 @@ engines, for weight transfer) exactly the way SGLang builds its own (``init_cust
 tcp rendezvous, ``PrefixStore(group_name, store)``, ``_new_process_group_helper``), so it works in
 a process that has a default group, or none, and interoperates with an SGLang engine.
 
-Simplifications: the rendezvous key counts ``init_torch_distributed`` calls per process, so every
-rank must call it the same number of times; an actor restarted by supervision cannot rejoin its
-old group (torch cannot replace one member of a group): re-create the whole group.
+The rendezvous is keyed by a name for the group that every rank shares: ``init_torch_distributed_on``
+draws a fresh one in the caller and hands it to every rank. Called in the actors directly, pass
+``key=`` yourself, or leave it to a count of calls per process (every rank must then call it the
+same number of times). An actor restarted by supervision cannot rejoin its old group (torch cannot
+replace one member of a group): re-create the whole group, with ``init_torch_distributed_on`` or a
+new ``key`` (a restarted process's count starts again at 0, the others' do not).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import os
 import random
 import socket
 import time
+import uuid
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -112,7 +116,7 @@ def _address() -> tuple[str, int]:
 
 def actor_address(mesh: Any) -> Future[tuple[str, int]]:
     """(IP, free port) on the host of the single actor of ``mesh``: a rank-0 address for a group."""
-    return mesh._run_one(_address)
+    return mesh._run_one(_address, what="actor_address")
 
 
 def _local_device_index() -> int:
@@ -144,11 +148,13 @@ def _publish_or_fetch(key: str, rank: int, mesh: str, timeout: float) -> tuple[A
     return store, ip, int(port)
 
 
-def init_torch_distributed(backend: str | None = None, timeout: float = 120.0) -> DeviceMesh:
+def init_torch_distributed(backend: str | None = None, timeout: float = 120.0, *, key: str | None = None) -> DeviceMesh:
     """Join this actor's mesh-wide process group; a ``DeviceMesh`` with the mesh's dims as axes.
 
     Call it in every actor of the mesh. ``backend``: ``"nccl"`` or ``"gloo"`` (default: NCCL if
     this actor has a GPU, else gloo). ``timeout`` bounds the rendezvous and every collective.
+    ``key``: this group's name, the same on every rank (module docstring); None: this process's
+    count of calls.
     """
     import torch
     import torch.distributed as dist
@@ -171,7 +177,7 @@ def init_torch_distributed(backend: str | None = None, timeout: float = 120.0) -
         raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
     if backend == "nccl" and not has_gpu:
         raise ValueError(f"actor {ctx.mesh}/{rank} has no GPU for the nccl backend: spawn_procs(gpus_per_proc=1)")
-    key = f"{ctx.uid}/dist/{_generation}"
+    key = f"{ctx.uid}/dist/" + (f"key/{key}" if key is not None else str(_generation))
     _generation += 1
     store, ip, port = _publish_or_fetch(key, rank, ctx.mesh, timeout)
     device_type = "cuda" if backend == "nccl" else "cpu"
@@ -199,10 +205,10 @@ def current_device_mesh() -> DeviceMesh:
     return _device_mesh
 
 
-def _init_summary(backend: str | None, timeout: float) -> dict[str, Any]:
+def _init_summary(backend: str | None, timeout: float, key: str | None = None) -> dict[str, Any]:
     import torch.distributed as dist
 
-    init_torch_distributed(backend, timeout)
+    init_torch_distributed(backend, timeout, key=key)
     return {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "backend": dist.get_backend()}
 
 
@@ -217,7 +223,8 @@ def init_torch_distributed_on(mesh: Any, backend: str | None = None, timeout: fl
             f"init_torch_distributed_on needs every actor of mesh {mesh.name!r} ({mesh._world}), "
             f"got a view of {len(mesh)}"
         )
-    return mesh._run_all(_init_summary, backend, timeout)
+    # one fresh key for this group on every rank: a rank restarted by supervision agrees with the rest
+    return mesh._run_all(_init_summary, backend, timeout, uuid.uuid4().hex, what="init_torch_distributed")
 
 
 def join_process_group(

@@ -133,6 +133,7 @@ class ProcMesh:
         self._namespace = namespace
         self._spawned: list[_ActorMeshImpl[Any]] = []  # meshes spawned through this handle
         self._used = [0.0] * len(bundle_of)  # share of each slot taken by spawned actors
+        self._stopped = [False]  # shared with every view: stop() frees the reservation of all of them
 
     def __reduce__(self) -> Any:
         args = (self._name, self._uid, self._shape, self._pg, self._bundle_of, self._cpus, self._gpus, self._env,
@@ -167,6 +168,7 @@ class ProcMesh:
                         self._namespace)
         view._spawned = self._spawned
         view._used = self._used
+        view._stopped = self._stopped
         return view
 
     def spawn(
@@ -191,6 +193,8 @@ class ProcMesh:
         """
         if not (isinstance(actor_cls, type) and issubclass(actor_cls, Actor)):
             raise TypeError(f"spawn needs a subclass of meshrl.mesh.Actor, got {actor_cls!r}")
+        if self._stopped[0]:  # its reservation is gone: the actors could never be placed
+            raise RuntimeError(f"proc mesh {self._name!r} was stopped: spawn_procs(...) a new one")
         if not name or "/" in name:
             raise ValueError(f"mesh name must be non-empty and without '/', got {name!r}")
         if max_restarts < 0:
@@ -262,7 +266,9 @@ class ProcMesh:
             self._used[r] = max(0.0, self._used[r] - share)
 
     def stop(self) -> None:
-        """Kill every actor spawned on this proc mesh and release its reservation. Idempotent."""
+        """Kill every actor spawned on this proc mesh and release its reservation (of the whole proc
+        mesh, through any view of it); later spawns on it are refused. Idempotent."""
+        self._stopped[0] = True
         supervision.unwatch_procs(self._uid)
         for mesh in self._spawned:
             mesh.stop()
