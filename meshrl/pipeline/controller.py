@@ -268,7 +268,6 @@ class Pipeline:
 
     async def _start_roles(self, model_dir: str) -> Roles:
         cfg, env = self.cfg, self.environment
-        await asyncio.to_thread(ensure_ray, cfg.run.num_cpus)  # seconds: not on the caller's event loop
         queue = self._spawn("queue", QueueActor, cfg.queue, samples_per_step=cfg.trainer.samples_per_step,
                             steps_per_version=cfg.trainer.sync_interval)  # fmt: skip
         max_new_tokens = cfg.rollout.episode.max_tokens if env else cfg.rollout.max_new_tokens
@@ -319,6 +318,39 @@ class Pipeline:
             # once: a process group over every trainer and engine rank, and the cached transfer plan
             await reshard_meshes.connect(trainer, engines, cfg.reshard)
         return Roles(queue, rollouts, rewards, trainer, reference, engines=engines)
+
+    def _settle_devices(self, cfg: PipelineConfig) -> PipelineConfig:
+        """``cfg`` with the engines' ``device=auto`` settled for the cluster, and a weight transport
+        both sides can use (placement=disaggregated; colocated engines share the trainer's device).
+
+        An engine actor sees no GPU unless it asks Ray for one, so "CUDA when available" is decided
+        here: cuda when the cluster has a GPU for every engine rank besides the trainer's, else cpu.
+        The distributed transport's group takes NCCL on a CUDA side and gloo on a CPU side, and a
+        group needs one backend: with the trainer and the engines on different kinds of device the
+        weights go through Ray's object store instead. Each choice is said."""
+        import msgspec
+
+        if cfg.placement == "colocated":
+            return cfg
+        engine, reshard = cfg.rollout.engine, cfg.reshard
+        if engine.device == "auto":
+            gpus = int(ray.cluster_resources().get("GPU", 0))
+            trainer = cfg.trainer.dp if cfg.trainer.device == "cuda" else 0
+            need = cfg.rollout.num_workers * cfg.rollout.tp_size
+            device = "cuda" if gpus and gpus >= trainer + need else "cpu"
+            if gpus:
+                self._echo(f"rollout.engine.device=auto: {device} (the cluster has {gpus} GPU(s); the engines need "
+                           f"{need}" + (f" besides the trainer's {trainer}" if trainer else "") + ")")
+            engine = msgspec.structs.replace(engine, device=device)
+        sides = {cfg.trainer.device, "cuda" if engine.device.startswith("cuda") else "cpu"}
+        if reshard.transport == "distributed" and reshard.backend == "auto" and len(sides) > 1:
+            if cfg.rollout.tp_size > 1:
+                raise ConfigError(f"`reshard.transport`: the trainer is on {cfg.trainer.device} and the tensor-parallel "
+                                  f"engines on {engine.device}: put both on cuda (rollout.engine.device=cuda)")
+            self._echo(f"reshard.transport: object_store (the trainer is on {cfg.trainer.device}, the engines on "
+                       f"{engine.device}: one process group cannot join NCCL and gloo)")
+            reshard = msgspec.structs.replace(reshard, transport="object_store")
+        return msgspec.structs.replace(cfg, rollout=msgspec.structs.replace(cfg.rollout, engine=engine), reshard=reshard)
 
     def _echo(self, line: str) -> None:
         if self.log is not None:
@@ -375,6 +407,8 @@ class Pipeline:
         self._log_ready.set()
         stopped = False
         try:
+            await asyncio.to_thread(ensure_ray, cfg.run.num_cpus)  # seconds: not on the caller's event loop
+            self.cfg = cfg = self._settle_devices(cfg)
             roles = await self._start_roles(model_dir)
             self._rollout = rollout = RolloutDriver(cfg, roles, tokenizer, ledger, log, stopping=self._stopping,
                                                     environment=self.environment is not None)  # fmt: skip
