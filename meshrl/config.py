@@ -58,7 +58,7 @@ def _presets(cls: type[msgspec.Struct]) -> dict[str, dict[str, Any]]:
     return fn() if callable(fn) else {}
 
 
-def _merge(cls: type[msgspec.Struct], base: dict, update: dict, prefix: str) -> dict:
+def _merge(cls: type[msgspec.Struct], base: dict, update: dict, prefix: str, from_file: bool = False) -> dict:
     """Deep-merge ``update`` into ``base`` (builtins of a ``cls``), checking every key exists."""
     types = _field_types(cls)
     out = dict(base)
@@ -67,13 +67,15 @@ def _merge(cls: type[msgspec.Struct], base: dict, update: dict, prefix: str) -> 
         if key not in types:
             raise ConfigError(f"unknown config key `{dotted}` (known: {', '.join(sorted(types))})")
         sub = _struct_type(types[key])
+        if sub is not None and value is None and from_file and types[key] is sub:
+            value = {}  # a section whose keys are all commented out: nothing to change, not "no section"
         if sub is not None and isinstance(value, str):
             value = _preset_value(sub, value, dotted)
         if sub is not None and isinstance(value, dict):
             current = out.get(key)
             if not isinstance(current, dict):
                 current = msgspec.to_builtins(sub())
-            out[key] = _merge(sub, current, value, dotted + ".")
+            out[key] = _merge(sub, current, value, dotted + ".", from_file)
         else:
             out[key] = value
     return out
@@ -197,7 +199,7 @@ def load_config(
             raise ConfigError(f"{where}: not valid YAML ({what})") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of config keys")
-        data = _merge(cls, data, loaded, "")
+        data = _merge(cls, data, loaded, "", from_file=True)
     for override in overrides:
         data = apply_override(cls, data, override)
     return _convert(cls, data)

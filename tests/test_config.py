@@ -264,3 +264,13 @@ def test_answers_longer_than_a_completion_are_reported_at_start(tmp_path, capsys
     assert "test answers are longer than run.eval_max_new_tokens=3 tokens" in capsys.readouterr().out
     check("rollout.max_new_tokens=4")
     assert "warning" not in capsys.readouterr().out
+
+
+def test_a_section_with_every_key_commented_out_changes_nothing(tmp_path):
+    """YAML reads `run:` followed only by comments as null: the file failed with "`run`: Expected
+    `object`, got `null`". An override `run=null` is still refused."""
+    (tmp_path / "c.yaml").write_text("run:\n  # total_steps: 5\nqueue:\n  max_staleness: 2\n")
+    cfg = load_config(PipelineConfig, tmp_path / "c.yaml")
+    assert cfg.run == PipelineConfig().run and cfg.queue.max_staleness == 2
+    with pytest.raises(ConfigError, match="`run`: Expected `object`, got `null`"):
+        load_config(PipelineConfig, None, ["run=null"])

@@ -422,3 +422,19 @@ def test_unplaceable_proc_mesh_times_out_with_the_reason(ray_cluster):
         spawn_procs({"gpus": 1}, cpus_per_proc=0.1, name="gpu-mesh", timeout=0.5)
     with pytest.raises(ValueError, match='"hosts" is the dim'):
         spawn_procs({"hosts": 2})
+
+
+def test_stopping_a_mesh_through_a_view_of_all_its_actors_gives_the_share_back(ray_cluster):
+    """Only the spawned handle gave the processes' share back: stopping the same actors through a
+    flattened view left the share taken, and the next spawn was refused."""
+    procs = spawn_procs({"a": 2}, cpus_per_proc=0.02, name="view-stop")
+    try:
+        first = procs.spawn("first", Counter, 0)
+        first.flatten("all").stop()
+        second = procs.spawn("second", Counter, 1)  # refused before: "0.00 of their resources left"
+        assert second.read.call().get(timeout=60).values() == [1, 1]
+        second.slice(a=0).stop()  # a part of it: the share stays taken
+        with pytest.raises(ValueError, match="resources left"):
+            procs.spawn("third", Counter, 2)
+    finally:
+        procs.stop()

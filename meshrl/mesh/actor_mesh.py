@@ -58,7 +58,7 @@ class _ActorMeshImpl(Generic[A]):
         self._world = world
         self._state: MeshState = state_for(uid, world)
         self._endpoint_cache: dict[str, Endpoint[Any, Any, Any]] = {}
-        self._on_stop: Any = None  # set by ProcMesh.spawn: gives the processes' share back
+        self._on_stop: list[Any] = [None]  # set by ProcMesh.spawn, shared by views: gives the processes' share back
 
     def __reduce__(self) -> Any:
         return (
@@ -95,9 +95,11 @@ class _ActorMeshImpl(Generic[A]):
 
     def _view(self, shape: Shape, positions: list[int]) -> _ActorMeshImpl[A]:
         handles = tuple(self._handles[p] for p in positions)
-        return _ActorMeshImpl(
+        view = _ActorMeshImpl(
             self._name, self._uid, self._cls_name, self._endpoints, self._methods, handles, shape, self._world
         )
+        view._on_stop = self._on_stop
+        return view
 
     def slice(self, **dims: int | slice) -> _ActorMeshImpl[A]:
         """A view: ``dim=slice(...)`` keeps the dim, ``dim=int`` drops it."""
@@ -124,12 +126,12 @@ class _ActorMeshImpl(Generic[A]):
         """Kill the actors of this mesh (no restart). Safe to call twice.
 
         On a view, only the view's actors die; the processes' share is given back to the proc
-        mesh when the whole spawned mesh is stopped.
+        mesh when the whole spawned mesh is stopped (through it, or a view of all its actors).
         """
         supervision.unwatch(self._uid, set(self._shape.ranks))
-        if self._on_stop is not None:
-            self._on_stop()
-            self._on_stop = None
+        if self._on_stop[0] is not None and len(self._handles) == self._world:
+            self._on_stop[0]()
+            self._on_stop[0] = None
         for handle in self._handles:
             try:
                 ray.kill(handle, no_restart=True)

@@ -255,7 +255,7 @@ class ProcMesh:
         )
         for r in self._shape.ranks:
             self._used[r] += share
-        mesh._on_stop = functools.partial(self._release, tuple(self._shape.ranks), share)
+        mesh._on_stop[0] = functools.partial(self._release, tuple(self._shape.ranks), share)
         if supervised:
             supervision.watch(handles, list(range(len(handles))), name, uid, self._uid, on_restart)
         self._spawned.append(mesh)
