@@ -184,3 +184,26 @@ def test_a_failed_connect_leaves_no_group_on_the_engines(server):
 
     rows, version = asyncio.run(main())
     assert version == 6 and torch.equal(rows, v6["model.layers.0.mlp.up_proj.weight"].detach()[:2])
+
+
+def test_an_engine_that_refuses_the_group_ends_the_connect_at_once_with_its_reason(server):
+    """An engine that still holds the group (a trainer died without destroying it) refuses at once;
+    the connect still waited out the rendezvous' timeout_s and raised the store's timeout, without the
+    engine's reason."""
+    sync = SGLangSyncConfig(backend="gloo", timeout_s=20.0, group_name="held_group")
+
+    async def main() -> tuple[float, str]:
+        holder = SGLangEngine(server, config=SGLangEngineConfig(request_timeout_s=30.0, sync=sync))
+        await holder.update_weights(weights(7), 7)  # the server now holds "held_group"
+        late = SGLangEngine(server, config=SGLangEngineConfig(request_timeout_s=30.0, sync=sync))
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(SGLangPushError, match="refused by 1 of 1 engines") as info:
+                await late.update_weights(weights(8), 8)
+            return time.monotonic() - t0, str(info.value)
+        finally:
+            await late.close()
+            await holder.close()
+
+    took, message = asyncio.run(main())
+    assert "already exists" in message and took < 15, (took, message)

@@ -91,8 +91,9 @@ def test_broken_replies_fail_naming_the_call(reply, error, needle, attempts):
 
 
 def test_samples_of_an_n_request_are_named_and_aborted_the_sglang_way():
-    """SGLang names sample i of request ``rid`` (n > 1) ``{rid}_{i}``, and an abort of ``rid`` alone
-    finds nothing there: the adapter aborts the samples' ids, and this server takes them too."""
+    """SGLang gives the samples of an n > 1 request fresh ids of its own and forgets the request's rid,
+    so no abort reaches them (this server does the same). The adapter sends the n samples as a batch
+    of n prompts with ids of its own, ``{rid}_{i}``, and aborts those."""
     async def main():
         engine = make_engine(hf_model())
         async with serving(engine) as url:
@@ -100,21 +101,29 @@ def test_samples_of_an_n_request_are_named_and_aborted_the_sglang_way():
             try:
                 long = SamplingParams(max_new_tokens=70, temperature=1.0, n=3, ignore_eos=True)
                 run = asyncio.ensure_future(client.generate([GenerateRequest(input_ids=[1, 2], request_id="job", sampling=long)]))
-                while not engine.is_running("job") or engine.steps < 2:
+                while not engine.is_running("job_0") or engine.steps < 2:
                     await asyncio.sleep(0.01)
-                assert client._server_rids("job", 3) == ["job_0", "job_1", "job_2"]
+                assert [engine.is_running(f"job_{i}") for i in range(3)] == [True] * 3 and not engine.is_running("job")
                 await client.abort("job")
                 (aborted,) = await asyncio.wait_for(run, 30)
-                status, reply = await client.request("POST", "/generate", {
-                    "input_ids": [3, 4], "rid": "ids", "sampling_params": {"max_new_tokens": 2, "n": 2}})
-                return aborted, status, [o["meta_info"]["id"] for o in reply]
+                # a raw n > 1 request, as SGLang runs it: fresh sample ids, and its own rid reaches nothing
+                raw = asyncio.ensure_future(client.request("POST", "/generate", {
+                    "input_ids": [3, 4], "rid": "ids", "sampling_params": {"max_new_tokens": 40, "n": 2,
+                                                                           "ignore_eos": True}}))
+                while not engine.is_running("ids"):
+                    await asyncio.sleep(0.01)
+                await client.abort("ids")  # not in flight as far as the adapter knows: n = 1, one abort of "ids"
+                status, reply = await asyncio.wait_for(raw, 30)
+                return aborted, status, reply
             finally:
                 await client.close()
 
-    aborted, status, ids = asyncio.run(main())
+    aborted, status, reply = asyncio.run(main())
     assert [c.finish_reason for c in aborted.completions] == ["abort"] * 3
     assert all(len(c.output_ids) < 70 for c in aborted.completions)
-    assert status == 200 and ids == ["ids_0", "ids_1"]
+    ids = [o["meta_info"]["id"] for o in reply]
+    assert status == 200 and len(set(ids)) == 2 and not any(i.startswith("ids") for i in ids)
+    assert [o["meta_info"]["finish_reason"]["type"] for o in reply] == ["length", "length"]
 
 
 def test_a_generation_that_never_got_a_slot_says_so():

@@ -73,7 +73,21 @@ def servers(tmp_path_factory):
 
 
 def reference(state: dict[str, torch.Tensor], reqs=REQS):
-    return asyncio.run(TorchEngine.from_hf_model(state, config(), ENGINE_CFG).generate(reqs))
+    """TorchEngine's generation of what the adapter sends: the n samples of an n > 1 request as n
+    requests of their own, sample i seeded ``mix_seed(seed, i)`` (SGLangEngine._generate_one)."""
+    import msgspec
+
+    from meshrl.engines.sampling import mix_seed
+
+    def one(sp: SamplingParams, i: int) -> SamplingParams:
+        return msgspec.structs.replace(sp, n=1, seed=None if sp.seed is None else mix_seed(sp.seed, i))
+
+    flat = [msgspec.structs.replace(r, sampling=one(r.sampling, i)) if r.sampling.n > 1 else r
+            for r in reqs for i in range(r.sampling.n)]
+    results = iter(asyncio.run(TorchEngine.from_hf_model(state, config(), ENGINE_CFG).generate(flat)))
+    return [msgspec.structs.replace(first := next(results), completions=first.completions
+                                    + [c for _ in range(r.sampling.n - 1) for c in next(results).completions])
+            for r in reqs]
 
 
 async def check_pushed(eng: SGLangEngine, state: dict[str, torch.Tensor], version: int, reqs=REQS) -> list:

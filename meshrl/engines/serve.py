@@ -279,7 +279,8 @@ class _Server:
         else:
             reason = {"type": "abort", "message": "Abort before or during generation."}
         meta: dict[str, Any] = {
-            "id": res.request_id if len(res.completions) == 1 else f"{res.request_id}_{j}",  # SGLang's _normalize_rid
+            # SGLang gives the samples of an n > 1 request fresh ids (TokenizerManager regenerate_rid)
+            "id": res.request_id if len(res.completions) == 1 else uuid.uuid5(uuid.NAMESPACE_OID, f"{res.request_id}/{j}").hex,
             "finish_reason": reason, "prompt_tokens": res.prompt_tokens, "completion_tokens": len(c.output_ids),
             "cached_tokens": 0, "weight_version": str(c.versions[-1] if c.versions else self.engine.version),
             "weight_versions": _spans(c.versions), "e2e_latency": latency_s,
@@ -438,12 +439,10 @@ class _Server:
             raise BadRequest(f"/abort_request: rid must be a string, got {rid!r}")
         if _flag(body, "abort_all", "/abort_request"):
             self.engine.abort_all()
-        elif rid:
-            # SGLang names sample j of an n > 1 request "{rid}_{j}" and aborts it alone; TorchEngine
-            # aborts whole requests, so a sample's id ends its request (an unknown rid is a no-op)
-            parent, _, j = rid.rpartition("_")
-            if not self.engine.is_running(rid) and parent and j.isdigit() and int(j) < self.engine.samples_of(parent):
-                rid = parent
+        elif rid and self.engine.samples_of(rid) <= 1:
+            # as in SGLang: the samples of an n > 1 request run under fresh ids of the server's, and its
+            # own rid is forgotten, so neither reaches them (clients send n samples as a batch of
+            # prompts with ids of their own instead, as SGLangEngine does); an unknown rid is a no-op
             await self.engine.abort(rid)
         return web.Response(status=200)
 

@@ -1,8 +1,9 @@
 """SGLangEngine: the ``Engine`` interface over an SGLang server URL or an in-process ``sglang.Engine``.
 
 A thin translation (``shared/SGLANG_PROTOCOL.md``): ``generate`` posts one ``/generate`` per
-request (``max_new_tokens`` always sent, ``return_logprob`` on, ``rid`` = the request id) and
-reads ``output_ids``, ``output_token_logprobs[i][0]``, ``finish_reason["type"]`` and the
+request (``max_new_tokens`` always sent, ``return_logprob`` on, ``rid`` = the request id; the
+n samples of an n > 1 request as a batch of n prompts ``{rid}_{i}``, each seeded ``mix_seed(seed, i)``,
+since SGLang renames the samples of an n > 1 request where no abort reaches them) and reads ``output_ids``, ``output_token_logprobs[i][0]``, ``finish_reason["type"]`` and the
 per-token ``weight_versions`` spans (0.5.23; older releases: ``weight_version`` for every token);
 ``pause``/``resume``/``abort`` map to ``/pause_generation`` (``keep`` -> ``in_place``),
 ``/continue_generation`` and ``/abort_request``; ``update_weights`` makes this process rank 0 of
@@ -30,6 +31,7 @@ from typing import Any, Iterable, Sequence
 
 import msgspec
 
+from meshrl.engines.sampling import mix_seed
 from meshrl.engines.types import Completion, GenerateRequest, GenerateResult, PauseMode, SamplingParams
 from meshrl.reshard.sglang import SGLangSyncConfig, SGLangWeightSender, parse_version
 
@@ -178,15 +180,17 @@ class SGLangEngine:
 
     # ---- Engine protocol --------------------------------------------------------------------
 
-    def _sampling(self, sp: SamplingParams, version: tuple[int, int, int]) -> dict[str, Any]:
+    def _sampling(self, sp: SamplingParams, version: tuple[int, int, int], sample: int | None = None) -> dict[str, Any]:
+        """SGLang's sampling params of ``sp``; ``sample``: one of its n samples, sent as a prompt of its
+        own (n = 1) whose seed is that sample's (``mix_seed``, as TorchEngine seeds its rows)."""
         out: dict[str, Any] = {"max_new_tokens": sp.max_new_tokens, "temperature": sp.temperature, "top_p": sp.top_p,
-                               "top_k": sp.top_k, "ignore_eos": sp.ignore_eos, "n": sp.n}
+                               "top_k": sp.top_k, "ignore_eos": sp.ignore_eos, "n": sp.n if sample is None else 1}
         if sp.stop_token_ids:
             out["stop_token_ids"] = list(sp.stop_token_ids)
         if sp.seed is not None:
             if version < (0, 5, 23):
                 raise ValueError(f"per-request seeds need SGLang 0.5.23+ (sampling_seed); {self.name} runs {version}")
-            out["sampling_seed"] = sp.seed
+            out["sampling_seed"] = sp.seed if sample is None else mix_seed(sp.seed, sample)
         return out
 
     def _completion(self, out: dict[str, Any]) -> Completion:
@@ -217,8 +221,19 @@ class SGLangEngine:
 
     async def _generate_one(self, req: GenerateRequest, version: tuple[int, int, int]) -> GenerateResult:
         rid = req.request_id or f"meshrl-{self._prefix}-{next(self._ids)}"
-        body = {"input_ids": list(req.input_ids), "sampling_params": self._sampling(req.sampling, version),
-                "return_logprob": True, "stream": False, "rid": rid}
+        n = req.sampling.n
+        if n == 1:
+            body = {"input_ids": list(req.input_ids), "sampling_params": self._sampling(req.sampling, version),
+                    "return_logprob": True, "stream": False, "rid": rid}
+        else:
+            # n samples as a batch of n prompts with ids of ours: SGLang gives the samples of an n > 1
+            # request fresh ids of its own (TokenizerManager regenerate_rid), so neither an abort of
+            # `rid` nor of `{rid}_{i}` would reach them; and each sample gets a seed of its own (one
+            # sampling_seed for all n would draw the same tokens n times under deterministic inference).
+            # Identical prompts still share their prefill through SGLang's radix cache.
+            body = {"input_ids": [list(req.input_ids)] * n, "return_logprob": True, "stream": False,
+                    "sampling_params": [self._sampling(req.sampling, version, i) for i in range(n)],
+                    "rid": self._server_rids(rid, n)}
         self._in_flight[rid] = req.sampling.n
         try:
             status, reply = await self.request("POST", "/generate", body, timeout_s=self.config.generate_timeout_s)
@@ -239,8 +254,8 @@ class SGLangEngine:
 
     @staticmethod
     def _server_rids(rid: str, n: int) -> list[str]:
-        """The ids SGLang gives the samples of request ``rid``: itself, or ``{rid}_{i}`` for n > 1
-        (``GenerateReqInput._normalize_rid``); an abort of ``rid`` alone would then be a no-op."""
+        """The ids the samples of request ``rid`` run under on the server: itself, or ``{rid}_{i}`` for
+        n > 1 (a batch of n prompts with these ids, ``_generate_one``)."""
         return [rid] if n == 1 else [f"{rid}_{i}" for i in range(n)]
 
     async def _abort_quietly(self, rid: str, n: int = 1) -> None:

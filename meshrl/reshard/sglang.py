@@ -15,7 +15,7 @@ push v:   POST /pause_generation {mode}            every engine
           per bucket (one in flight): POST /update_weights_from_distributed {names, dtypes,
             shapes, flush_cache: false, weight_version on the last} to every engine, then
             broadcast each tensor in exactly the names order, then wait for every reply
-          POST /flush_cache until it is not 400    (bounded retries; once with an in_place pause)
+          POST /flush_cache until it is not 400    (bounded retries; once with an in_place or retract pause)
           POST /end_weight_update {}               0.5.21+
           POST /continue_generation {}
 close:    POST /destroy_weights_update_group       0.5.10+; then destroy our group
@@ -75,9 +75,11 @@ class SGLangSyncConfig(msgspec.Struct, frozen=True, kw_only=True):
     master_address: str = ""
     """Address the engines reach this process at; empty: 127.0.0.1 for local engines, else this node's IP."""
     pause_mode: Literal["abort", "retract", "in_place"] = "abort"
-    """How generation pauses for an update (abort is what slime and AReaL use). in_place keeps the
-    paused requests, so the cache cannot be flushed while they exist: the push flushes once if it
-    can and goes on (their KV, and SGLang's radix cache, keep entries from the old weights)."""
+    """How generation pauses for an update (abort is what slime and AReaL use). in_place and retract
+    keep the paused requests (retract puts them back in the waiting queue), so the cache cannot be
+    flushed while they exist (/flush_cache answers 400 while requests run or wait): the push flushes
+    once if it can and goes on (their KV, and SGLang's radix cache, keep entries from the old
+    weights; retracted requests recompute theirs with the new ones)."""
     flattened_bucket: bool = False
     """Send each bucket as one uint8 tensor (load_format 'flattened_bucket', SGLang 0.5.10+)."""
     timeout_s: float = 600.0
@@ -202,14 +204,37 @@ class SGLangWeightSender:
         # Send the requests without waiting: the engines join while we join; waiting first deadlocks.
         everyone = range(len(self.engines))
         replies = asyncio.ensure_future(self._each("POST", "/init_weights_update_group", bodies, everyone))
+        from meshrl.envs.rewards import in_thread
+
+        def destroy_late(group: Any) -> None:  # joined after this connect gave up: nobody uses it
+            import torch.distributed as dist
+
+            dist.destroy_process_group(group)
+
+        # a daemon thread, not the loop's executor: after a refusal it waits out its rendezvous alone,
+        # and asyncio.run's exit does not wait for it
+        join = asyncio.ensure_future(in_thread(
+            join_process_group, cfg.group_name, 0, world, addr, port, cfg.backend, cfg.timeout_s,
+            timeout_s=cfg.timeout_s + 5, what=f"joining SGLang's weight-update group {cfg.group_name!r}",
+            late=destroy_late))  # fmt: skip
         try:
-            self.group = await asyncio.wait_for(asyncio.to_thread(
-                join_process_group, cfg.group_name, 0, world, addr, port, cfg.backend, cfg.timeout_s), cfg.timeout_s + 5)
+            # an engine that refuses at once (e.g. it still holds the group of a trainer that died) ends
+            # the wait now, with its reason, not after the rendezvous' timeout_s
+            await asyncio.wait({join, replies}, return_when=asyncio.FIRST_COMPLETED)
+            if replies.done() and not join.done():
+                refused = [f"{self.engines[i].name}: {why}" for i, r in zip(everyone, replies.result())
+                           if (why := _failure(r))]  # fmt: skip
+                if refused:
+                    raise SGLangPushError(f"group init (/init_weights_update_group) refused by {len(refused)} of "
+                                          f"{len(self.engines)} engines: " + "; ".join(refused))
+            self.group = await join
             bad = [f"{self.engines[i].name}: {why}" for i, r in zip(everyone, await replies) if (why := _failure(r))]
             if bad:
                 raise SGLangPushError(f"group init (/init_weights_update_group) failed on {len(bad)} of "
                                       f"{len(self.engines)} engines: " + "; ".join(bad))
         except BaseException:  # the group is unusable: nobody may keep a part of it
+            if not join.done():  # its thread waits out its rendezvous alone, then fails
+                join.cancel()
             await self._leave_joined(replies)
             if self.group is not None:
                 import torch.distributed as dist
@@ -254,7 +279,7 @@ class SGLangWeightSender:
                 following = next(buckets, None)
                 nbytes += await self._send_bucket(bucket, None if following else str(version), b)
                 bucket, b = following, b + 1
-            await self._flush(required=cfg.pause_mode != "in_place")
+            await self._flush(required=cfg.pause_mode == "abort")  # kept requests refuse a flush
             if begin:
                 await self._all("POST", "/end_weight_update", [{} for _ in begin], "end", begin)
         except Exception as exc:
@@ -339,7 +364,7 @@ class SGLangWeightSender:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     async def _flush(self, required: bool = True) -> None:
-        """Flush every engine, retrying while it answers 400; without ``required`` (in_place pause: the
+        """Flush every engine, retrying while it answers 400; without ``required`` (in_place or retract pause: the
         kept requests refuse it until they end) one attempt, and a refusal is not an error."""
         cfg, pending = self.config, list(range(len(self.engines)))
         for _ in range(cfg.flush_retries if required else 1):
