@@ -59,12 +59,12 @@ def ray_mod():
 
     started = not ray.is_initialized()
     if started:
-        # Ray as the pipeline starts it (meshrl.pipeline.controller.ensure_ray: batches up to 1 MiB
+        # Ray as the pipeline starts it (meshrl.pipeline.startup.ensure_ray: batches up to 1 MiB
         # travel inline in the call, not through the shared-memory store). MESHRL_BENCH_INLINE_BYTES
         # sets another threshold for comparison; 0 is Ray's own default (100 KB).
         inline = os.environ.get("MESHRL_BENCH_INLINE_BYTES")
         if inline is None:
-            from meshrl.pipeline.controller import ensure_ray
+            from meshrl.pipeline.startup import ensure_ray
 
             ensure_ray(num_cpus=2)
         else:

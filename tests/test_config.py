@@ -247,11 +247,12 @@ def test_the_examples_model_flag_is_taken_verbatim_and_alone(tmp_path):
 def test_answers_longer_than_a_completion_are_reported_at_start(tmp_path, capsys):
     """The task's reward matches an answer whole: one longer than rollout.max_new_tokens can never earn
     it. All of them fail the run at start; some print a warning naming the key."""
-    import meshrl
+    from meshrl.pipeline.startup import check_prompts
+    from meshrl.tasks import build_task
 
     def check(*overrides: str) -> None:
         cfg = load_config(PipelineConfig, None, ["task.digits=3", f"run.output_dir={tmp_path}", *overrides])
-        meshrl.Pipeline(cfg)._check_prompt_lengths()
+        check_prompts(cfg, build_task(cfg.task))
 
     with pytest.raises(ConfigError, match=r"`rollout.max_new_tokens`: 500 of the 500 test answers are longer than "
                                           r"rollout.max_new_tokens=1 tokens .*: raise it"):

@@ -1,0 +1,181 @@
+"""What a run settles before its roles start: Ray, the devices and weight transport, the prompts.
+
+``ensure_ray`` starts a local cluster (off the caller's event loop, on a thread that lives as long
+as the process); ``settle_devices`` turns ``rollout.engine.device=auto`` into a device for this
+cluster and picks a weight transport both sides can use; ``check_prompts`` refuses prompts and
+answers that could never fit, before the warm start and any actor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from typing import Any, Callable
+
+import ray
+
+from meshrl.config import ConfigError
+from meshrl.pipeline.config import PipelineConfig
+from meshrl.tasks import Task
+
+__all__ = ["WORKER_ENV", "check_prompts", "ensure_ray", "settle_devices"]
+
+WORKER_ENV = {
+    "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_WARN_BLOCKING_GET_INSIDE_ASYNC": "0",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+}
+
+
+_ray_init_lock = threading.Lock()
+
+
+def ensure_ray(num_cpus: int | None) -> None:
+    """Start a local Ray cluster unless this process is already connected to one.
+
+    Thread-safe: the pipeline calls it off its event loop (``ray.init`` takes seconds), and two
+    pipelines may at once. Off the main thread, Ray is started on a thread that lives as long as the
+    process: Ray's GCS and raylet die with the *thread* that started them (Linux's parent-death
+    signal), and an executor's thread ends with its ``asyncio.run``, which killed the cluster under
+    the next run of the program."""
+    with _ray_init_lock:
+        if ray.is_initialized():
+            return
+        if threading.current_thread() is threading.main_thread():
+            _ray_init(num_cpus)
+            return
+        started: list[BaseException | None] = []
+        ready = threading.Event()
+
+        def owner() -> None:
+            try:
+                _ray_init(num_cpus)
+                started.append(None)
+            except BaseException as exc:  # noqa: BLE001 - raised in the caller below
+                started.append(exc)
+            ready.set()
+            if started[0] is None:
+                threading.Event().wait()  # the cluster's processes live while this thread does
+
+        threading.Thread(target=owner, name="meshrl-ray", daemon=True).start()
+        ready.wait()
+        if started[0] is not None:
+            raise started[0]
+
+
+def _ray_init(num_cpus: int | None) -> None:
+    os.environ.setdefault("RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "0")
+    with _quiet_sigterm_warning():  # off the main thread Ray leaves SIGTERM alone and says so
+        ray.init(
+            num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING,
+            runtime_env={"env_vars": WORKER_ENV},
+            # Batches of small samples stay out of the shared-memory store (about +30% queue speed).
+            _system_config={"max_direct_call_object_size": 1 << 20},
+        )  # fmt: skip
+
+
+@contextlib.contextmanager
+def _quiet_sigterm_warning():
+    def drop(record: logging.LogRecord) -> bool:
+        return "SIGTERM handler is not set" not in record.getMessage()
+
+    worker_log = logging.getLogger("ray._private.worker")
+    worker_log.addFilter(drop)
+    try:
+        yield
+    finally:
+        worker_log.removeFilter(drop)
+
+
+def check_prompts(cfg: PipelineConfig, task: Task, *, reward: Any = None, environment: Any = None,
+                  echo: Callable[[str], None] = print) -> None:
+    """Prompts that leave no room for their completion in the engine's max_seq_len (or encode to
+    nothing) fail the run at start, naming the keys, not as an engine error after the roles start;
+    every prompt is tokenized (a prompt short in characters may be long in tokens). Answers longer
+    than the completions may be (the task's own reward matches them whole) are reported: all of
+    them fail the run, some print a warning."""
+    if environment is not None:  # episodes grow turn by turn: rollout.episode bounds them
+        return
+    if cfg.model.path is None:
+        from meshrl.embedded.tokenizer import build_char_tokenizer
+
+        tokenizer = build_char_tokenizer()
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    if cfg.model.path is None:
+        from meshrl.embedded.tokenizer import CHARACTERS
+
+        known, unknown = set(CHARACTERS), set()
+        for split in ("train", "test"):
+            for p in task.split(split):
+                unknown.update(set(p.prompt) - known, set(p.answer) - known)
+        if unknown:  # they would be <unk>: an answer holding one could never be matched
+            raise ConfigError(f"`model.path`: the task uses characters the embedded default's tokenizer does not "
+                              f"have ({''.join(sorted(unknown))[:20]!r}; it has printable ASCII): use --model DIR "
+                              "with a tokenizer that covers them")
+    seq = cfg.rollout.engine.max_seq_len or cfg.model_positions()  # TorchEngine's own default
+    eval_key = "run.eval_max_new_tokens" if cfg.run.eval_max_new_tokens else "rollout.max_new_tokens"
+    for split, new_key, new in (("train", "rollout.max_new_tokens", cfg.rollout.max_new_tokens),
+                                ("test", eval_key, cfg.run.eval_max_new_tokens or cfg.rollout.max_new_tokens)):
+        problems = task.split(split)
+        if not problems:
+            continue
+        lengths = [len(ids) for ids in tokenizer([p.prompt for p in problems])["input_ids"]]
+        if reward is None:  # the task's reward: an answer longer than a completion is never matched
+            answers = [len(ids) for ids in tokenizer([p.answer for p in problems], add_special_tokens=False)["input_ids"]]
+            long = [i for i, k in enumerate(answers) if k > new]
+            if long:
+                a = problems[long[0]].answer
+                what = (f"{len(long)} of the {len(problems)} {split} answers are longer than {new_key}={new} tokens "
+                        f"(e.g. {a[:40]!r}: {answers[long[0]]} tokens), so the task's reward can never match them")
+                if len(long) == len(problems):
+                    raise ConfigError(f"`{new_key}`: {what}: raise it")
+                echo(f"warning: {what}; raise {new_key} to {'train on' if split == 'train' else 'score'} them")
+        if 0 in lengths:
+            p = problems[lengths.index(0)]
+            raise ConfigError(f"`model.path`: its tokenizer encodes the {split} prompt {p.prompt[:60]!r} to no "
+                              "tokens: is it the model's own tokenizer?")
+        n = max(lengths)
+        if n + new > seq:
+            p, over = problems[lengths.index(n)], sum(k + new > seq for k in lengths)
+            raise ConfigError(f"`{new_key}`: {over} {split} prompt(s) leave no room for {new} new tokens in the "
+                              f"engine's max_seq_len={seq} (rollout.engine.max_seq_len, or the model's positions), "
+                              f"the longest {p.prompt[:60]!r} with {n} tokens: shorten the prompts, lower "
+                              f"{new_key}, or raise rollout.engine.max_seq_len")
+
+
+def settle_devices(cfg: PipelineConfig, echo: Callable[[str], None] = print) -> PipelineConfig:
+    """``cfg`` with the engines' ``device=auto`` settled for the cluster, and a weight transport
+    both sides can use (placement=disaggregated; colocated engines share the trainer's device).
+
+    An engine actor sees no GPU unless it asks Ray for one, so "CUDA when available" is decided
+    here: cuda when the cluster has a GPU for every engine rank besides the trainer's, else cpu.
+    The distributed transport's group takes NCCL on a CUDA side and gloo on a CPU side, and a
+    group needs one backend: with the trainer and the engines on different kinds of device the
+    weights go through Ray's object store instead. Each choice is said."""
+    import msgspec
+
+    if cfg.placement == "colocated":
+        return cfg
+    engine, reshard = cfg.rollout.engine, cfg.reshard
+    if engine.device == "auto":
+        gpus = int(ray.cluster_resources().get("GPU", 0))
+        trainer = cfg.trainer.dp if cfg.trainer.device == "cuda" else 0
+        need = cfg.rollout.num_workers * cfg.rollout.tp_size
+        device = "cuda" if gpus and gpus >= trainer + need else "cpu"
+        if gpus:
+            echo(f"rollout.engine.device=auto: {device} (the cluster has {gpus} GPU(s); the engines need "
+                       f"{need}" + (f" besides the trainer's {trainer}" if trainer else "") + ")")
+        engine = msgspec.structs.replace(engine, device=device)
+    sides = {cfg.trainer.device, "cuda" if engine.device.startswith("cuda") else "cpu"}
+    if reshard.transport == "distributed" and reshard.backend == "auto" and len(sides) > 1:
+        if cfg.rollout.tp_size > 1:
+            raise ConfigError(f"`reshard.transport`: the trainer is on {cfg.trainer.device} and the tensor-parallel "
+                              f"engines on {engine.device}: put both on cuda (rollout.engine.device=cuda)")
+        echo(f"reshard.transport: object_store (the trainer is on {cfg.trainer.device}, the engines on "
+                   f"{engine.device}: one process group cannot join NCCL and gloo)")
+        reshard = msgspec.structs.replace(reshard, transport="object_store")
+    return msgspec.structs.replace(cfg, rollout=msgspec.structs.replace(cfg.rollout, engine=engine), reshard=reshard)
