@@ -14,6 +14,7 @@ import os
 import threading
 from typing import Any, Callable
 
+import msgspec
 import ray
 
 from meshrl.config import ConfigError
@@ -156,8 +157,6 @@ def settle_devices(cfg: PipelineConfig, echo: Callable[[str], None] = print) -> 
     The distributed transport's group takes NCCL on a CUDA side and gloo on a CPU side, and a
     group needs one backend: with the trainer and the engines on different kinds of device the
     weights go through Ray's object store instead. Each choice is said."""
-    import msgspec
-
     if cfg.placement == "colocated":
         return cfg
     engine, reshard = cfg.rollout.engine, cfg.reshard
@@ -168,7 +167,7 @@ def settle_devices(cfg: PipelineConfig, echo: Callable[[str], None] = print) -> 
         device = "cuda" if gpus and gpus >= trainer + need else "cpu"
         if gpus:
             echo(f"rollout.engine.device=auto: {device} (the cluster has {gpus} GPU(s); the engines need "
-                       f"{need}" + (f" besides the trainer's {trainer}" if trainer else "") + ")")
+                 f"{need}" + (f" besides the trainer's {trainer}" if trainer else "") + ")")
         engine = msgspec.structs.replace(engine, device=device)
     sides = {cfg.trainer.device, "cuda" if engine.device.startswith("cuda") else "cpu"}
     if reshard.transport == "distributed" and reshard.backend == "auto" and len(sides) > 1:
@@ -176,6 +175,6 @@ def settle_devices(cfg: PipelineConfig, echo: Callable[[str], None] = print) -> 
             raise ConfigError(f"`reshard.transport`: the trainer is on {cfg.trainer.device} and the tensor-parallel "
                               f"engines on {engine.device}: put both on cuda (rollout.engine.device=cuda)")
         echo(f"reshard.transport: object_store (the trainer is on {cfg.trainer.device}, the engines on "
-                   f"{engine.device}: one process group cannot join NCCL and gloo)")
+             f"{engine.device}: one process group cannot join NCCL and gloo)")
         reshard = msgspec.structs.replace(reshard, transport="object_store")
     return msgspec.structs.replace(cfg, rollout=msgspec.structs.replace(cfg.rollout, engine=engine), reshard=reshard)
