@@ -94,6 +94,14 @@ def test_gloo_all_reduce_over_the_mesh_and_along_an_axis(trainers):
         assert o["dims"] == ("dp", "tp") and o["shape"] == (2, 2)
 
 
+def test_the_rendezvous_key_is_removed_once_the_group_stands(trainers):
+    """Rank 0 published its store's address in Ray's KV under a key per group, and nobody removed
+    it: a long-lived cluster that re-creates groups piled them up."""
+    from ray.experimental import internal_kv
+
+    assert internal_kv._internal_kv_list(f"{trainers._uid}/dist/", namespace="meshrl") == []
+
+
 def test_two_meshes_join_one_group_and_broadcast(trainers):
     # One side has a default group already (the trainers), the other has none.
     senders = trainers.slice(dp=0)

@@ -195,6 +195,10 @@ def init_torch_distributed(backend: str | None = None, timeout: float = 120.0, *
     except Exception as exc:
         exc.add_note(f"actor {ctx.mesh}/{rank} joining a {backend} group of {world} at {ip}:{port}")
         raise
+    if rank == 0:  # every rank read the address to get here: the key would only pile up in Ray's KV
+        from ray.experimental import internal_kv
+
+        internal_kv._internal_kv_del(key, namespace=_KV_NAMESPACE)
     return _device_mesh
 
 
