@@ -35,7 +35,8 @@ from typing import Any, Awaitable, Callable, Protocol, Sequence, TypeVar, runtim
 
 import msgspec
 
-from meshrl.envs.rewards import CallThread, finite_info, finite_number, in_thread
+from meshrl.envs.rewards import finite_info, finite_number
+from meshrl.threads import CallThread, in_thread
 from meshrl.tasks import Problem
 
 __all__ = ["Environment", "EnvFactory", "Episode", "EpisodeConfig", "StepResult", "as_step_result", "call_env",

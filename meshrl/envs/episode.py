@@ -39,7 +39,7 @@ import msgspec
 
 from meshrl.engines.types import Engine, GenerateRequest, SamplingParams
 from meshrl.envs.base import EnvFactory, Episode, EpisodeConfig, as_step_result, call_env, stop_strings
-from meshrl.envs.rewards import CallThread
+from meshrl.threads import CallThread
 from meshrl.tasks import Problem
 
 __all__ = ["EpisodeRequest", "run_episode", "run_episodes"]

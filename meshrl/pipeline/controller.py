@@ -49,7 +49,6 @@ import uuid
 from pathlib import Path
 from typing import Any, AsyncIterator, Sequence
 
-
 from meshrl.actors import ReferenceWorker, RewardWorker, RolloutWorker, Trainer
 from meshrl.actors.hybrid import HybridWorker
 from meshrl.config import to_yaml
@@ -217,8 +216,11 @@ class Pipeline:
         from transformers import AutoTokenizer
 
         resume_from = ckpt.resolve_resume(cfg.run.resume, self.out_dir)
+        resumed_step = 0
         if resume_from is not None:  # before the warm start and the roles, as the prompt check below
-            ckpt.check_fingerprint(resume_from, ckpt.read_run_state(resume_from), cfg, self.task.split("train"))
+            state = ckpt.read_run_state(resume_from)
+            ckpt.check_fingerprint(resume_from, state, cfg, self.task.split("train"))
+            resumed_step = state.step
         # after the check: a refused resume leaves the folder describing the run its checkpoints are of
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / "config.yaml").write_text(to_yaml(cfg))
@@ -230,7 +232,7 @@ class Pipeline:
         ledger = ckpt.PromptLedger(self.task.split("train"), cfg.run.seed)
         if cfg.run.resume == "latest" and resume_from is None:
             self._echo(f"run.resume=latest: no complete checkpoint under {self.out_dir / 'checkpoints'} yet, starting fresh")
-        later = ckpt.later_checkpoints(self.out_dir, ckpt.read_run_state(resume_from).step if resume_from else 0)
+        later = ckpt.later_checkpoints(self.out_dir, resumed_step)
         if later:
             self._echo(f"{len(later)} checkpoint(s) of later steps under {self.out_dir / 'checkpoints'} (up to "
                        f"{later[-1].name}) belong to an earlier run: kept until this run writes those steps again; "
@@ -239,7 +241,6 @@ class Pipeline:
         tp = f" (x{cfg.rollout.tp_size} tensor-parallel ranks each)" if cfg.rollout.tp_size > 1 else ""
         self._echo(f"starting roles: queue, {cfg.rollout.num_workers} rollout{tp}, {cfg.reward.num_workers} reward, "
                    f"trainer (dp={cfg.trainer.dp})" + (", reference" if reference else ""))  # fmt: skip
-        resumed_step = ckpt.read_run_state(resume_from).step if resume_from is not None else 0
         self.log = log = RunLog(self.out_dir, cfg.run.total_steps, progress=cfg.run.progress,
                                 tensorboard=cfg.run.tensorboard, resumed_step=resumed_step)  # fmt: skip
         for rec in ckpt.read_records(resume_from) if resume_from is not None else []:

@@ -204,7 +204,7 @@ class SGLangWeightSender:
         # Send the requests without waiting: the engines join while we join; waiting first deadlocks.
         everyone = range(len(self.engines))
         replies = asyncio.ensure_future(self._each("POST", "/init_weights_update_group", bodies, everyone))
-        from meshrl.envs.rewards import in_thread
+        from meshrl.threads import in_thread
 
         def destroy_late(group: Any) -> None:  # joined after this connect gave up: nobody uses it
             import torch.distributed as dist
