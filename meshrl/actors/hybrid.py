@@ -84,7 +84,8 @@ class Colocated:
     def __init__(self, trainer: PolicyTrainer, engine: TorchEngine, *, release_weights: bool = False,
                  bucket_bytes: int = 512 * 2**20):  # fmt: skip
         self.trainer, self.engine, self.release_weights = trainer, engine, release_weights
-        self.handover = LocalHandover(trainer.policy.named_parameters, engine, ReshardConfig(bucket_bytes=bucket_bytes))
+        self.handover = LocalHandover(trainer.export_parameters, engine, ReshardConfig(bucket_bytes=bucket_bytes),
+                                      layout_parameters=trainer.layout_parameters)
         self.mode = "rollout"
         self.device = engine.device
         self._cuda = self.device.type == "cuda"

@@ -29,6 +29,7 @@ import torch
 
 from meshrl.actors.algo_config import AlgoConfig
 from meshrl.actors.data_parallel import DataParallel, full_state_dict, shard_model
+from meshrl.actors.lora import BaseModel, LoRAConfig, apply_lora, merge_state_dict, named_weights, save_adapter
 from meshrl.actors.train_step import PolicyUpdater, build_step_batch
 from meshrl.modeling import ValueModel, disable_dropout, load_causal_lm, no_progress_bars
 from meshrl.queues import Sample
@@ -81,7 +82,8 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Recompute each decoder layer's activations in backward (less memory, ~1/3 more compute)."""
     reference_in_trainer: bool = False
     """With algo.kl_coef > 0: a frozen copy of the initial policy in the trainer computes the
-    reference log-probs (sharded like the policy) instead of a ReferenceWorker."""
+    reference log-probs (sharded like the policy) instead of a ReferenceWorker. With LoRA the
+    reference is the policy with its adapters off: no copy at all."""
     reference_cpu_offload: bool = False
     """On cuda: keep the in-trainer reference model's parameters on the CPU between uses."""
     max_skipped_steps: int = 3
@@ -89,6 +91,8 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     the run stops (0: never stop)."""
     collective_timeout_s: float = 600.0
     """Bound on every collective of the dp group (and its rendezvous)."""
+    lora: LoRAConfig = LoRAConfig()
+    """Low-rank adapters on the policy (rank 0: full fine-tuning); engines get merged weights."""
 
     def __post_init__(self) -> None:
         for name in ("samples_per_step", "tokens_per_microbatch", "ppo_epochs", "minibatches_per_step",
@@ -172,14 +176,22 @@ class PolicyTrainer:
     ) -> None:
         torch.manual_seed(cfg.seed)
         self.cfg, self.algo, self.dp, self.model_path = cfg, algo, dp, model_path
-        self.policy = self._place(disable_dropout(load_causal_lm(model_path).train()))
+        policy = disable_dropout(load_causal_lm(model_path).train())
+        self.lora = cfg.lora if cfg.lora.enabled else None
+        if self.lora is not None:
+            apply_lora(policy, self.lora)
+        self.policy = self._place(policy)
         self.pad_id = self.policy.config.pad_token_id if self.policy.config.pad_token_id is not None else 0
         self.critic = self._place(disable_dropout(ValueModel.from_pretrained(model_path).train())) if algo.uses_critic else None
         self.reference = None
         if cfg.reference_in_trainer and algo.kl_coef > 0:
-            frozen = load_causal_lm(model_path).eval().requires_grad_(False)
-            self.reference = self._place(frozen, frozen=True, offload=cfg.reference_cpu_offload)
-        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+            if self.lora is not None:
+                self.reference = BaseModel(self.policy)
+            else:
+                frozen = load_causal_lm(model_path).eval().requires_grad_(False)
+                self.reference = self._place(frozen, frozen=True, offload=cfg.reference_cpu_offload)
+        trained = [p for p in self.policy.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trained, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, total_steps))
         self.critic_optimizer = None
         if self.critic is not None:
@@ -248,14 +260,31 @@ class PolicyTrainer:
         return {**stats, **metrics}
 
     def policy_state(self) -> dict[str, torch.Tensor]:
-        """The policy's full tensors under HF names: on rank 0 (``{}`` elsewhere); a collective."""
+        """The policy's full tensors under HF names (LoRA merged): on rank 0 (``{}`` elsewhere); a collective."""
         if not self.dp.sharded:
-            return {name: t.detach() for name, t in self.policy.state_dict().items()}
-        return full_state_dict(self.policy, self.dp)
+            state = {name: t.detach() for name, t in self.policy.state_dict().items()}
+        else:
+            state = full_state_dict(self.policy, self.dp)
+        return merge_state_dict(state, self.lora.scale) if self.lora is not None and state else state
+
+    def export_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """This rank's policy parameters under HF names, as engines load them (DTensors under FSDP2):
+        the live tensors, or with LoRA the merged weights (then a collective under FSDP2)."""
+        if self.lora is None:
+            return list(self.policy.named_parameters())
+        return list(named_weights(self.policy, merged=True))
+
+    def layout_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """Tensors with the shapes, dtypes and shards of ``export_parameters``, without its compute or
+        collective (what a transfer plan is read from)."""
+        if self.lora is None:
+            return list(self.policy.named_parameters())
+        return list(named_weights(self.policy, merged=False))
 
     def save_hf(self, path: str | Path) -> str:
         """An HF-loadable safetensors checkpoint (config, generation config, tokenizer) at ``path``,
-        written by rank 0 from the gathered full state dict; a collective."""
+        written by rank 0 from the gathered full state dict; a collective. With LoRA the weights
+        are merged, and ``path/adapter`` holds the adapters alone in PEFT's format."""
         out = Path(path)
         with no_progress_bars():
             self._save_hf(out)
@@ -264,10 +293,17 @@ class PolicyTrainer:
     def _save_hf(self, out: Path) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        if not self.dp.sharded:
+        if not self.dp.sharded and self.lora is None:
             self.policy.save_pretrained(out, safe_serialization=True)
         else:
-            full = full_state_dict(self.policy, self.dp)
+            if not self.dp.sharded:
+                state = {name: t.detach() for name, t in self.policy.state_dict().items()}
+            else:
+                state = full_state_dict(self.policy, self.dp)
+            full = state
+            if self.lora is not None and self.dp.rank == 0:  # a plain model of the base architecture
+                full = merge_state_dict(state, self.lora.scale)
+                save_adapter(state, self.lora, self.model_path, out / "adapter")
             if self.dp.rank == 0:
                 # A parameter-less twin with the gathered tensors assigned: no second copy, no
                 # random init, and save_pretrained handles tied embeddings and file sharding.

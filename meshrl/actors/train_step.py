@@ -275,7 +275,7 @@ class PolicyUpdater:
                     continue
                 # A NaN/inf loss or gradient skips the update (counted) instead of poisoning the
                 # weights; the norm and the loss are global, so every rank decides alike.
-                grad_norm = clip_grad_norm(list(self.policy.parameters()), max_grad_norm)
+                grad_norm = clip_grad_norm([p for p in self.policy.parameters() if p.requires_grad], max_grad_norm)
                 norms.append(grad_norm)
                 if math.isfinite(grad_norm) and math.isfinite(float(loss)):
                     policy_optimizer.step()

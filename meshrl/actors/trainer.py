@@ -65,7 +65,7 @@ class Trainer(Actor):
         self.core = PolicyTrainer(model_path, cfg, algo, dp=dp, temperature=temperature,
                                   max_new_tokens=max_new_tokens, total_steps=total_steps)  # fmt: skip
         self._staged: dict[str, torch.Tensor] | None = None
-        self.reshard = SourceSide(self.core.policy.named_parameters, dp.device)
+        self.reshard = SourceSide(self.core.export_parameters, dp.device, layout_parameters=self.core.layout_parameters)
 
     @endpoint
     def train_step(self, encoded_samples: bytes, version: int) -> dict[str, float]:

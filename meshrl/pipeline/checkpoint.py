@@ -91,7 +91,8 @@ def run_fingerprint(cfg: Any, train: Sequence[Problem] | None = None) -> dict[st
     algorithm's shape (the group size, and whether a critic is trained: its weights and optimiser are
     in the checkpoint, or not), and the queue's arithmetic (its consumed position counts batches of
     ``trainer.samples_per_step``, ``trainer.sync_interval`` to a version: other sizes would read it
-    wrongly and wait forever for admission). Everything else may change: learning rate, steps,
+    wrongly and wait forever for admission), and the LoRA adapters' shape (``trainer.lora``: the
+    checkpoint holds adapters of that rank, and alpha scales what they add). Everything else may change: learning rate, steps,
     staleness, and the advantage estimator among those without a critic (grpo, rloo, reinforce_pp
     read the same groups and keep no state).
 
@@ -103,6 +104,7 @@ def run_fingerprint(cfg: Any, train: Sequence[Problem] | None = None) -> dict[st
         "model": msgspec.to_builtins(cfg.model), "task": msgspec.to_builtins(cfg.task), "run.seed": cfg.run.seed,
         "algo.samples_per_prompt": cfg.algo.samples_per_prompt, "algo.critic": cfg.algo.uses_critic,
         "trainer.samples_per_step": cfg.trainer.samples_per_step, "trainer.sync_interval": cfg.trainer.sync_interval,
+        "trainer.lora": _lora_shape(cfg.trainer.lora),
     }  # fmt: skip
     if train is not None:
         if fp["model"].get("path"):
@@ -113,6 +115,13 @@ def run_fingerprint(cfg: Any, train: Sequence[Problem] | None = None) -> dict[st
         digest = hashlib.sha256(msgspec.msgpack.encode([(p.prompt, p.answer) for p in train])).hexdigest()
         fp["data"] = {"train_problems": len(train), "train_sha256": digest}
     return fp
+
+
+def _lora_shape(lora: Any) -> dict[str, Any] | None:
+    """What a checkpoint's adapters depend on (None: no LoRA), in the form it reads back as."""
+    if not lora.enabled:
+        return None
+    return {"rank": lora.rank, "alpha": float(lora.alpha), "target_modules": sorted(lora.target_modules)}
 
 
 def check_fingerprint(path: Path, state: RunState, cfg: Any, train: Sequence[Problem] | None = None) -> None:

@@ -14,6 +14,10 @@ decode steps so no step mixes versions.
   tensors it needs (``DTensor.full_tensor``, a collective every rank runs in plan order) and copies
   them; at most one bucket of gathered tensors is alive.
 
+* With ``layout_parameters`` (LoRA: the exported weights are merged afresh on each push, so there
+  are no stable tensors to take views of), the plan is read from those, and each push takes the
+  views of what ``named_parameters()`` gives then.
+
 Simplifications, on purpose: one engine replica per process and no engine tensor parallelism.
 """
 
@@ -36,12 +40,15 @@ class LocalHandover:
     """Copies a trainer rank's parameters into an engine in the same process (module docstring)."""
 
     def __init__(self, named_parameters: Callable[[], Iterable[tuple[str, torch.Tensor]]], engine: Any,
-                 config: ReshardConfig = ReshardConfig()):
+                 config: ReshardConfig = ReshardConfig(), *,
+                 layout_parameters: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None):
         self.named_parameters, self.engine = named_parameters, engine
+        self.fresh_sources = layout_parameters is not None
+        """The exported tensors are new on every push (merged LoRA): no copy lists of stable views."""
         m = engine.model
         if m.tp_size != 1:
             raise ValueError(f"the colocated hand-over needs a whole engine replica per process, got tp_size={m.tp_size}")
-        source = source_layout(named_parameters())
+        source = source_layout((layout_parameters or named_parameters)())
         self.sharded = source.num_ranks > 1
         if self.sharded:  # as if the full tensors sat on one source rank in this process
             source = SourceLayout(num_ranks=1, tensors=tuple(
@@ -61,12 +68,15 @@ class LocalHandover:
         live = self.engine.model.params
         transfers = [t for b in self.plan.buckets for t in b.transfers]
         self._dst = [live[t.param][to_slices(t.dst_box)] for t in transfers]
-        if not self.sharded:
-            sources = local_tensors(self.named_parameters())
-            missing = sorted({t.hf_name for t in transfers} - set(sources))
-            if missing:
-                raise KeyError(f"the trainer has no parameters {missing[:3]} that the engine needs")
-            self._src = [sources[t.hf_name][to_slices(t.src_box)] for t in transfers]
+        if not self.sharded and not self.fresh_sources:
+            self._src = self._source_views(transfers)
+
+    def _source_views(self, transfers: list) -> list[torch.Tensor]:
+        sources = local_tensors(self.named_parameters())
+        missing = sorted({t.hf_name for t in transfers} - set(sources))
+        if missing:
+            raise KeyError(f"the trainer has no parameters {missing[:3]} that the engine needs")
+        return [sources[t.hf_name][to_slices(t.src_box)] for t in transfers]
 
     def write(self, engine: ReshardTarget, version: int) -> PushStats:
         """Copy the current parameters into ``engine``'s live ones and serve them as ``version``.
@@ -77,7 +87,10 @@ class LocalHandover:
             raise ValueError("LocalHandover.write: a different engine than the one it was built for")
         start = time.perf_counter()
         if not self.sharded:
-            engine.write_params(lambda _live: torch._foreach_copy_(self._dst, self._src), version)
+            src = self._src
+            if self.fresh_sources:
+                src = self._source_views([t for b in self.plan.buckets for t in b.transfers])
+            engine.write_params(lambda _live: torch._foreach_copy_(self._dst, src), version)
             return PushStats(version=version, seconds=time.perf_counter() - start, bytes=self.nbytes)
         params = dict(self.named_parameters())
 

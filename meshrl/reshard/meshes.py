@@ -35,15 +35,22 @@ from meshrl.reshard.transport import GroupRanks
 
 
 class SourceSide:
-    """A trainer rank's part: layout from its (FSDP2) parameters, group membership, send."""
+    """A trainer rank's part: layout from its (FSDP2) parameters, group membership, send.
+
+    ``named_parameters()`` gives what is sent; ``layout_parameters()``, when the two differ in cost
+    (LoRA merges on export, a collective under FSDP2), tensors of the same shapes and shards that
+    are cheap to list and need no other rank: ``layout`` runs on rank 0 alone.
+    """
 
     def __init__(self, named_parameters: Callable[[], Iterable[tuple[str, torch.Tensor]]],
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", *,
+                 layout_parameters: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None):
         self.named_parameters, self.device = named_parameters, torch.device(device)
+        self.layout_parameters = layout_parameters or named_parameters
         self.resharder: Resharder | None = None
 
     def layout(self) -> SourceLayout:
-        return source_layout(self.named_parameters())
+        return source_layout(self.layout_parameters())
 
     def join(self, dest: DestLayout, ranks: GroupRanks, src_rank: int, addr: str, port: int,
              config: ReshardConfig) -> None:
