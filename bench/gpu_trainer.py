@@ -5,6 +5,7 @@ Run on ``nvidia-h200-x2`` (needs torch, transformers, msgspec and ray for meshrl
     python bench/gpu_trainer.py                       # Qwen2.5-0.5B shape, dp=2, GRPO, 5 steps
     python bench/gpu_trainer.py --algo ppo            # + a critic (value model of the same shape)
     python bench/gpu_trainer.py --activation-checkpointing --samples 256
+    python bench/gpu_trainer.py --lora-rank 16        # LoRA adapters on every projection (trainer.lora)
     python bench/gpu_trainer.py --tiny --cpu          # a 2-layer model, gloo on CPU: checks the script
 
 One process per rank (``torch.multiprocessing``, no Ray), each running the library's own
@@ -16,8 +17,10 @@ the trainer loads a real checkpoint); the batch is random tokens with random rew
 GRPO groups of 8). After ``--warmup`` steps, ``--steps`` steps are timed; then one sharded
 checkpoint save (DCP) and one HF export (gathered on rank 0) are timed too.
 
-Printed: a table per rank (median step time, trained tokens/s over all ranks, peak memory), and
-the losses of every step (finite, identical on every rank).
+Printed: a table per rank (median step time, trained tokens/s over all ranks, peak memory, and the
+time to list the weights a push sends: with LoRA that is the shard-by-shard merge), and the losses
+of every step (finite, identical on every rank). With ``--lora-rank`` also the largest difference
+between that merge, gathered, and the merge of the gathered state dict (the HF export's).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokens-per-microbatch", type=int, default=16384, help="padded tokens per forward, per rank")
     p.add_argument("--algo", choices=["grpo", "ppo"], default="grpo", help="ppo adds a critic")
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--lora-rank", type=int, default=0, help="trainer.lora.rank (0: full fine-tuning)")
     p.add_argument("--no-mixed-precision", action="store_true", help="fp32 compute on GPU")
     p.add_argument("--tiny", action="store_true", help="a 2-layer model and a small batch")
     p.add_argument("--cpu", action="store_true", help="gloo on CPU instead of NCCL")
@@ -82,6 +86,7 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, work: str) -> None
 
     from meshrl.actors import AlgoConfig, TrainerConfig
     from meshrl.actors.data_parallel import DataParallel
+    from meshrl.actors.lora import LoRAConfig
     from meshrl.actors.policy_trainer import PolicyTrainer
     from meshrl.actors.trainer_checkpoint import save_trainer_state
 
@@ -99,7 +104,8 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, work: str) -> None
         dp = DataParallel(init_device_mesh(device.type, (args.dp,), mesh_dim_names=("dp",)), device)
         cfg = TrainerConfig(samples_per_step=args.samples, tokens_per_microbatch=args.tokens_per_microbatch, lr=1e-6,
                             dp=args.dp, device=device.type, mixed_precision=not args.no_mixed_precision,
-                            activation_checkpointing=args.activation_checkpointing, max_skipped_steps=0)  # fmt: skip
+                            activation_checkpointing=args.activation_checkpointing, max_skipped_steps=0,
+                            lora=LoRAConfig(rank=args.lora_rank))  # fmt: skip
         algo = AlgoConfig(advantage="gae") if args.algo == "ppo" else AlgoConfig(advantage="grpo", samples_per_prompt=8)
         t0 = time.perf_counter()
         trainer = PolicyTrainer(str(model_dir), cfg, algo, dp=dp, temperature=1.0, max_new_tokens=args.response_len,
@@ -117,6 +123,18 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, work: str) -> None
                 times.append(time.perf_counter() - t0)
                 tokens = m["trained_tokens"] + args.samples * args.prompt_len  # forward tokens, all ranks
             losses.append(m["loss"])
+        _sync(device)
+        t0 = time.perf_counter()
+        exported = trainer.export_parameters()  # what a distributed push reads (LoRA: merged here)
+        _sync(device)
+        merge_s = time.perf_counter() - t0
+        merge_diff = None
+        if args.lora_rank:
+            full = {n: t.full_tensor() if hasattr(t, "full_tensor") else t for n, t in exported}
+            gathered = trainer.policy_state()
+            if rank == 0:
+                merge_diff = max((full[n].float().cpu() - gathered[n].float()).abs().max().item() for n in full)
+        del exported
         t0 = time.perf_counter()
         save_trainer_state(trainer, Path(work) / "ckpt")
         dist.barrier()
@@ -128,7 +146,9 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, work: str) -> None
         row = {"rank": rank, "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
                "setup_s": setup_s, "step_s_median": statistics.median(times), "step_s_all": times,
                "tokens_per_s": tokens / statistics.median(times), "peak_mem_gib": peak_memory_gib(device),
-               "checkpoint_s": ckpt_s, "hf_export_s": export_s, "losses": losses}  # fmt: skip
+               "checkpoint_s": ckpt_s, "hf_export_s": export_s, "losses": losses, "push_list_s": merge_s,
+               "merge_diff": merge_diff,
+               "trained_params": sum(p.numel() for p in trainer.policy.parameters() if p.requires_grad)}  # fmt: skip
         rows: list = [None] * args.dp
         dist.all_gather_object(rows, row)
         if rank == 0:
@@ -141,13 +161,18 @@ def report(args: argparse.Namespace, rows: list[dict], params: int) -> None:
     print(f"\nPolicyTrainer, dp={args.dp} ({'gloo/CPU' if args.cpu else 'NCCL'}), {'tiny' if args.tiny else 'Qwen2.5-0.5B'} "
           f"shape, algo={args.algo}, {args.samples} samples x ({args.prompt_len} + {args.response_len}) tokens per step, "
           f"tokens_per_microbatch={args.tokens_per_microbatch}, mixed precision={not args.no_mixed_precision and not args.cpu}, "
-          f"activation checkpointing={args.activation_checkpointing}; policy parameters {params:,}\n")  # fmt: skip
+          f"activation checkpointing={args.activation_checkpointing}, LoRA rank {args.lora_rank or '-'}; policy "
+          f"parameters {params:,}, trained {rows[0]['trained_params']:,}\n")  # fmt: skip
     mem = "peak GiB allocated" if not args.cpu else "peak RSS GiB"
-    print(f"| rank | device | step s (median) | tokens/s (all ranks, prompt + response) | {mem} | setup s | checkpoint s | HF export s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"| rank | device | step s (median) | tokens/s (all ranks, prompt + response) | {mem} | setup s | checkpoint s | HF export s | push list s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['rank']} | {r['device']} | {r['step_s_median']:.3f} | {r['tokens_per_s']:,.0f} | "
-              f"{r['peak_mem_gib']:.2f} | {r['setup_s']:.1f} | {r['checkpoint_s']:.2f} | {r['hf_export_s']:.2f} |")
+              f"{r['peak_mem_gib']:.2f} | {r['setup_s']:.1f} | {r['checkpoint_s']:.2f} | {r['hf_export_s']:.2f} | "
+              f"{r['push_list_s']:.3f} |")
+    if rows[0]["merge_diff"] is not None:
+        print(f"\nLoRA: the shard-by-shard merge (what a push sends), gathered, vs the gathered state dict merged: "
+              f"max |diff| {rows[0]['merge_diff']:.3g}")
     print("\nlosses per step:", ", ".join(f"{x:.6f}" for x in rows[0]["losses"]))
     agree = all(r["losses"] == rows[0]["losses"] for r in rows)
     finite = all(x == x and abs(x) != float("inf") for x in rows[0]["losses"])

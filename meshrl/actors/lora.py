@@ -91,7 +91,12 @@ class LoRALinear(nn.Module):
         y = F.linear(x, self.weight, self.bias)
         if not self.adapter_on:
             return y
-        return y + F.linear(F.linear(x, self.lora_A) * self.scale, self.lora_B)
+        h = F.linear(x, self.lora_A)  # [..., r]
+        if y.dim() < 2:
+            return y + F.linear(h, self.lora_B) * self.scale
+        # y + s·h Bᵀ as one GEMM with the scale and the sum in its epilogue (no separate kernels
+        # over the [tokens, out] activations, forward or backward)
+        return torch.addmm(y.flatten(0, -2), h.flatten(0, -2), self.lora_B.t(), alpha=self.scale).view(y.shape)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, rank={self.lora_A.shape[0]}, scale={self.scale:g}"
