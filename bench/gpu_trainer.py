@@ -125,7 +125,7 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, work: str) -> None
             losses.append(m["loss"])
         _sync(device)
         t0 = time.perf_counter()
-        exported = trainer.export_parameters()  # what a distributed push reads (LoRA: merged here)
+        exported = list(trainer.export_parameters())  # what a distributed push reads (LoRA: merged here)
         _sync(device)
         merge_s = time.perf_counter() - t0
         merge_diff = None

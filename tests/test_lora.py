@@ -161,6 +161,9 @@ def test_bad_lora_settings_fail_naming_the_problem(model_dir):
         apply_lora(model, LoRAConfig(rank=2, target_modules=("query_key_value",)))
     with pytest.raises(ValueError, match="exceeds model.layers.0.self_attn.q_proj"):
         apply_lora(AutoModelForCausalLM.from_pretrained(model_dir), LoRAConfig(rank=64))
+    # the tiny model ties lm_head to the embedding: an adapter there would reach no engine
+    with pytest.raises(ValueError, match=r"lm_head.weight is tied to another parameter .* leave 'lm_head' out"):
+        apply_lora(AutoModelForCausalLM.from_pretrained(model_dir), LoRAConfig(rank=2, target_modules=("q_proj", "lm_head")))
 
 
 # ---- dp = 2 (FSDP2 over gloo) -------------------------------------------------------------------
@@ -180,14 +183,25 @@ def _rank_main(rank: int, port: int, model_dir: str, out: str) -> None:
         t = _trainer(model_dir, DataParallel(init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))))
         metrics = _train(t)
         gathered = t.policy_state()  # full tensors, merged on rank 0
-        # what the distributed push reads: each rank's merged rows, laid out as the base weights are
-        layout = source_layout(t.layout_parameters())
-        exported = t.export_parameters()
-        assert source_layout(exported) == layout
+        # what the distributed push reads: each rank's merged rows, laid out as the base weights are;
+        # the layout is read on rank 0 alone (as connect() does): a collective in it would hang here
+        layout = source_layout(t.layout_parameters()) if rank == 0 else None
+        dist.barrier()
+        exported = list(t.export_parameters())
+        assert rank != 0 or source_layout(exported) == layout
         local = local_tensors(exported)
         full = {n: (p.full_tensor() if isinstance(p, DTensor) else p) for n, p in exported}
+        # the colocated hand-over at dp = 2: every rank writes the whole merged model into its engine
+        from meshrl.engines import TorchEngine, TorchEngineConfig
+        from meshrl.reshard.colocated import LocalHandover
+
+        engine = TorchEngine.from_pretrained(model_dir, TorchEngineConfig(device="cpu", max_batch_size=2, max_seq_len=16))
+        LocalHandover(t.export_parameters, engine, layout_parameters=t.layout_parameters).write(engine, 1)
+        served = {n: engine.model.get_hf(n) for n in ("model.layers.0.self_attn.q_proj.weight",
+                                                      "model.layers.1.mlp.down_proj.weight")}
         if rank == 0:
-            torch.save({"metrics": metrics, "gathered": gathered, "full": full, "local0": local}, Path(out) / "dp2.pt")
+            torch.save({"metrics": metrics, "gathered": gathered, "full": full, "local0": local, "served": served},
+                       Path(out) / "dp2.pt")
     finally:
         dist.destroy_process_group()
 
@@ -204,6 +218,8 @@ def test_dp2_lora_trains_like_dp1_and_its_sharded_merge_is_the_full_merge(model_
     merged = t.policy_state()
     for name, tensor in merged.items():
         torch.testing.assert_close(dp2["gathered"][name], tensor, rtol=1e-5, atol=1e-5)
+    for name, tensor in dp2["served"].items():  # what the colocated engine serves
+        torch.testing.assert_close(tensor, dp2["gathered"][name], rtol=0, atol=0)
     for name, tensor in dp2["full"].items():  # the shard-by-shard merge, gathered, is the full merge
         torch.testing.assert_close(tensor, dp2["gathered"][name], rtol=1e-6, atol=1e-6)
         rows = dp2["local0"][name].shape[0]
@@ -253,6 +269,11 @@ def test_a_lora_checkpoint_resumes_exactly_and_refuses_another_adapter_shape(mod
     t = _trainer(model_dir, DataParallel(None))
     _train(t, 2)
     save_trainer_state(t, tmp_path / "ckpt")
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = [k for k in FileSystemReader(str(tmp_path / "ckpt")).read_metadata().state_dict_metadata
+             if k.startswith("policy.")]
+    assert len(saved) == 2 * 14 and all(".lora_" in k for k in saved)  # the adapters, not the frozen base
     on = t.train_step(make_samples(2, CFG.samples_per_step, group=2), 2)
     resumed = _trainer(model_dir, DataParallel(None))
     assert load_trainer_state(resumed, tmp_path / "ckpt") == 2

@@ -84,8 +84,9 @@ class Colocated:
     def __init__(self, trainer: PolicyTrainer, engine: TorchEngine, *, release_weights: bool = False,
                  bucket_bytes: int = 512 * 2**20):  # fmt: skip
         self.trainer, self.engine, self.release_weights = trainer, engine, release_weights
+        fresh = trainer.lora is not None  # merged afresh on each push: no stable tensors to keep views of
         self.handover = LocalHandover(trainer.export_parameters, engine, ReshardConfig(bucket_bytes=bucket_bytes),
-                                      layout_parameters=trainer.layout_parameters)
+                                      layout_parameters=trainer.layout_parameters if fresh else None)
         self.mode = "rollout"
         self.device = engine.device
         self._cuda = self.device.type == "cuda"

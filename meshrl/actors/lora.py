@@ -24,11 +24,16 @@ switched off (``adapters_off``). So with LoRA, ``trainer.reference_in_trainer=tr
 second copy of the model.
 
 Simplifications, on purpose: no adapter dropout (RL compares log-probs of the same weights, and
-the trainer runs without dropout); the critic, when there is one, is trained in full.
+the trainer runs without dropout); the critic, when there is one, is trained in full; adapters on
+a tied weight (``lm_head`` of a model with tied embeddings) are refused; while a distributed push
+sends, the rank holds a merged copy of its shard of the adapted weights (the colocated hand-over
+at dp = 1 merges one weight at a time). Checkpoints hold the adapters and their optimiser state,
+not the frozen base (it is the model path's, unchanged).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 from pathlib import Path
@@ -111,6 +116,7 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig) -> list[str]:
     if not cfg.enabled:
         raise ValueError("apply_lora needs trainer.lora.rank > 0")
     model.requires_grad_(False)
+    shared = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     adapted, linear_names = [], set()
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
@@ -124,6 +130,10 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig) -> list[str]:
                 raise ValueError(f"trainer.lora.rank={cfg.rank} exceeds {full}'s shape "
                                  f"({child.out_features} x {child.in_features}): a low-rank update needs rank <= "
                                  f"{min(child.in_features, child.out_features)}")
+            if shared[id(child.weight)] > 1:  # tie_word_embeddings: one tensor, two names
+                raise ValueError(f"trainer.lora.target_modules: {full}.weight is tied to another parameter (the model "
+                                 f"ties its embeddings), so an adapter on it could not be merged into one weight for "
+                                 f"the engines: leave {name!r} out")
             setattr(parent, name, LoRALinear(child, cfg.rank, cfg.scale))
             adapted.append(full)
     if not adapted:

@@ -22,7 +22,7 @@ import math
 import time
 import warnings
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Iterator, Literal, Sequence
 
 import msgspec
 import torch
@@ -267,12 +267,13 @@ class PolicyTrainer:
             state = full_state_dict(self.policy, self.dp)
         return merge_state_dict(state, self.lora.scale) if self.lora is not None and state else state
 
-    def export_parameters(self) -> list[tuple[str, torch.Tensor]]:
+    def export_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's policy parameters under HF names, as engines load them (DTensors under FSDP2):
-        the live tensors, or with LoRA the merged weights (then a collective under FSDP2)."""
+        the live tensors, or with LoRA the merged weights, made as they are iterated (then a
+        collective under FSDP2: every rank iterates it whole)."""
         if self.lora is None:
-            return list(self.policy.named_parameters())
-        return list(named_weights(self.policy, merged=True))
+            return self.policy.named_parameters()
+        return named_weights(self.policy, merged=True)
 
     def layout_parameters(self) -> list[tuple[str, torch.Tensor]]:
         """Tensors with the shapes, dtypes and shards of ``export_parameters``, without its compute or

@@ -61,6 +61,15 @@ def _models(t: PolicyTrainer) -> list[tuple[str, torch.nn.Module, torch.optim.Op
     return out
 
 
+def _options(t: PolicyTrainer, name: str, *, load: bool = False) -> Any:
+    """With LoRA the policy's frozen base is left out (it is the model path's, unchanged): a
+    checkpoint holds the adapters, not another copy of the model."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    frozen_base = name == "policy" and t.lora is not None
+    return StateDictOptions(ignore_frozen_params=frozen_base, strict=not (frozen_base and load))
+
+
 def _sharded_state(t: PolicyTrainer) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -69,7 +78,11 @@ def _sharded_state(t: PolicyTrainer) -> dict[str, Any]:
         # Before the first update an optimiser has no state, and get_state_dict would create it by
         # running a dummy step (lr 0): Adam's step count would then be one ahead from there on.
         init_optimizer_state(optim)
-        model_sd, optim_sd = get_state_dict(model, optim)
+        options = _options(t, name)
+        model_sd, optim_sd = get_state_dict(model, optim, options=options)
+        if options.ignore_frozen_params:  # DCP keeps a tied name of a frozen tensor (lm_head.weight)
+            frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+            model_sd = {k: v for k, v in model_sd.items() if k not in frozen}
         state[name], state[f"{name}_optim"] = model_sd, optim_sd
     return state
 
@@ -143,7 +156,7 @@ def _check_same_models(path: Path, state: dict[str, Any], names: list[str]) -> N
                             f"trainer (e.g. {extra[:2]})")
     if problems:
         raise ValueError(f"{path} holds other models than this trainer's ({'; '.join(problems)}): resume with the "
-                         "model and algorithm (critic or not) that wrote it")
+                         "model, algorithm (critic or not) and trainer.lora that wrote it")
 
 
 def load_trainer_state(t: PolicyTrainer, path: str | Path) -> int:
@@ -169,7 +182,8 @@ def load_trainer_state(t: PolicyTrainer, path: str | Path) -> int:
         exc.add_note(f"dp rank {t.dp.rank}/{t.dp.size} loading the trainer state from {path}{_why(exc)}")
         raise
     for name, model, optim in _models(t):
-        set_state_dict(model, optim, model_state_dict=state[name], optim_state_dict=state[f"{name}_optim"])
+        set_state_dict(model, optim, model_state_dict=state[name], optim_state_dict=state[f"{name}_optim"],
+                       options=_options(t, name, load=True))
     own = path / f"rank{t.dp.rank}.pt"
     small = torch.load(own if own.is_file() else path / "rank0.pt", weights_only=False)
     torch.set_rng_state(small["torch_rng"])

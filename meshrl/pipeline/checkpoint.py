@@ -106,6 +106,9 @@ def run_fingerprint(cfg: Any, train: Sequence[Problem] | None = None) -> dict[st
         "trainer.samples_per_step": cfg.trainer.samples_per_step, "trainer.sync_interval": cfg.trainer.sync_interval,
         "trainer.lora": _lora_shape(cfg.trainer.lora),
     }  # fmt: skip
+    for key in ("chat_template", "system_prompt", "reward", "reward_function"):
+        # the prompts they render are in "data"; the answer check and the reward may change on resume
+        fp["task"].pop(key, None)
     if train is not None:
         if fp["model"].get("path"):
             fp["model"]["path"] = str(Path(fp["model"]["path"]).resolve())

@@ -51,7 +51,7 @@ from typing import Any, AsyncIterator, Sequence
 
 from meshrl.actors import ReferenceWorker, RewardWorker, RolloutWorker, Trainer
 from meshrl.actors.hybrid import HybridWorker
-from meshrl.config import to_yaml
+from meshrl.config import ConfigError, to_yaml
 from meshrl.embedded import warm_start
 from meshrl.envs import EnvFactory
 from meshrl.mesh import ActorMesh, ProcMesh, spawn_procs
@@ -65,7 +65,7 @@ from meshrl.pipeline.training import TrainLoop
 from meshrl.queues import QueueClosed
 from meshrl.queues.actor import QueueActor
 from meshrl.reshard import meshes as reshard_meshes
-from meshrl.tasks import Task, build_task
+from meshrl.tasks import Task, build_task, load_reward_function
 
 __all__ = ["Pipeline"]
 
@@ -85,7 +85,11 @@ class Pipeline:
     def __init__(self, config: PipelineConfig, *, task: Task | None = None, reward: Any = None,
                  environment: EnvFactory | None = None) -> None:  # fmt: skip
         self.cfg = config.validate()
-        self.task = task if task is not None else build_task(config.task)
+        self.task = task if task is not None else build_task(config.task, config.model.path)
+        if config.task.reward_function is not None:
+            if reward is not None:
+                raise ConfigError("`task.reward_function`: Pipeline(reward=...) gives a reward too: use one of them")
+            reward = load_reward_function(config.task.reward_function)
         if environment is not None and not callable(environment):
             raise TypeError(f"environment must be a factory problem -> Environment (e.g. a class), got {environment!r:.80}")
         self.reward, self.environment = reward, environment

@@ -15,8 +15,8 @@ decode steps so no step mixes versions.
   them; at most one bucket of gathered tensors is alive.
 
 * With ``layout_parameters`` (LoRA: the exported weights are merged afresh on each push, so there
-  are no stable tensors to take views of), the plan is read from those, and each push takes the
-  views of what ``named_parameters()`` gives then.
+  are no stable tensors to take views of), the plan is read from those, and each push copies what
+  ``named_parameters()`` yields one tensor at a time (dp = 1: one merged weight alive at a time).
 
 Simplifications, on purpose: one engine replica per process and no engine tensor parallelism.
 """
@@ -68,15 +68,28 @@ class LocalHandover:
         live = self.engine.model.params
         transfers = [t for b in self.plan.buckets for t in b.transfers]
         self._dst = [live[t.param][to_slices(t.dst_box)] for t in transfers]
-        if not self.sharded and not self.fresh_sources:
-            self._src = self._source_views(transfers)
+        if self.fresh_sources:  # per name: a merged tensor is copied, then dropped, before the next is made
+            self._by_name: dict[str, list[tuple[torch.Tensor, tuple[slice, ...]]]] = {}
+            for t, dst in zip(transfers, self._dst):
+                self._by_name.setdefault(t.hf_name, []).append((dst, to_slices(t.src_box)))
+        elif not self.sharded:
+            sources = local_tensors(self.named_parameters())
+            missing = sorted({t.hf_name for t in transfers} - set(sources))
+            if missing:
+                raise KeyError(f"the trainer has no parameters {missing[:3]} that the engine needs")
+            self._src = [sources[t.hf_name][to_slices(t.src_box)] for t in transfers]
 
-    def _source_views(self, transfers: list) -> list[torch.Tensor]:
-        sources = local_tensors(self.named_parameters())
-        missing = sorted({t.hf_name for t in transfers} - set(sources))
+    def _write_fresh(self, _live: dict[str, torch.Tensor]) -> None:
+        done = set()
+        for name, tensor in self.named_parameters():
+            jobs = self._by_name.get(name)
+            if jobs:
+                local = local_tensors([(name, tensor)])[name]
+                torch._foreach_copy_([dst for dst, _ in jobs], [local[src] for _, src in jobs])
+                done.add(name)
+        missing = sorted(self._by_name.keys() - done)
         if missing:
-            raise KeyError(f"the trainer has no parameters {missing[:3]} that the engine needs")
-        return [sources[t.hf_name][to_slices(t.src_box)] for t in transfers]
+            raise KeyError(f"the trainer exported no parameters {missing[:3]} that the engine needs")
 
     def write(self, engine: ReshardTarget, version: int) -> PushStats:
         """Copy the current parameters into ``engine``'s live ones and serve them as ``version``.
@@ -87,10 +100,10 @@ class LocalHandover:
             raise ValueError("LocalHandover.write: a different engine than the one it was built for")
         start = time.perf_counter()
         if not self.sharded:
-            src = self._src
             if self.fresh_sources:
-                src = self._source_views([t for b in self.plan.buckets for t in b.transfers])
-            engine.write_params(lambda _live: torch._foreach_copy_(self._dst, src), version)
+                engine.write_params(self._write_fresh, version)
+            else:
+                engine.write_params(lambda _live: torch._foreach_copy_(self._dst, self._src), version)
             return PushStats(version=version, seconds=time.perf_counter() - start, bytes=self.nbytes)
         params = dict(self.named_parameters())
 

@@ -1,13 +1,25 @@
-"""Verifiable tasks: built-in arithmetic, or prompts and answers from JSON Lines / Parquet files."""
+"""Verifiable tasks: built-in arithmetic, or prompts and answers from JSON Lines / Parquet files.
+
+``build_task`` also renders prompts for chat models (``meshrl.tasks.chat``) and picks how answers
+are checked (``meshrl.tasks.answers``); ``load_reward_function`` loads ``task.reward_function``,
+a Python function named on the command line.
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+import hashlib
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any, Callable, Literal, Sequence
 
 import msgspec
 
+from meshrl.tasks.answers import AnswerMode, answer_reward
 from meshrl.tasks.arithmetic import AdditionTask
 from meshrl.tasks.base import Problem, PromptStream, RewardOutput, Task, exact_match_reward
+from meshrl.tasks.chat import ChatRenderer
 from meshrl.tasks.files import FileTask, load_problems
 
 __all__ = [
@@ -21,6 +33,7 @@ __all__ = [
     "build_task",
     "exact_match_reward",
     "load_problems",
+    "load_reward_function",
 ]
 
 
@@ -41,15 +54,117 @@ class TaskConfig(msgspec.Struct, frozen=True, kw_only=True):
     """File task: .jsonl or .parquet of held-out problems."""
     prompt_key: str = "prompt"
     answer_key: str = "answer"
+    chat_template: bool | None = None
+    """Render prompts with the model tokenizer's chat template. null: prompts given as chat messages
+    are rendered, strings used as they are; true: every prompt, a string as one user turn (instruct
+    models); false: none (messages refused)."""
+    system_prompt: str | None = None
+    """With the chat template: a system turn before each prompt's own messages."""
+    reward: AnswerMode = "exact"
+    """How a completion is checked against the answer: exact (the whole completion, stripped),
+    last_number (its last number, compared as a number: GSM8K-style reasoning), boxed (the last
+    \\boxed{...}: MATH-style). Details: meshrl/tasks/answers.py."""
+    reward_function: str | None = None
+    """A Python reward instead of the task's: "path/to/file.py:name" or "package.module:name", a
+    function (problem, completion) -> float | RewardOutput, sync or async (what Pipeline(reward=...)
+    takes)."""
 
     def __post_init__(self) -> None:
         if self.digits < 1 or self.num_test < 1:
             raise ValueError(f"task.digits and task.num_test must be >= 1, got {self.digits} and {self.num_test}")
+        if self.system_prompt is not None and self.chat_template is False:
+            raise ValueError("task.system_prompt needs the chat template: set task.chat_template=true (or null with "
+                             "prompts given as chat messages)")
+        if self.reward_function is not None:
+            target, _, name = self.reward_function.rpartition(":")
+            if not target or not name.isidentifier():
+                raise ValueError(f"task.reward_function must be \"path/to/file.py:name\" or \"module:name\", got "
+                                 f"{self.reward_function!r}")
 
 
-def build_task(cfg: TaskConfig) -> Task:
+class PreparedTask:
+    """A task with its prompts rendered for a chat model and/or another answer check."""
+
+    def __init__(self, task: Task, render: Callable[[str], str] | None, reward: str):
+        self.name, self._task, self.reward_mode = task.name, task, reward
+        self._splits = {name: [Problem(id=p.id, prompt=render(p.prompt), answer=p.answer) for p in task.split(name)]
+                        if render else task.split(name) for name in ("train", "test")}  # fmt: skip
+
+    def split(self, name: str) -> Sequence[Problem]:
+        if name not in self._splits:
+            return self._task.split(name)  # the task's own error
+        return self._splits[name]
+
+    def reward(self, problem: Problem, completion: str) -> RewardOutput:
+        return answer_reward(self.reward_mode, problem, completion)
+
+
+def _renderer(cfg: TaskConfig, model_path: str | None) -> Callable[[Any], str] | None:
+    """What turns a prompt into the model's text; the tokenizer is loaded only if a prompt needs it."""
+    if cfg.chat_template is False:
+        return None
+    loaded: list[ChatRenderer] = []
+
+    def render(prompt: Any) -> str:
+        if isinstance(prompt, str) and not cfg.chat_template:
+            return prompt
+        if not loaded:
+            if model_path is None:
+                from meshrl.embedded.tokenizer import build_char_tokenizer
+
+                tokenizer, source = build_char_tokenizer(), "the embedded default (it has none: use --model DIR)"
+            else:
+                from transformers import AutoTokenizer
+
+                tokenizer, source = AutoTokenizer.from_pretrained(model_path), model_path
+            loaded.append(ChatRenderer(tokenizer, system_prompt=cfg.system_prompt, strings=bool(cfg.chat_template),
+                                       source=source))
+        return loaded[0](prompt)
+
+    return render
+
+
+def build_task(cfg: TaskConfig, model_path: str | None = None) -> Task:
+    """The configured task; ``model_path``'s tokenizer renders chat prompts (the embedded one's when None)."""
+    render = _renderer(cfg, model_path)
     if cfg.kind == "addition":
-        return AdditionTask(cfg.digits, num_test=cfg.num_test, seed=cfg.seed)
+        task = AdditionTask(cfg.digits, num_test=cfg.num_test, seed=cfg.seed)
+        if not cfg.chat_template and cfg.reward == "exact":
+            return task
+        return PreparedTask(task, render if cfg.chat_template else None, cfg.reward)
     if not cfg.train_file or not cfg.test_file:
         raise ValueError("task.kind=file needs task.train_file and task.test_file")
-    return FileTask(cfg.train_file, cfg.test_file, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key)
+    return FileTask(cfg.train_file, cfg.test_file, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key,
+                    render=render, reward=cfg.reward)
+
+
+def load_reward_function(spec: str) -> Callable[..., Any]:
+    """The function ``task.reward_function`` names: ``"path/to/file.py:name"`` (imported from the file;
+    it travels to the reward workers by value) or ``"package.module:name"`` (imported by name there)."""
+    target, _, name = spec.rpartition(":")
+    key = "`task.reward_function`"
+    if target.endswith(".py"):
+        path = Path(target).expanduser().resolve()
+        if not path.is_file():
+            raise ValueError(f"{key}: file not found: {target}")
+        module_name = "meshrl_reward_" + hashlib.sha256(str(path).encode()).hexdigest()[:12]
+        module_spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as exc:
+            raise ValueError(f"{key}: importing {target} failed: {type(exc).__name__}: {exc}") from exc
+        sys.modules[module_name] = module
+        import ray
+
+        ray.cloudpickle.register_pickle_by_value(module)  # the workers cannot import it by name
+    else:
+        try:
+            module = importlib.import_module(target)
+        except Exception as exc:
+            raise ValueError(f"{key}: importing module {target!r} failed: {type(exc).__name__}: {exc}") from exc
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        found = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        raise ValueError(f"{key}: {target} has no function {name!r} (it has {found[:8]})")
+    return fn

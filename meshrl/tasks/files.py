@@ -1,8 +1,9 @@
 """Tasks from files: prompts and answers in JSON Lines or Parquet, one record per problem.
 
-Each record has a prompt field (a string) and an answer field (a string or a number; names
-configurable); the reward is exact match after stripping white space, like the built-in tasks.
-Parquet needs ``pyarrow``.
+Each record has a prompt field (a string, or a list of chat messages rendered by
+``meshrl.tasks.chat``) and an answer field (a string or a number; names configurable). The reward
+checks a completion against the answer as ``task.reward`` says (``meshrl.tasks.answers``: exact
+match by default). Parquet needs ``pyarrow``.
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ import decimal
 import json
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from meshrl.tasks.base import Problem, RewardOutput, exact_match_reward
+from meshrl.tasks.answers import answer_reward
+from meshrl.tasks.base import Problem, RewardOutput
+from meshrl.tasks.chat import check_messages
 
 __all__ = ["FileTask", "load_problems"]
 
@@ -84,8 +87,13 @@ def _answer_text(answer: object, where: str, key: str) -> str:
                      f"({type(answer).__name__})")
 
 
-def load_problems(path: str | Path, *, prompt_key: str = "prompt", answer_key: str = "answer") -> list[Problem]:
-    """Read problems from ``path``; every record must carry both keys, neither blank."""
+def load_problems(path: str | Path, *, prompt_key: str = "prompt", answer_key: str = "answer",
+                  render: Callable[[str | list[dict[str, str]]], str] | None = None) -> list[Problem]:
+    """Read problems from ``path``; every record must carry both keys, neither blank.
+
+    ``render`` turns a prompt (a string or chat messages) into the text the model sees
+    (``meshrl.tasks.chat.ChatRenderer``); without it, prompts given as messages are refused.
+    """
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"{path} is a directory: name one .jsonl or .parquet file (a data set of several Parquet "
@@ -101,9 +109,13 @@ def load_problems(path: str | Path, *, prompt_key: str = "prompt", answer_key: s
                 raise ValueError(f"{where}: the record has no field {key!r} (it has {sorted(record)[:8]})")
         prompt, answer = record[prompt_key], record[answer_key]
         # str() of a list of chat messages or of a missing (null) answer would be a silent, wrong problem
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise ValueError(f"{where}: field {prompt_key!r} must be a non-blank string, got "
-                             f"{prompt!r:.80} (chat messages: render them to one string first)")  # fmt: skip
+        if isinstance(prompt, list) and render is not None:
+            prompt = render(check_messages(prompt, where, prompt_key))
+        elif not isinstance(prompt, str) or not prompt.strip():
+            hint = " (chat messages need task.chat_template null or true)" if isinstance(prompt, list) else ""
+            raise ValueError(f"{where}: field {prompt_key!r} must be a non-blank string, got {prompt!r:.80}{hint}")
+        elif render is not None:
+            prompt = render(prompt)
         text = _answer_text(answer, where, answer_key)
         if not text.strip():  # exact match after stripping: an empty completion would earn the full reward
             raise ValueError(f"{where}: field {answer_key!r} is blank: an empty completion would match it")
@@ -114,15 +126,16 @@ def load_problems(path: str | Path, *, prompt_key: str = "prompt", answer_key: s
 
 
 class FileTask:
-    """Problems from a training file and a held-out file."""
+    """Problems from a training file and a held-out file; ``reward`` is a ``meshrl.tasks.answers`` mode."""
 
     name = "file"
 
-    def __init__(self, train_path: str | Path, test_path: str | Path, *, prompt_key: str = "prompt", answer_key: str = "answer"):
-        self._splits = {
-            "train": load_problems(train_path, prompt_key=prompt_key, answer_key=answer_key),
-            "test": load_problems(test_path, prompt_key=prompt_key, answer_key=answer_key),
-        }
+    def __init__(self, train_path: str | Path, test_path: str | Path, *, prompt_key: str = "prompt",
+                 answer_key: str = "answer", render: Callable[[str | list[dict[str, str]]], str] | None = None,
+                 reward: str = "exact"):
+        keys = dict(prompt_key=prompt_key, answer_key=answer_key, render=render)
+        self._splits = {"train": load_problems(train_path, **keys), "test": load_problems(test_path, **keys)}
+        self.reward_mode = reward
 
     def split(self, name: str) -> Sequence[Problem]:
         if name not in self._splits:
@@ -130,4 +143,4 @@ class FileTask:
         return self._splits[name]
 
     def reward(self, problem: Problem, completion: str) -> RewardOutput:
-        return exact_match_reward(problem, completion)
+        return answer_reward(self.reward_mode, problem, completion)
