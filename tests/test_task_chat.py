@@ -80,13 +80,24 @@ def test_a_tokenizer_that_adds_bos_gets_no_second_one_from_the_template(tmp_path
 def test_chat_prompts_without_a_chat_template_fail_naming_the_key(tmp_path):
     with pytest.raises(ValueError, match=r"`task.chat_template`: the tokenizer of the embedded default"):
         build_task(TaskConfig(chat_template=True, digits=1, num_test=4), None)
-    with pytest.raises(ValueError, match="task.system_prompt needs the chat template"):
-        TaskConfig(chat_template=False, system_prompt="Be brief.")
+    for template in (False, None):  # null: string prompts are used as they are, and would never see it
+        with pytest.raises(ValueError, match="task.system_prompt needs task.chat_template=true"):
+            TaskConfig(chat_template=template, system_prompt="Be brief.")
     with pytest.raises((ValueError, ConfigError), match="task.reward_function must be"):
         TaskConfig(reward_function="score.py")
 
 
 @pytest.mark.parametrize("mode, answer, completion, correct, found", [
+    ("last_number", "-50", "She lost -$50.", 1.0, 1.0),
+    ("last_number", "1500", "that is 1.5e3", 1.0, 1.0),
+    ("last_number", "1000", "1{,}000 in all", 1.0, 1.0),
+    ("last_number", "10", "8-10 apples", 1.0, 1.0),  # a range, not -10
+    ("last_number", "Half of 48 is <<48/2=24>>24.\n#### 72", "so 72", 1.0, 1.0),  # GSM8K's answer field
+    ("boxed", "-1/2", "\\boxed{-\\dfrac{1}{2}}", 1.0, 1.0),
+    ("boxed", "\\frac{1}{2}", "\\boxed{\\frac12}", 1.0, 1.0),
+    ("boxed", "A", "\\boxed{\\text{(A)}}", 1.0, 1.0),
+    ("boxed", "90", "\\boxed{90^\\circ}", 1.0, 1.0),
+    ("boxed", "so \\boxed{7}.", "\\boxed{7}", 1.0, 1.0),  # a whole solution in the answer field
     ("last_number", "18", "She has 3 + 15 = 18 apples.\n#### 18", 1.0, 1.0),
     ("last_number", "1234", "The answer is $1,234.", 1.0, 1.0),
     ("last_number", "0.5", "half: 1/2 is .5", 1.0, 1.0),
@@ -108,7 +119,7 @@ def test_answer_checks(mode, answer, completion, correct, found):
 @given(st.integers(-10**9, 10**9), st.sampled_from(["{:,}", "{}", "${:,}", "{}.0"]), st.text(max_size=20))
 def test_the_last_number_is_read_whatever_its_format(n, fmt, prefix):
     text = prefix + " so the answer is " + fmt.format(n).replace("$-", "-$")
-    assert parse_number(extract_last_number(text)) == n or (fmt.startswith("$") and n < 0)
+    assert parse_number(extract_last_number(text)) == n
 
 
 def test_boxed_braces_nest():
@@ -159,3 +170,58 @@ def test_pipeline_trains_on_chat_prompts_with_a_reward_function_from_the_command
     assert all(s["reward_failed_frac"] == 0 for s in steps)  # the prompts it saw were rendered
     with pytest.raises(ConfigError, match="`task.reward_function`: Pipeline\\(reward=...\\) gives a reward too"):
         Pipeline(cfg, reward=lambda problem, completion: 0.0)
+
+
+def test_build_task_checks_answers_as_task_reward_says(tmp_path):
+    records = [{"prompt": "Natalia sold 48 clips...", "answer": "Half of 48 is 24.\n#### 72"}]
+    task = _file_task(tmp_path, records, None, reward="last_number")
+    (problem,) = task.split("train")
+    assert task.reward(problem, "24 + 48 = 72").reward == 1.0 and task.reward(problem, "72.5").reward == 0.0
+    addition = build_task(TaskConfig(digits=1, num_test=4, reward="last_number"))
+    p = addition.split("test")[0]
+    assert addition.reward(p, f"The sum is {p.answer}.").reward == 1.0
+    assert build_task(TaskConfig(digits=1, num_test=4)).reward(p, f"The sum is {p.answer}.").reward == 0.0
+
+
+def test_the_resume_check_compares_prompts_as_written_and_how_they_are_rendered(tmp_path):
+    from meshrl.pipeline import PipelineConfig
+    from meshrl.pipeline.checkpoint import RunState, check_fingerprint, run_fingerprint
+    from meshrl.tasks import source_split
+
+    data = _jsonl(tmp_path / "data.jsonl", RECORDS)
+    dirs = []
+    for day in ("01", "02"):  # a template that renders today's date (Llama 3's does)
+        tok = build_char_tokenizer()
+        tok.chat_template = "Today " + day + " Dec. " + TEMPLATE
+        tok.save_pretrained(tmp_path / day)
+        dirs.append(str(tmp_path / day))
+
+    def config(model: str, *extra: str) -> PipelineConfig:
+        return load_config(PipelineConfig, None, [f"model.path={model}", "task.kind=file", f"task.train_file={data}",
+                                                  f"task.test_file={data}", *extra])  # fmt: skip
+
+    first = build_task(config(dirs[0]).task, dirs[0])
+    state = RunState(step=1, version=1, prompt_position=0, next_group=0, generated_tokens=0, accuracy_before=None,
+                     in_flight=[], queue_snapshot=b"", fingerprint=run_fingerprint(config(dirs[0]), source_split(first, "train")))
+    next_day = build_task(config(dirs[1]).task, dirs[1])
+    assert first.split("train")[0].prompt != next_day.split("train")[0].prompt
+    check_fingerprint(tmp_path, state, config(dirs[0]), source_split(next_day, "train"))  # the next day resumes
+    check_fingerprint(tmp_path, state, config(dirs[0], "task.reward=last_number"), source_split(first, "train"))
+    with pytest.raises(ConfigError, match="task"):
+        check_fingerprint(tmp_path, state, config(dirs[0], "task.chat_template=true"), source_split(first, "train"))
+
+
+def test_a_reward_file_may_use_dataclasses_and_import_its_neighbours(tmp_path):
+    (tmp_path / "helpers.py").write_text("def digits(text):\n    return sum(c.isdigit() for c in text)\n")
+    (tmp_path / "dc.py").write_text(
+        "from __future__ import annotations\n"
+        "import dataclasses, functools\n"
+        "from helpers import digits\n"
+        "@dataclasses.dataclass\n"
+        "class Weights:\n    scale: float = 0.5\n"
+        "@functools.lru_cache\n"
+        "def weights() -> Weights:\n    return Weights()\n"
+        "def score(problem, completion):\n    return weights().scale * digits(completion)\n"
+    )  # fmt: skip
+    fn = load_reward_function(f"{tmp_path / 'dc.py'}:score")
+    assert fn(Problem(id=0, prompt="q", answer="1"), "a12") == 1.0

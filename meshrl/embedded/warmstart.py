@@ -78,7 +78,8 @@ def _cache_key(model_cfg: EmbeddedModelConfig, task: Task, cfg: WarmStartConfig,
         "format": _FORMAT,
         "model": msgspec.to_builtins(model_cfg),
         "warmstart": {k: v for k, v in msgspec.to_builtins(cfg).items() if k != "cache_dir"},
-        "task": [getattr(task, "name", type(task).__name__), len(train), problems.hexdigest(), len(task.split("test"))],
+        "task": [getattr(task, "name", type(task).__name__), len(train), problems.hexdigest(), len(task.split("test"))]
+        + ([task.reward_mode] if getattr(task, "reward_mode", "exact") != "exact" else []),  # it decides when to stop
         "vocab": vocab_size,
     }
     return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]

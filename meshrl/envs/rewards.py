@@ -203,6 +203,10 @@ def as_reward(value: Any, *, timeout_s: float) -> Reward:
     """A ``Reward`` from, in this order: a ``FunctionReward``; a Task (``is_task``: its ``reward``
     method); a Reward (an object with async ``score``); a plain function. Functions without their
     own ``timeout_s`` get ``timeout_s``."""
+    from meshrl.tasks import NamedFunction
+
+    if isinstance(value, NamedFunction):  # task.reward_function: imported here, in the worker
+        value = value.load()
     if isinstance(value, FunctionReward):
         if value.timeout_s is None:
             value.timeout_s = timeout_s

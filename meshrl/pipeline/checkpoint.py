@@ -107,13 +107,16 @@ def run_fingerprint(cfg: Any, train: Sequence[Problem] | None = None) -> dict[st
         "trainer.lora": _lora_shape(cfg.trainer.lora),
     }  # fmt: skip
     for key in ("chat_template", "system_prompt", "reward", "reward_function"):
-        # the prompts they render are in "data"; the answer check and the reward may change on resume
-        fp["task"].pop(key, None)
+        # the answer check and the reward may change on resume; how prompts are rendered may not
+        # (listed when set, so fingerprints from before these keys existed still compare equal)
+        if key in ("reward", "reward_function") or fp["task"].get(key) is None:
+            fp["task"].pop(key, None)
     if train is not None:
         if fp["model"].get("path"):
             fp["model"]["path"] = str(Path(fp["model"]["path"]).resolve())
         task = fp["task"]
-        kept = ("kind", "prompt_key", "answer_key") if task.get("kind") == "file" else task.keys() - {"train_file", "test_file"}
+        kept = (("kind", "prompt_key", "answer_key", "chat_template", "system_prompt") if task.get("kind") == "file"
+                else task.keys() - {"train_file", "test_file"})
         fp["task"] = {k: task[k] for k in task if k in kept}
         digest = hashlib.sha256(msgspec.msgpack.encode([(p.prompt, p.answer) for p in train])).hexdigest()
         fp["data"] = {"train_problems": len(train), "train_sha256": digest}
@@ -157,8 +160,10 @@ class PromptLedger:
     The caller never ``take``s while a checkpoint captures the queue's snapshot and this ledger.
     """
 
-    def __init__(self, problems: Sequence[Problem], seed: int) -> None:
+    def __init__(self, problems: Sequence[Problem], seed: int, *, source: Sequence[Problem] | None = None) -> None:
         self.problems = self._problems = problems
+        self.source = problems if source is None else source
+        """The problems as written, before chat rendering: what the run's fingerprint hashes."""
         self._seed = seed
         self.stream = PromptStream(problems, seed)
         self.next_group = 0

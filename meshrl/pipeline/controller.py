@@ -65,7 +65,7 @@ from meshrl.pipeline.training import TrainLoop
 from meshrl.queues import QueueClosed
 from meshrl.queues.actor import QueueActor
 from meshrl.reshard import meshes as reshard_meshes
-from meshrl.tasks import Task, build_task, load_reward_function
+from meshrl.tasks import NamedFunction, Task, build_task, load_reward_function, source_split
 
 __all__ = ["Pipeline"]
 
@@ -89,7 +89,8 @@ class Pipeline:
         if config.task.reward_function is not None:
             if reward is not None:
                 raise ConfigError("`task.reward_function`: Pipeline(reward=...) gives a reward too: use one of them")
-            reward = load_reward_function(config.task.reward_function)
+            load_reward_function(config.task.reward_function)  # its errors now, naming the key
+            reward = NamedFunction(config.task.reward_function)  # each reward worker imports it
         if environment is not None and not callable(environment):
             raise TypeError(f"environment must be a factory problem -> Environment (e.g. a class), got {environment!r:.80}")
         self.reward, self.environment = reward, environment
@@ -223,7 +224,7 @@ class Pipeline:
         resumed_step = 0
         if resume_from is not None:  # before the warm start and the roles, as the prompt check below
             state = ckpt.read_run_state(resume_from)
-            ckpt.check_fingerprint(resume_from, state, cfg, self.task.split("train"))
+            ckpt.check_fingerprint(resume_from, state, cfg, source_split(self.task, "train"))
             resumed_step = state.step
         # after the check: a refused resume leaves the folder describing the run its checkpoints are of
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -233,7 +234,7 @@ class Pipeline:
         model_dir = await self._model_dir()
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        ledger = ckpt.PromptLedger(self.task.split("train"), cfg.run.seed)
+        ledger = ckpt.PromptLedger(self.task.split("train"), cfg.run.seed, source=source_split(self.task, "train"))
         if cfg.run.resume == "latest" and resume_from is None:
             self._echo(f"run.resume=latest: no complete checkpoint under {self.out_dir / 'checkpoints'} yet, starting fresh")
         later = ckpt.later_checkpoints(self.out_dir, resumed_step)

@@ -20,6 +20,7 @@ import ray
 from meshrl.config import ConfigError
 from meshrl.pipeline.config import PipelineConfig
 from meshrl.tasks import Task
+from meshrl.tasks.answers import reference_answer
 
 __all__ = ["WORKER_ENV", "check_prompts", "ensure_ray", "settle_devices"]
 
@@ -126,10 +127,12 @@ def check_prompts(cfg: PipelineConfig, task: Task, *, reward: Any = None, enviro
             continue
         lengths = [len(ids) for ids in tokenizer([p.prompt for p in problems])["input_ids"]]
         if reward is None:  # the task's reward: an answer longer than a completion is never matched
-            answers = [len(ids) for ids in tokenizer([p.answer for p in problems], add_special_tokens=False)["input_ids"]]
+            mode = getattr(task, "reward_mode", "exact")  # only its final answer, for an answer field with a solution
+            finals = [reference_answer(mode, p.answer) for p in problems]
+            answers = [len(ids) for ids in tokenizer(finals, add_special_tokens=False)["input_ids"]]
             long = [i for i, k in enumerate(answers) if k > new]
             if long:
-                a = problems[long[0]].answer
+                a = finals[long[0]]
                 what = (f"{len(long)} of the {len(problems)} {split} answers are longer than {new_key}={new} tokens "
                         f"(e.g. {a[:40]!r}: {answers[long[0]]} tokens), so the task's reward can never match them")
                 if len(long) == len(problems):

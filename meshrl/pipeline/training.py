@@ -232,7 +232,7 @@ class TrainLoop:
                 step=self.step, version=self.version, prompt_position=ledger.stream.position,
                 next_group=ledger.next_group, generated_tokens=self.rollout.generated_tokens,
                 accuracy_before=self.accuracy_before, in_flight=ledger.unfinished(),
-                queue_snapshot=snapshot, fingerprint=ckpt.run_fingerprint(self.cfg, ledger.problems),
+                queue_snapshot=snapshot, fingerprint=ckpt.run_fingerprint(self.cfg, ledger.source),
             )  # fmt: skip
         finally:
             self.rollout.taking.set()

@@ -34,6 +34,8 @@ __all__ = [
     "exact_match_reward",
     "load_problems",
     "load_reward_function",
+    "NamedFunction",
+    "source_split",
 ]
 
 
@@ -59,7 +61,8 @@ class TaskConfig(msgspec.Struct, frozen=True, kw_only=True):
     are rendered, strings used as they are; true: every prompt, a string as one user turn (instruct
     models); false: none (messages refused)."""
     system_prompt: str | None = None
-    """With the chat template: a system turn before each prompt's own messages."""
+    """With task.chat_template=true: a system turn first, unless a prompt's messages begin with
+    their own."""
     reward: AnswerMode = "exact"
     """How a completion is checked against the answer: exact (the whole completion, stripped),
     last_number (its last number, compared as a number: GSM8K-style reasoning), boxed (the last
@@ -72,9 +75,9 @@ class TaskConfig(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         if self.digits < 1 or self.num_test < 1:
             raise ValueError(f"task.digits and task.num_test must be >= 1, got {self.digits} and {self.num_test}")
-        if self.system_prompt is not None and self.chat_template is False:
-            raise ValueError("task.system_prompt needs the chat template: set task.chat_template=true (or null with "
-                             "prompts given as chat messages)")
+        if self.system_prompt is not None and self.chat_template is not True:
+            raise ValueError("task.system_prompt needs task.chat_template=true (prompts rendered as chat; with null, "
+                             "string prompts are used as they are and would never see it)")
         if self.reward_function is not None:
             target, _, name = self.reward_function.rpartition(":")
             if not target or not name.isidentifier():
@@ -95,8 +98,19 @@ class PreparedTask:
             return self._task.split(name)  # the task's own error
         return self._splits[name]
 
+    def source_split(self, name: str) -> Sequence[Problem]:
+        """The split before chat rendering (``source_split``)."""
+        return source_split(self._task, name)
+
     def reward(self, problem: Problem, completion: str) -> RewardOutput:
         return answer_reward(self.reward_mode, problem, completion)
+
+
+def source_split(task: Task, name: str) -> Sequence[Problem]:
+    """``task``'s split as written, before any chat rendering: what a resume compares (a chat template
+    may render today's date into every prompt)."""
+    source = getattr(task, "source_split", None)
+    return source(name) if callable(source) else task.split(name)
 
 
 def _renderer(cfg: TaskConfig, model_path: str | None) -> Callable[[Any], str] | None:
@@ -138,9 +152,19 @@ def build_task(cfg: TaskConfig, model_path: str | None = None) -> Task:
                     render=render, reward=cfg.reward)
 
 
+class NamedFunction(msgspec.Struct, frozen=True):
+    """A reward function by name (``task.reward_function``): what travels to the reward workers,
+    which import it themselves (a module loaded from a file does not pickle with everything in it)."""
+
+    spec: str
+
+    def load(self) -> Callable[..., Any]:
+        return load_reward_function(self.spec)
+
+
 def load_reward_function(spec: str) -> Callable[..., Any]:
-    """The function ``task.reward_function`` names: ``"path/to/file.py:name"`` (imported from the file;
-    it travels to the reward workers by value) or ``"package.module:name"`` (imported by name there)."""
+    """The function ``task.reward_function`` names: ``"path/to/file.py:name"`` (the file's folder goes
+    on ``sys.path``, so it may import its neighbours) or ``"package.module:name"``."""
     target, _, name = spec.rpartition(":")
     key = "`task.reward_function`"
     if target.endswith(".py"):
@@ -148,17 +172,21 @@ def load_reward_function(spec: str) -> Callable[..., Any]:
         if not path.is_file():
             raise ValueError(f"{key}: file not found: {target}")
         module_name = "meshrl_reward_" + hashlib.sha256(str(path).encode()).hexdigest()[:12]
-        module_spec = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(module_spec)
-        try:
-            module_spec.loader.exec_module(module)
-        except Exception as exc:
-            raise ValueError(f"{key}: importing {target} failed: {type(exc).__name__}: {exc}") from exc
-        sys.modules[module_name] = module
-        import ray
-
-        ray.cloudpickle.register_pickle_by_value(module)  # the workers cannot import it by name
+        module = sys.modules.get(module_name)
+        if module is None:
+            if str(path.parent) not in sys.path:
+                sys.path.insert(0, str(path.parent))
+            module_spec = importlib.util.spec_from_file_location(module_name, path)
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[module_name] = module  # before it runs: dataclasses and pickle look it up there
+            try:
+                module_spec.loader.exec_module(module)
+            except Exception as exc:
+                del sys.modules[module_name]
+                raise ValueError(f"{key}: importing {target} failed: {type(exc).__name__}: {exc}") from exc
     else:
+        if "" not in sys.path and str(Path.cwd()) not in sys.path:  # a module beside the run, as Ray's workers see it
+            sys.path.append(str(Path.cwd()))
         try:
             module = importlib.import_module(target)
         except Exception as exc:

@@ -8,11 +8,13 @@ engine:
   the text ends where the assistant's reply begins); strings are used as they are (base models,
   or prompts rendered by hand);
 - true: every prompt is rendered, a string as one user turn (the way instruct models expect
-  GSM8K-style questions), after ``task.system_prompt`` when set;
+  GSM8K-style questions), after ``task.system_prompt`` when set (messages that begin with their
+  own system turn keep theirs);
 - false: prompts are used as they are, and messages are refused.
 
 Rendering happens once when the task is built. ``Problem.prompt`` stays a string, so rollout,
-evaluation, reward models and the start-up checks tokenize it as before. A template that writes
+evaluation, reward models and the start-up checks tokenize it as before; a resume compares the
+prompts as written (``source_split``), since a template may render today's date. A template that writes
 the BOS token itself (Llama 3's does) would get a second one from a tokenizer that also adds it
 when encoding; the rendered text drops the template's copy in that case.
 """

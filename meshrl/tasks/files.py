@@ -94,6 +94,12 @@ def load_problems(path: str | Path, *, prompt_key: str = "prompt", answer_key: s
     ``render`` turns a prompt (a string or chat messages) into the text the model sees
     (``meshrl.tasks.chat.ChatRenderer``); without it, prompts given as messages are refused.
     """
+    return [rendered for rendered, _ in _load(path, prompt_key, answer_key, render)]
+
+
+def _load(path: str | Path, prompt_key: str, answer_key: str,
+          render: Callable[[str | list[dict[str, str]]], str] | None) -> list[tuple[Problem, Problem]]:
+    """``(rendered, source)`` per record; the source's prompt is the file's (messages as JSON)."""
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"{path} is a directory: name one .jsonl or .parquet file (a data set of several Parquet "
@@ -110,16 +116,17 @@ def load_problems(path: str | Path, *, prompt_key: str = "prompt", answer_key: s
         prompt, answer = record[prompt_key], record[answer_key]
         # str() of a list of chat messages or of a missing (null) answer would be a silent, wrong problem
         if isinstance(prompt, list) and render is not None:
-            prompt = render(check_messages(prompt, where, prompt_key))
+            messages = check_messages(prompt, where, prompt_key)
+            source, prompt = json.dumps(messages, ensure_ascii=False), render(messages)
         elif not isinstance(prompt, str) or not prompt.strip():
             hint = " (chat messages need task.chat_template null or true)" if isinstance(prompt, list) else ""
             raise ValueError(f"{where}: field {prompt_key!r} must be a non-blank string, got {prompt!r:.80}{hint}")
-        elif render is not None:
-            prompt = render(prompt)
+        else:
+            source, prompt = prompt, render(prompt) if render is not None else prompt
         text = _answer_text(answer, where, answer_key)
         if not text.strip():  # exact match after stripping: an empty completion would earn the full reward
             raise ValueError(f"{where}: field {answer_key!r} is blank: an empty completion would match it")
-        problems.append(Problem(id=index, prompt=prompt, answer=text))
+        problems.append((Problem(id=index, prompt=prompt, answer=text), Problem(id=index, prompt=source, answer=text)))
     if not problems:
         raise ValueError(f"{path}: no records")
     return problems
@@ -133,9 +140,17 @@ class FileTask:
     def __init__(self, train_path: str | Path, test_path: str | Path, *, prompt_key: str = "prompt",
                  answer_key: str = "answer", render: Callable[[str | list[dict[str, str]]], str] | None = None,
                  reward: str = "exact"):
-        keys = dict(prompt_key=prompt_key, answer_key=answer_key, render=render)
-        self._splits = {"train": load_problems(train_path, **keys), "test": load_problems(test_path, **keys)}
+        loaded = {name: _load(path, prompt_key, answer_key, render) for name, path in (("train", train_path),
+                                                                                     ("test", test_path))}
+        self._splits = {name: [rendered for rendered, _ in pairs] for name, pairs in loaded.items()}
+        self._sources = {name: [source for _, source in pairs] for name, pairs in loaded.items()}
         self.reward_mode = reward
+
+    def source_split(self, name: str) -> Sequence[Problem]:
+        """The split as the file has it, before chat rendering (what a resume compares: a template
+        may render today's date)."""
+        self.split(name)  # the same error for an unknown name
+        return self._sources[name]
 
     def split(self, name: str) -> Sequence[Problem]:
         if name not in self._splits:
