@@ -169,6 +169,9 @@ def reinforce_pp_advantages(
     count = mask.sum().clamp(min=1).to(g.dtype)
     mean = g.sum() / count  # masked positions of `returns` are already 0
     centred = torch.where(mask, g - mean, 0.0)  # [B, T]
+    # second pass: `mean` is rounded at the returns' magnitude (1e6 → 1e-10), which the division by
+    # a tiny std would blow up; the residuals' own mean is exact enough to remove it
+    centred = torch.where(mask, centred - centred.sum() / count, 0.0)
     # Exactly 0 for a constant batch whatever the rounding of its mean; a NaN/inf return leaves
     # the mean non-finite, so it still poisons the step (the trainer skips it).
     spread = torch.where(mask, g, -math.inf).amax() - torch.where(mask, g, math.inf).amin()
