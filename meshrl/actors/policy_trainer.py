@@ -261,11 +261,14 @@ class PolicyTrainer:
 
     def policy_state(self) -> dict[str, torch.Tensor]:
         """The policy's full tensors under HF names (LoRA merged): on rank 0 (``{}`` elsewhere); a collective."""
-        if not self.dp.sharded:
-            state = {name: t.detach() for name, t in self.policy.state_dict().items()}
-        else:
-            state = full_state_dict(self.policy, self.dp)
+        state = self._full_state()
         return merge_state_dict(state, self.lora.scale) if self.lora is not None and state else state
+
+    def _full_state(self) -> dict[str, torch.Tensor]:
+        """The policy's own full state dict (adapters unmerged) on rank 0; a collective when sharded."""
+        if not self.dp.sharded:
+            return {name: t.detach() for name, t in self.policy.state_dict().items()}
+        return full_state_dict(self.policy, self.dp)
 
     def export_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's policy parameters under HF names, as engines load them (DTensors under FSDP2):
@@ -297,11 +300,7 @@ class PolicyTrainer:
         if not self.dp.sharded and self.lora is None:
             self.policy.save_pretrained(out, safe_serialization=True)
         else:
-            if not self.dp.sharded:
-                state = {name: t.detach() for name, t in self.policy.state_dict().items()}
-            else:
-                state = full_state_dict(self.policy, self.dp)
-            full = state
+            full = state = self._full_state()
             if self.lora is not None and self.dp.rank == 0:  # a plain model of the base architecture
                 full = merge_state_dict(state, self.lora.scale)
                 save_adapter(state, self.lora, self.model_path, out / "adapter")
