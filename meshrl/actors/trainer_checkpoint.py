@@ -61,13 +61,10 @@ def _models(t: PolicyTrainer) -> list[tuple[str, torch.nn.Module, torch.optim.Op
     return out
 
 
-def _options(t: PolicyTrainer, name: str, *, load: bool = False) -> Any:
-    """With LoRA the policy's frozen base is left out (it is the model path's, unchanged): a
-    checkpoint holds the adapters, not another copy of the model."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    frozen_base = name == "policy" and t.lora is not None
-    return StateDictOptions(ignore_frozen_params=frozen_base, strict=not (frozen_base and load))
+def _frozen_base(t: PolicyTrainer, name: str) -> bool:
+    """With LoRA the policy's frozen base is left out of checkpoints (it is the model path's,
+    unchanged): a checkpoint holds the adapters, not another copy of the model."""
+    return name == "policy" and t.lora is not None
 
 
 def _sharded_state(t: PolicyTrainer) -> dict[str, Any]:
@@ -78,9 +75,8 @@ def _sharded_state(t: PolicyTrainer) -> dict[str, Any]:
         # Before the first update an optimiser has no state, and get_state_dict would create it by
         # running a dummy step (lr 0): Adam's step count would then be one ahead from there on.
         init_optimizer_state(optim)
-        options = _options(t, name)
-        model_sd, optim_sd = get_state_dict(model, optim, options=options)
-        if options.ignore_frozen_params:  # DCP keeps a tied name of a frozen tensor (lm_head.weight)
+        model_sd, optim_sd = get_state_dict(model, optim)
+        if _frozen_base(t, name):  # every name of a frozen tensor, tied ones included (lm_head.weight)
             frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
             model_sd = {k: v for k, v in model_sd.items() if k not in frozen}
         state[name], state[f"{name}_optim"] = model_sd, optim_sd
@@ -162,7 +158,7 @@ def _check_same_models(path: Path, state: dict[str, Any], names: list[str]) -> N
 def load_trainer_state(t: PolicyTrainer, path: str | Path) -> int:
     """Restore ``t`` from ``path`` (written by ``save_trainer_state``); returns its step count."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     path = Path(path)
     if not (path / "rank0.pt").is_file():
@@ -183,7 +179,7 @@ def load_trainer_state(t: PolicyTrainer, path: str | Path) -> int:
         raise
     for name, model, optim in _models(t):
         set_state_dict(model, optim, model_state_dict=state[name], optim_state_dict=state[f"{name}_optim"],
-                       options=_options(t, name, load=True))
+                       options=StateDictOptions(strict=not _frozen_base(t, name)))  # the base is not in it
     own = path / f"rank{t.dp.rank}.pt"
     small = torch.load(own if own.is_file() else path / "rank0.pt", weights_only=False)
     torch.set_rng_state(small["torch_rng"])

@@ -106,10 +106,10 @@ def run_fingerprint(cfg: Any, train: Sequence[Problem] | None = None) -> dict[st
         "trainer.samples_per_step": cfg.trainer.samples_per_step, "trainer.sync_interval": cfg.trainer.sync_interval,
         "trainer.lora": _lora_shape(cfg.trainer.lora),
     }  # fmt: skip
-    for key in ("chat_template", "system_prompt", "reward", "reward_function"):
-        # the answer check and the reward may change on resume; how prompts are rendered may not
-        # (listed when set, so fingerprints from before these keys existed still compare equal)
-        if key in ("reward", "reward_function") or fp["task"].get(key) is None:
+    for key in ("reward", "reward_function"):  # the answer check and the reward may change on resume
+        fp["task"].pop(key, None)
+    for key in ("chat_template", "system_prompt"):  # how prompts are rendered may not; listed when set,
+        if fp["task"].get(key) is None:  # so fingerprints from before these keys existed compare equal
             fp["task"].pop(key, None)
     if train is not None:
         if fp["model"].get("path"):

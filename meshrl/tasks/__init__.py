@@ -120,7 +120,7 @@ def _renderer(cfg: TaskConfig, model_path: str | None) -> Callable[[Any], str] |
     loaded: list[ChatRenderer] = []
 
     def render(prompt: Any) -> str:
-        if isinstance(prompt, str) and not cfg.chat_template:
+        if isinstance(prompt, str) and not cfg.chat_template:  # null: strings are used as they are
             return prompt
         if not loaded:
             if model_path is None:
@@ -131,8 +131,7 @@ def _renderer(cfg: TaskConfig, model_path: str | None) -> Callable[[Any], str] |
                 from transformers import AutoTokenizer
 
                 tokenizer, source = AutoTokenizer.from_pretrained(model_path), model_path
-            loaded.append(ChatRenderer(tokenizer, system_prompt=cfg.system_prompt, strings=bool(cfg.chat_template),
-                                       source=source))
+            loaded.append(ChatRenderer(tokenizer, system_prompt=cfg.system_prompt, source=source))
         return loaded[0](prompt)
 
     return render

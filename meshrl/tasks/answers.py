@@ -27,7 +27,7 @@ import re
 from fractions import Fraction
 from typing import Literal
 
-from meshrl.tasks.base import Problem, RewardOutput
+from meshrl.tasks.base import Problem, RewardOutput, exact_match_reward
 
 __all__ = ["AnswerMode", "ANSWER_MODES", "extract_last_number", "extract_boxed", "parse_number", "normalize_math",
            "reference_answer", "answer_reward"]
@@ -129,8 +129,7 @@ def _same(got: str, want: str) -> bool:
 def answer_reward(mode: str, problem: Problem, completion: str) -> RewardOutput:
     """1.0 when ``completion`` answers ``problem`` under ``mode`` (module docstring), else 0.0."""
     if mode == "exact":
-        correct = float(completion.strip() == problem.answer.strip())
-        return RewardOutput(reward=correct, info={"correct": correct})
+        return exact_match_reward(problem, completion)
     if mode == "last_number":
         got = extract_last_number(completion)
     elif mode == "boxed":

@@ -21,9 +21,7 @@ when encoding; the rendered text drops the template's copy in that case.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
-
-from meshrl.tasks.base import Problem
+from typing import Any
 
 __all__ = ["ChatRenderer", "check_messages"]
 
@@ -42,20 +40,19 @@ def check_messages(prompt: Any, where: str, key: str) -> list[dict[str, str]]:
 class ChatRenderer:
     """Renders prompts (strings or messages) with ``tokenizer``'s chat template (module docstring)."""
 
-    def __init__(self, tokenizer: Any, *, system_prompt: str | None = None, strings: bool = False, source: str = ""):
+    def __init__(self, tokenizer: Any, *, system_prompt: str | None = None, source: str = ""):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"`task.chat_template`: the tokenizer{' of ' + source if source else ''} has no chat "
                              "template, so prompts cannot be rendered as chat (give prompts as strings with "
                              "task.chat_template=false or null, or use a chat model's tokenizer)")
-        self.tokenizer, self.system_prompt, self.strings = tokenizer, system_prompt, strings
+        self.tokenizer, self.system_prompt = tokenizer, system_prompt
         bos = getattr(tokenizer, "bos_token", None)
         adds_bos = bool(bos) and tokenizer("x")["input_ids"][:1] == [tokenizer.bos_token_id]
         self._drop = bos if adds_bos else None
 
     def __call__(self, prompt: str | list[dict[str, str]]) -> str:
+        """The model's text for ``prompt``: messages, or a string as one user turn."""
         if isinstance(prompt, str):
-            if not self.strings:
-                return prompt
             prompt = [{"role": "user", "content": prompt}]
         if self.system_prompt is not None and prompt[0]["role"] != "system":
             prompt = [{"role": "system", "content": self.system_prompt}, *prompt]
@@ -63,7 +60,3 @@ class ChatRenderer:
         if self._drop and text.startswith(self._drop):
             text = text[len(self._drop):]
         return text
-
-    def problems(self, problems: Sequence[Problem]) -> list[Problem]:
-        """``problems`` with their string prompts rendered (only when ``strings``)."""
-        return [Problem(id=p.id, prompt=self(p.prompt), answer=p.answer) for p in problems]
