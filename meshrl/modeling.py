@@ -105,6 +105,12 @@ def pack(
     return Packed(input_ids, attention_mask, predict_index, response_mask, response_ids)
 
 
+def at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32, or float64 if it is (bf16 logits are upcast; a float64 model, as the
+    invariant tests train, keeps its precision through the log-probs and the losses)."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
 def response_logprobs(
     logits: torch.Tensor, packed: Packed, *, temperature: float = 1.0
 ) -> torch.Tensor:
@@ -114,7 +120,7 @@ def response_logprobs(
     in the engines (meshrl/engines/types.py).
     """
     index = packed.predict_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
-    picked = torch.gather(logits, 1, index).float()  # [B, R, V]
+    picked = at_least_fp32(torch.gather(logits, 1, index))  # [B, R, V]
     if temperature > 0:
         picked = picked / temperature
     logp = picked.log_softmax(-1).gather(-1, packed.response_ids.unsqueeze(-1)).squeeze(-1)
@@ -131,7 +137,7 @@ class ValueModel(nn.Module):
     def __init__(self, backbone: PreTrainedModel):
         super().__init__()
         self.backbone = backbone
-        self.head = nn.Linear(backbone.config.hidden_size, 1)
+        self.head = nn.Linear(backbone.config.hidden_size, 1, dtype=backbone.dtype)
         nn.init.zeros_(self.head.weight)  # start at V = 0: no arbitrary initial baseline
         nn.init.zeros_(self.head.bias)
 
@@ -142,7 +148,7 @@ class ValueModel(nn.Module):
     def forward(self, packed: Packed) -> torch.Tensor:
         hidden = self.backbone(input_ids=packed.input_ids, attention_mask=packed.attention_mask, use_cache=False).last_hidden_state
         index = packed.predict_index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
-        values = self.head(torch.gather(hidden, 1, index)).squeeze(-1).float()  # [B, R]
+        values = at_least_fp32(self.head(torch.gather(hidden, 1, index)).squeeze(-1))  # [B, R]
         return torch.where(packed.response_mask > 0, values, torch.zeros_like(values))
 
 

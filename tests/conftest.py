@@ -25,3 +25,20 @@ def ray_cluster():
         )
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """A 1-layer model of the embedded default's architecture with the char tokenizer (read only:
+    a test that changes a model directory writes its own with ``tiny.model_dir``)."""
+    import tiny
+
+    return tiny.model_dir(tmp_path_factory.mktemp("tiny") / "model", layers=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_2l(tmp_path_factory) -> str:
+    """The same with 2 layers (read only)."""
+    import tiny
+
+    return tiny.model_dir(tmp_path_factory.mktemp("tiny2") / "model", layers=2)

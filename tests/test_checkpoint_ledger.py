@@ -197,7 +197,8 @@ def test_resume_refuses_a_checkpoint_of_another_model_task_or_group_shape(tmp_pa
     for overrides, key in ((["algo=grpo"], "algo.samples_per_prompt"), (["task.digits=3"], "task"),
                            (["model.embedded.hidden_size=64"], "model"), (["run.seed=1"], "run.seed"),
                            (["trainer.samples_per_step=8"], "trainer.samples_per_step"),
-                           (["trainer.sync_interval=2"], "trainer.sync_interval")):
+                           (["trainer.sync_interval=2"], "trainer.sync_interval"),
+                           (["algo=ppo", "trainer.optimizer=sgd"], "trainer.optimizer")):
         with pytest.raises(ConfigError, match=f"`run.resume`: .* other settings \\({key}: ") as info:
             check_fingerprint(tmp_path / "ck", state, load_config(PipelineConfig, None, overrides))
         assert "\n" not in str(info.value)

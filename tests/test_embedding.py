@@ -91,10 +91,8 @@ async def user_script(cfg: meshrl.PipelineConfig, stop_after_steps: int) -> dict
     return {"summary": summary, "steps": steps, "beats_at_stop": beats_at_stop, **seen}
 
 
-def test_user_script_with_custom_reward_and_environment_stops_without_losing_samples(ray_cluster, tmp_path):
-    from test_trainer_fsdp import tiny_model_dir
-
-    model_dir = tiny_model_dir(tmp_path / "model", layers=1)
+def test_user_script_with_custom_reward_and_environment_stops_without_losing_samples(ray_cluster, tmp_path, tiny_model):
+    model_dir = tiny_model
     # 3 requests of 4 samples in flight against 8 per step: after the stop the trainer may still
     # take one batch of what was in flight and queued, so at least 4 samples stay for the snapshot
     # (with 2 in flight, exactly one batch, an empty snapshot was a matter of timing)
@@ -139,24 +137,22 @@ def test_user_script_with_custom_reward_and_environment_stops_without_losing_sam
         assert tb["reward_mean"][-1][1] == pytest.approx(last["reward_mean"]) and "eval/accuracy" in tb
 
 
-def _small(tmp_path, steps: int) -> meshrl.PipelineConfig:
+def _small(model: str, tmp_path, steps: int) -> meshrl.PipelineConfig:
     """A pipeline of small steps (η = 1: detached weight pushes)."""
-    from test_trainer_fsdp import tiny_model_dir
-
     return meshrl.load_config(meshrl.PipelineConfig, None, [
-        f"model.path={tiny_model_dir(tmp_path / 'model', layers=1)}", f"run.output_dir={tmp_path / 'run'}",
+        f"model.path={model}", f"run.output_dir={tmp_path / 'run'}",
         f"run.total_steps={steps}", "run.eval_every=0", "run.progress=false", "task.digits=1", "task.num_test=4",
         "algo=grpo", "algo.samples_per_prompt=2", "queue.max_staleness=1", "trainer.samples_per_step=4",
         "rollout.prompts_per_request=2", "rollout.requests_in_flight=1", "rollout.max_new_tokens=3",
     ])  # fmt: skip
 
 
-def test_stop_before_run_leaves_a_later_run_alone(ray_cluster, tmp_path):
+def test_stop_before_run_leaves_a_later_run_alone(ray_cluster, tmp_path, tiny_model):
     """stop() before run() returned None but left the run stopping: a later run() started every role,
     evaluated, checkpointed step 0, exported, and returned "stopped" after 0 steps."""
 
     async def main() -> dict:
-        pipeline = meshrl.Pipeline(_small(tmp_path, 2))
+        pipeline = meshrl.Pipeline(_small(tiny_model, tmp_path, 2))
         assert await pipeline.stop() is None
         return await pipeline.run()
 
@@ -164,11 +160,11 @@ def test_stop_before_run_leaves_a_later_run_alone(ray_cluster, tmp_path):
     assert summary["steps"] == 2 and not summary["stopped"]
 
 
-def test_a_users_cancelled_evaluate_does_not_end_the_run(ray_cluster, tmp_path):
+def test_a_users_cancelled_evaluate_does_not_end_the_run(ray_cluster, tmp_path, tiny_model):
     """evaluate() waits for a detached weight push (settle); a caller that gave up (wait_for) used to
     cancel that push itself, and the train loop took its CancelledError for the end of the run:
     run() returned normally after a fraction of run.total_steps."""
-    cfg = _small(tmp_path, 14)
+    cfg = _small(tiny_model, tmp_path, 14)
 
     async def main() -> tuple[dict, int]:
         pipeline = meshrl.Pipeline(cfg)
@@ -200,13 +196,13 @@ def test_a_users_cancelled_evaluate_does_not_end_the_run(ray_cluster, tmp_path):
     assert cancelled > 0 and summary["steps"] == 14 and not summary["stopped"], (summary["steps"], cancelled)
 
 
-def test_two_pipelines_run_at_once_in_one_program(ray_cluster, tmp_path):
+def test_two_pipelines_run_at_once_in_one_program(ray_cluster, tmp_path, tiny_model):
     """A program may train two policies side by side (a sweep, two agents): each run's actors live in
     a Ray namespace of its own. They shared the driver's, and the second run failed at once with
     "an actor named 'queue/0' already exists"."""
 
     async def main() -> list[dict]:
-        a, b = meshrl.Pipeline(_small(tmp_path / "a", 3)), meshrl.Pipeline(_small(tmp_path / "b", 3))
+        a, b = meshrl.Pipeline(_small(tiny_model, tmp_path / "a", 3)), meshrl.Pipeline(_small(tiny_model, tmp_path / "b", 3))
         return await asyncio.gather(a.run(), b.run())
 
     summaries = asyncio.run(main())

@@ -29,9 +29,7 @@ def blocks() -> list[tuple[str, str]]:
     return re.findall(r"```(\w+)\n(.*?)```", DOC.read_text(), flags=re.DOTALL)
 
 
-def test_every_snippet_of_the_embedding_docs_runs(ray_cluster, tmp_path, monkeypatch):
-    from test_trainer_fsdp import tiny_model_dir
-
+def test_every_snippet_of_the_embedding_docs_runs(ray_cluster, tmp_path, monkeypatch, tiny_model):
     found = blocks()
     assert [lang for lang, _ in found] == ["yaml", "python", "python", "python", "python", "python", "python", "python",
                                            "bash", "python", "bash", "python"]  # fmt: skip
@@ -40,7 +38,7 @@ def test_every_snippet_of_the_embedding_docs_runs(ray_cluster, tmp_path, monkeyp
     for overrides in ([], ["queue.max_staleness=2"], ["run.resume=latest"]):  # as the page loads it
         meshrl.load_config(meshrl.PipelineConfig, str(docs_yaml), overrides).validate()  # a config that runs
 
-    model_dir = tiny_model_dir(tmp_path / "model", layers=1)
+    model_dir = tiny_model
     (tmp_path / "my_run.yaml").write_text(f"""
 model: {{path: {model_dir}}}
 run: {{total_steps: 4, output_dir: runs/mine, eval_every: 0, progress: false}}

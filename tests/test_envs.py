@@ -34,10 +34,8 @@ PROBLEM = Problem(id=7, prompt="12+30=", answer="42")
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from test_trainer_fsdp import tiny_model_dir
-
-    return tiny_model_dir(tmp_path_factory.mktemp("envs") / "model", layers=2, hidden=32)
+def model_dir(tiny_model_2l):
+    return tiny_model_2l
 
 
 @pytest.fixture(scope="module")

@@ -25,10 +25,8 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from test_trainer_fsdp import tiny_model_dir
-
-    return tiny_model_dir(tmp_path_factory.mktemp("openai") / "model", layers=2, hidden=32)
+def model_dir(tiny_model_2l):
+    return tiny_model_2l
 
 
 @contextlib.asynccontextmanager

@@ -68,20 +68,16 @@ def _records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_periodic_evaluations_are_logged_and_awaited_before_the_run_ends(ray_cluster, tmp_path):
-    from test_trainer_fsdp import tiny_model_dir
-
-    model_dir = tiny_model_dir(tmp_path / "model", layers=1)
+def test_periodic_evaluations_are_logged_and_awaited_before_the_run_ends(ray_cluster, tmp_path, tiny_model):
+    model_dir = tiny_model
     summary = asyncio.run(Pipeline(_config(model_dir, tmp_path / "run"), task=AdditionTask()).run())
     assert summary["steps"] == TOTAL_STEPS and summary["accuracy_after"] is not None
     evals = sorted(r["step"] for r in _records(tmp_path / "run") if r["kind"] == "eval")
     assert evals == [0, *range(1, TOTAL_STEPS), TOTAL_STEPS]  # before, every step but the last, after
 
 
-def test_a_failing_periodic_evaluation_stops_the_run_at_once(ray_cluster, tmp_path):
-    from test_trainer_fsdp import tiny_model_dir
-
-    model_dir = tiny_model_dir(tmp_path / "model", layers=1)
+def test_a_failing_periodic_evaluation_stops_the_run_at_once(ray_cluster, tmp_path, tiny_model):
+    model_dir = tiny_model
     with pytest.raises(FileNotFoundError, match="data/test.jsonl is gone") as info:
         asyncio.run(Pipeline(_config(model_dir, tmp_path / "run"), task=HeldOutGoneTask()).run())
     steps = [r["step"] for r in _records(tmp_path / "run") if r["kind"] == "step"]

@@ -143,11 +143,10 @@ def test_reward_function_loads_from_a_file_and_says_what_is_wrong(tmp_path):
 
 @pytest.mark.slow
 def test_pipeline_trains_on_chat_prompts_with_a_reward_function_from_the_command_line(ray_cluster, tmp_path):
-    from test_trainer_fsdp import tiny_model_dir
-
+    import tiny
     from meshrl.pipeline import Pipeline, PipelineConfig
 
-    model = tiny_model_dir(tmp_path / "model", layers=1)
+    model = tiny.model_dir(tmp_path / "model", layers=1)  # its own: it gets a chat template
     chat_tokenizer_dir(Path(model))
     records = [{"prompt": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)} for a in range(5) for b in range(5)]
     data = _jsonl(tmp_path / "train.jsonl", records)

@@ -23,17 +23,17 @@ from meshrl.actors.train_step import PolicyUpdater, build_step_batch
 from meshrl.modeling import ValueModel, load_causal_lm, response_logprobs
 from meshrl.queues import Sample
 
-from test_trainer_fsdp import make_samples, tiny_model_dir
+from tiny import make_samples, model_dir as tiny_model_dir
 
 torch.set_num_threads(1)
 
 
 @pytest.mark.parametrize("policy_loss", ["ppo", "gspo"])
 @pytest.mark.parametrize("mode", ["truncated_token", "masked_seq"])
-def test_importance_weights_correct_the_trainer_policy_back_to_the_behaviour_policy(tmp_path, policy_loss, mode):
+def test_importance_weights_correct_the_trainer_policy_back_to_the_behaviour_policy(tmp_path, policy_loss, mode, tiny_model):
     """w = π_old/π_behav with π_old the trainer's own log-probs (docs: "Off-policy correction"):
     the engine's log-probs differ from the trainer's, so the weights are not all 1."""
-    model_dir = tiny_model_dir(tmp_path / "model", layers=1)
+    model_dir = tiny_model
     clip = {"clip_low": 3e-4, "clip_high": 4e-4} if policy_loss == "gspo" else {}
     algo = AlgoConfig(advantage="grpo", samples_per_prompt=2, policy_loss=policy_loss, importance_sampling=mode,
                       is_cap=1.5, is_low=0.05, is_high=20.0, **clip)  # fmt: skip
@@ -97,10 +97,10 @@ def test_cosine_schedule_reaches_min_lr_at_the_last_step():
     assert all(a >= b for a, b in zip(lrs[1:], lrs[2:]))
 
 
-def test_critic_gets_the_configured_weight_decay(tmp_path):
+def test_critic_gets_the_configured_weight_decay(tmp_path, tiny_model):
     """``trainer.weight_decay = 0`` holds for the critic too: its backbone, whose gradient is exactly
     zero on the first step (the value head starts at 0), must not move at all."""
-    model_dir = tiny_model_dir(tmp_path / "model", layers=1)
+    model_dir = tiny_model
     cfg = TrainerConfig(samples_per_step=8, critic_lr=0.1, weight_decay=0.0)
     t = PolicyTrainer(model_dir, cfg, AlgoConfig(advantage="gae"), dp=DataParallel(None), temperature=1.0,
                       max_new_tokens=8, total_steps=1)  # fmt: skip
@@ -111,14 +111,14 @@ def test_critic_gets_the_configured_weight_decay(tmp_path):
         assert torch.equal(v.detach(), before[k]), k
 
 
-def test_saving_before_the_first_update_does_not_change_training(tmp_path):
+def test_saving_before_the_first_update_does_not_change_training(tmp_path, tiny_model):
     """A checkpoint written before any optimiser step (step 0, or after only skipped updates) must
     neither touch the live optimiser nor resume into a different one: DCP's ``get_state_dict``
     would otherwise run a dummy AdamW step, and Adam's bias correction would count one step too
     many from then on."""
     from meshrl.actors.trainer_checkpoint import load_trainer_state, save_trainer_state
 
-    model_dir = tiny_model_dir(tmp_path / "model", layers=1)
+    model_dir = tiny_model
     cfg = TrainerConfig(samples_per_step=8, lr=3e-3, critic_lr=3e-3)
     algo = AlgoConfig(advantage="gae")
 
@@ -168,11 +168,11 @@ def test_a_checkpoint_of_other_models_is_refused_naming_what_differs(tmp_path):
     assert load_trainer_state(make(2, 32, "gae"), tmp_path / "gae2") == 0  # its own kind loads
 
 
-def test_a_minibatch_with_nothing_to_train_takes_no_optimiser_step(tmp_path):
+def test_a_minibatch_with_nothing_to_train_takes_no_optimiser_step(tmp_path, tiny_model):
     """Every group uniform and dropped: the gradient is zero, but an AdamW step would still move
     the policy by its weight decay and count a step in its bias correction. docs/algorithms.md:
     the step trains on fewer rows, here on none."""
-    model_dir = tiny_model_dir(tmp_path / "model", layers=1)
+    model_dir = tiny_model
     algo = AlgoConfig(advantage="grpo", samples_per_prompt=2, drop_uniform_groups=True)
     cfg = TrainerConfig(samples_per_step=8, minibatches_per_step=2, lr=1e-2, weight_decay=0.1)
     t = PolicyTrainer(model_dir, cfg, algo, dp=DataParallel(None), temperature=1.0, max_new_tokens=8, total_steps=2)
@@ -186,7 +186,7 @@ def test_a_minibatch_with_nothing_to_train_takes_no_optimiser_step(tmp_path):
     assert not t.optimizer.state  # AdamW never stepped: no moments, no step count
 
 
-def test_grad_norm_is_the_mean_over_the_steps_updates(tmp_path, monkeypatch):
+def test_grad_norm_is_the_mean_over_the_steps_updates(tmp_path, monkeypatch, tiny_model):
     """docs/algorithms.md (step metrics): ``grad_norm`` is the mean over the mini-batches × epochs;
     it used to be the last mini-batch's alone."""
     norms: list[float] = []
@@ -197,7 +197,7 @@ def test_grad_norm_is_the_mean_over_the_steps_updates(tmp_path, monkeypatch):
 
     clip = train_step.clip_grad_norm
     monkeypatch.setattr(train_step, "clip_grad_norm", recording)
-    model_dir = tiny_model_dir(tmp_path / "model", layers=1)
+    model_dir = tiny_model
     cfg = TrainerConfig(samples_per_step=8, minibatches_per_step=2, ppo_epochs=2, lr=1e-2)
     algo = AlgoConfig(advantage="grpo", samples_per_prompt=2)
     t = PolicyTrainer(model_dir, cfg, algo, dp=DataParallel(None), temperature=1.0, max_new_tokens=8, total_steps=1)
@@ -206,11 +206,11 @@ def test_grad_norm_is_the_mean_over_the_steps_updates(tmp_path, monkeypatch):
     assert m["grad_norm"] == pytest.approx(sum(norms) / 4, rel=1e-12)
 
 
-def test_value_mean_is_the_critics_current_prediction(tmp_path):
+def test_value_mean_is_the_critics_current_prediction(tmp_path, tiny_model):
     """docs/algorithms.md: ``value_mean`` is the critic's prediction while it trains (value_loss's
     metric); the step overwrote it with the old values (the critic before the step), which differ
     from it once the critic has taken an update."""
-    model_dir = tiny_model_dir(tmp_path / "model", layers=1)
+    model_dir = tiny_model
     torch.manual_seed(0)
     policy, critic = load_causal_lm(model_dir).train(), ValueModel.from_pretrained(model_dir).train()
     seen: list[tuple[float, int]] = []  # (sum over the valid tokens, their count) per training forward

@@ -11,7 +11,7 @@ from meshrl.actors.algo_config import AlgoConfig
 from meshrl.actors.data_parallel import DataParallel
 from meshrl.actors.policy_trainer import PolicyTrainer, TrainerConfig
 from meshrl.actors.trainer_checkpoint import load_trainer_state, save_trainer_state
-from test_trainer_fsdp import make_samples, tiny_model_dir
+from tiny import make_samples
 
 
 def _trainer(model: str, algo: AlgoConfig, **cfg) -> PolicyTrainer:
@@ -20,10 +20,10 @@ def _trainer(model: str, algo: AlgoConfig, **cfg) -> PolicyTrainer:
 
 
 @pytest.mark.parametrize("advantage", ["grpo", "gae"])
-def test_a_resume_trains_at_this_runs_learning_rate_from_the_checkpoints_schedule_step(tmp_path, advantage):
+def test_a_resume_trains_at_this_runs_learning_rate_from_the_checkpoints_schedule_step(tmp_path, advantage, tiny_model):
     """The loaded param groups used to carry the old run's lr (and the scheduler its base_lrs): a
     run resumed with trainer.lr=1e-5 trained on at 1e-3 and logged lr=0.001."""
-    model = tiny_model_dir(tmp_path / "model", layers=1)
+    model = tiny_model
     algo = AlgoConfig(advantage=advantage, samples_per_prompt=2 if advantage == "grpo" else 1)
     group = algo.samples_per_prompt
     old = _trainer(model, algo, lr=1e-3, critic_lr=1e-3, weight_decay=0.0, schedule="cosine", warmup_steps=1)

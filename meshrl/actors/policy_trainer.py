@@ -34,7 +34,7 @@ from meshrl.actors.train_step import PolicyUpdater, build_step_batch
 from meshrl.modeling import ValueModel, disable_dropout, load_causal_lm, no_progress_bars
 from meshrl.queues import Sample
 
-__all__ = ["TrainerConfig", "PolicyTrainer", "NonFiniteStepsError", "batch_stats", "lr_lambda"]
+__all__ = ["TrainerConfig", "PolicyTrainer", "NonFiniteStepsError", "batch_stats", "lr_lambda", "make_optimizer"]
 
 
 class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -44,8 +44,13 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Samples (completions, not prompts) per train step; a multiple of algo.samples_per_prompt."""
     lr: float = 1e-4
     critic_lr: float = 1e-3
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    """adamw: AdamW (betas, decoupled weight decay). sgd: plain SGD, no momentum (weight_decay as an
+    L2 term), an update linear in the gradient; the pipeline's invariant tests use it, since AdamW's
+    division by sqrt(v) turns a rounding-level gradient difference in a coordinate whose gradient is
+    near zero into an lr-sized step."""
     weight_decay: float = 0.0
-    """AdamW's decoupled weight decay, for the policy and the critic alike."""
+    """Weight decay, for the policy and the critic alike (decoupled with AdamW)."""
     betas: tuple[float, float] = (0.9, 0.99)
     warmup_steps: int = 0
     """Linear LR warm-up, in train steps."""
@@ -142,6 +147,13 @@ def lr_lambda(cfg: TrainerConfig, total_steps: int):
     return fn
 
 
+def make_optimizer(cfg: TrainerConfig, params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    """``cfg.optimizer`` over ``params`` (every weight decay explicit: not AdamW's hidden 0.01)."""
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+
+
 def batch_stats(samples: Sequence[Sample], version: int) -> dict[str, float]:
     """What the trained batch looked like: rewards, task metrics, staleness, lengths."""
     n = len(samples)
@@ -173,30 +185,30 @@ class PolicyTrainer:
         temperature: float,
         max_new_tokens: int,
         total_steps: int,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
+        """``dtype`` is the master weights' (and, on cpu, the compute's): float64 only for the
+        invariant tests, whose rounding differences then sit far below what AdamW amplifies."""
         torch.manual_seed(cfg.seed)
         self.cfg, self.algo, self.dp, self.model_path = cfg, algo, dp, model_path
-        policy = disable_dropout(load_causal_lm(model_path).train())
+        policy = disable_dropout(load_causal_lm(model_path, dtype).train())
         self.lora = cfg.lora if cfg.lora.enabled else None
         if self.lora is not None:
             apply_lora(policy, self.lora)
         self.policy = self._place(policy)
         self.pad_id = self.policy.config.pad_token_id if self.policy.config.pad_token_id is not None else 0
-        self.critic = self._place(disable_dropout(ValueModel.from_pretrained(model_path).train())) if algo.uses_critic else None
+        critic = disable_dropout(ValueModel.from_pretrained(model_path, dtype).train()) if algo.uses_critic else None
+        self.critic = self._place(critic) if critic is not None else None
         self.reference = None
         if cfg.reference_in_trainer and algo.kl_coef > 0:
             if self.lora is not None:
                 self.reference = BaseModel(self.policy)
             else:
-                frozen = load_causal_lm(model_path).eval().requires_grad_(False)
+                frozen = load_causal_lm(model_path, dtype).eval().requires_grad_(False)
                 self.reference = self._place(frozen, frozen=True, offload=cfg.reference_cpu_offload)
-        trained = [p for p in self.policy.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(trained, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+        self.optimizer = make_optimizer(cfg, [p for p in self.policy.parameters() if p.requires_grad], cfg.lr)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, total_steps))
-        self.critic_optimizer = None
-        if self.critic is not None:
-            self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic_lr, betas=cfg.betas,
-                                                      weight_decay=cfg.weight_decay)  # not AdamW's hidden 0.01
+        self.critic_optimizer = None if self.critic is None else make_optimizer(cfg, list(self.critic.parameters()), cfg.critic_lr)
         self.updater = PolicyUpdater(
             self.policy, self.critic, algo, temperature=temperature, max_new_tokens=max_new_tokens,
             tokens_per_microbatch=cfg.tokens_per_microbatch, ppo_epochs=cfg.ppo_epochs,

@@ -32,7 +32,7 @@ import torch
 from meshrl import algos
 from meshrl.actors.algo_config import AlgoConfig
 from meshrl.actors.data_parallel import DataParallel, clip_grad_norm
-from meshrl.modeling import Packed, ValueModel, pack, response_logprobs
+from meshrl.modeling import Packed, ValueModel, at_least_fp32, pack, response_logprobs
 from meshrl.queues import Sample
 
 __all__ = ["StepBatch", "build_step_batch", "split_by_tokens", "PolicyUpdater"]
@@ -147,6 +147,9 @@ class PolicyUpdater:
         self.policy, self.critic, self.algo, self.reference = policy, critic, algo, reference
         self.dp = dp if dp is not None else DataParallel(None)
         self.temperature, self.max_new_tokens = temperature, max_new_tokens
+        # what the no-grad passes gather in: float32 (bf16 compute is upcast), float64 for a float64 policy
+        first = next(policy.parameters(), None)
+        self.dtype = torch.float64 if first is not None and first.dtype == torch.float64 else torch.float32
         self.tokens_per_microbatch, self.ppo_epochs, self.minibatches = tokens_per_microbatch, ppo_epochs, minibatches
         is_fn = algos.make_importance_sampling(
             algo.importance_sampling, is_cap=algo.is_cap, is_low=algo.is_low, is_high=algo.is_high
@@ -165,12 +168,12 @@ class PolicyUpdater:
     @torch.no_grad()
     def _forward_all(self, batch: StepBatch, fn: Callable[[Packed], torch.Tensor], what: str) -> torch.Tensor:
         """``fn`` on every row, each rank on its share; the whole ``[B, R]`` result on every rank."""
-        out = torch.zeros_like(batch.behavior_logprobs)
+        out = torch.zeros_like(batch.behavior_logprobs, dtype=self.dtype)
         for mb in self._microbatches(batch, range(len(batch.lengths))):
             if mb is None:
                 fn(_empty(batch))  # keeps this rank's FSDP2 all-gathers in step with the others
                 continue
-            out[torch.tensor(mb, device=out.device)] = fn(_select(batch, mb)).float()
+            out[torch.tensor(mb, device=out.device)] = fn(_select(batch, mb)).to(self.dtype)
         # Other ranks' rows are still zero here, so the SUM is an exact gather.
         return self.dp.all_reduce(out, what=what)
 
@@ -179,7 +182,7 @@ class PolicyUpdater:
         logits = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask, use_cache=False).logits
         logp = response_logprobs(logits, packed, temperature=self.temperature)  # [B, R]
         index = packed.predict_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
-        scaled = torch.gather(logits, 1, index).float()  # [B, R, V]
+        scaled = at_least_fp32(torch.gather(logits, 1, index))  # [B, R, V]
         if self.temperature > 0:
             scaled = scaled / self.temperature
         return logp, algos.entropy_from_logits(scaled)

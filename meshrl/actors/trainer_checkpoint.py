@@ -40,6 +40,8 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """
     from torch.optim.optimizer import _get_scalar_dtype
 
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return  # plain SGD keeps no state
     for group in optimizer.param_groups:
         for p in group["params"]:
             state = optimizer.state[p]

@@ -20,7 +20,6 @@ required; sliding-window attention and dynamic or LongRoPE scaling are rejected 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from typing import Any
 
 import msgspec
@@ -94,15 +93,21 @@ class ModelSpec:
 
 
 def _rope_parameters(cfg: Any) -> tuple[torch.Tensor, float]:
-    """inv_freq and attention scaling exactly as the model's own HF rotary class computes them."""
+    """inv_freq and attention scaling exactly as the model's own HF rotary class computes them: the
+    default RoPE by that class's formula, the scaled kinds (linear, llama3, yarn) by transformers'
+    own function. Not through the model's module: importing it costs an engine process ~2 s."""
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind in ("dynamic", "longrope"):  # HF's rotary class re-derives them per forward (dynamic_rope_update)
         raise ValueError(f"{kind} RoPE scaling is not supported (its frequencies depend on the sequence length)")
-    mod = importlib.import_module(f"transformers.models.{cfg.model_type}.modeling_{cfg.model_type}")
-    rotary_cls = next(getattr(mod, n) for n in dir(mod) if n.endswith("RotaryEmbedding"))
-    rotary = rotary_cls(config=cfg)
-    return rotary.inv_freq.float().cpu(), rotary.attention_scaling
+    if kind == "default":
+        base = rope.get("rope_theta", getattr(cfg, "rope_theta", None))  # transformers 5 moved it into rope_parameters
+        dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[kind](cfg, torch.device("cpu"))
+    return inv_freq.float(), scaling
 
 
 class FusedPart(msgspec.Struct, frozen=True):

@@ -106,6 +106,8 @@ def run_fingerprint(cfg: Any, train: Sequence[Problem] | None = None) -> dict[st
         "trainer.samples_per_step": cfg.trainer.samples_per_step, "trainer.sync_interval": cfg.trainer.sync_interval,
         "trainer.lora": _lora_shape(cfg.trainer.lora),
     }  # fmt: skip
+    if cfg.trainer.optimizer != "adamw":  # the optimiser's state is in the checkpoint; listed when not
+        fp["trainer.optimizer"] = cfg.trainer.optimizer  # the default, so older fingerprints compare equal
     for key in ("reward", "reward_function"):  # the answer check and the reward may change on resume
         fp["task"].pop(key, None)
     for key in ("chat_template", "system_prompt"):  # how prompts are rendered may not; listed when set,
@@ -136,14 +138,17 @@ def check_fingerprint(path: Path, state: RunState, cfg: Any, train: Sequence[Pro
     from meshrl.config import ConfigError
 
     then = dict(state.fingerprint)
+    if not then:  # written before fingerprints existed: nothing to compare
+        return
     now = run_fingerprint(cfg, train if "data" in then else None)
     if "algo.advantage" in then:  # written before "algo.critic" replaced it: only gae trains a critic
         then["algo.critic"] = then.pop("algo.advantage") == "gae"
-    differ = [k for k, v in then.items() if now.get(k) != v]
+    # a key missing on one side is its default (None): keys listed only when set, or newer than the checkpoint
+    differ = [k for k in {**then, **now} if then.get(k) != now.get(k)]
     if differ:
         def show(key: str) -> str:
             if key != "data":
-                return f"{key}: {then[key]!r} there, {now.get(key)!r} now"
+                return f"{key}: {then.get(key)!r} there, {now.get(key)!r} now"
             a, b = then[key]["train_problems"], now[key]["train_problems"]
             return f"the training problems: {a} there, {b} now" + (", other prompts or answers" if a == b else "")
 

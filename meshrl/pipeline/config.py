@@ -72,17 +72,6 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True):
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def _may_have_gpus() -> bool:
-    """CUDA here, or a Ray cluster to join or already joined (its nodes may have GPUs the driver lacks)."""
-    import os
-    import sys
-
-    import torch
-
-    ray = sys.modules.get("ray")
-    return torch.cuda.is_available() or bool(os.environ.get("RAY_ADDRESS")) or bool(ray and ray.is_initialized())
-
-
 def _check_model_dir(path: Path) -> None:
     """What the trainer and TorchEngine need of ``model.path``, checked before anything starts: the
     engine's own reading of the config (``ModelSpec``: family, attention, activation) and weights."""
@@ -189,12 +178,6 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
         out = Path(run.output_dir)
         if out.exists() and not out.is_dir():
             raise ConfigError(f"`run.output_dir`: {out} exists and is not a directory")
-        wanted = [k for k, device in (("trainer.device", self.trainer.device), ("rollout.engine.device",
-                                                                                  self.rollout.engine.device))
-                  if device.startswith("cuda")]
-        if wanted and not _may_have_gpus():
-            raise ConfigError(f"`{wanted[0]}`: cuda, but this machine has no CUDA device and no Ray cluster to "
-                              "join is set (RAY_ADDRESS): use cpu, or start the run where the GPUs are")
 
     def _validate_queue_fill(self) -> None:
         """Sizes with which the queue could never fill a train batch: the run would wait out its

@@ -125,11 +125,11 @@ def check_prompts(cfg: PipelineConfig, task: Task, *, reward: Any = None, enviro
         problems = task.split(split)
         if not problems:
             continue
-        lengths = [len(ids) for ids in tokenizer([p.prompt for p in problems])["input_ids"]]
+        lengths = _token_counts(tokenizer, [p.prompt for p in problems], special=True)
         if reward is None:  # the task's reward: an answer longer than a completion is never matched
             mode = getattr(task, "reward_mode", "exact")  # only its final answer, for an answer field with a solution
             finals = [reference_answer(mode, p.answer) for p in problems]
-            answers = [len(ids) for ids in tokenizer(finals, add_special_tokens=False)["input_ids"]]
+            answers = _token_counts(tokenizer, finals, special=False)
             long = [i for i, k in enumerate(answers) if k > new]
             if long:
                 a = finals[long[0]]
@@ -151,6 +151,30 @@ def check_prompts(cfg: PipelineConfig, task: Task, *, reward: Any = None, enviro
                               f"{new_key}, or raise rollout.engine.max_seq_len")
 
 
+def _token_counts(tokenizer: Any, texts: list[str], *, special: bool) -> list[int]:
+    """Tokens per text, as ``tokenizer(texts)`` counts them; a fast tokenizer's Rust backend is asked
+    directly (transformers' per-encoding wrapping took 2.4 of 3.5 s for 100k prompts)."""
+    backend = getattr(tokenizer, "_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    if backend is not None:
+        return [len(e.ids) for e in backend.encode_batch(texts, add_special_tokens=special)]
+    return [len(ids) for ids in tokenizer(texts, add_special_tokens=special)["input_ids"]]
+
+
+def _check_gpus(cfg: PipelineConfig, gpus: int, trainer: int) -> None:
+    """Refuse CUDA roles the cluster cannot place (Ray would wait for the GPUs forever)."""
+    engines = 0
+    if cfg.placement != "colocated" and cfg.rollout.engine.device.startswith("cuda"):
+        engines = cfg.rollout.num_workers * cfg.rollout.tp_size
+    if trainer + engines <= gpus:
+        return
+    key = "trainer.device" if trainer > gpus or not engines else "rollout.engine.device"
+    wants = " and ".join(w for w in (f"{trainer} for the trainer (trainer.dp)" if trainer else "",
+                                     f"{engines} for the engines (rollout.num_workers x rollout.tp_size)" if engines else "")
+                         if w)  # fmt: skip
+    raise ConfigError(f"`{key}`: cuda needs {wants}, but the Ray cluster has {gpus} GPU(s): use cpu, or run where "
+                      "the GPUs are (on a GPU machine, or attached to a cluster that has them)")
+
+
 def settle_devices(cfg: PipelineConfig, echo: Callable[[str], None] = print) -> PipelineConfig:
     """``cfg`` with the engines' ``device=auto`` settled for the cluster, and a weight transport
     both sides can use (placement=disaggregated; colocated engines share the trainer's device).
@@ -159,13 +183,17 @@ def settle_devices(cfg: PipelineConfig, echo: Callable[[str], None] = print) -> 
     here: cuda when the cluster has a GPU for every engine rank besides the trainer's, else cpu.
     The distributed transport's group takes NCCL on a CUDA side and gloo on a CPU side, and a
     group needs one backend: with the trainer and the engines on different kinds of device the
-    weights go through Ray's object store instead. Each choice is said."""
+    weights go through Ray's object store instead. Each choice is said.
+
+    CUDA asked for where the cluster has too few GPUs fails here, naming the key: the cluster
+    decides, not the driver's machine (its nodes may have GPUs the driver lacks)."""
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    trainer = cfg.trainer.dp if cfg.trainer.device == "cuda" else 0
+    _check_gpus(cfg, gpus, trainer)
     if cfg.placement == "colocated":
         return cfg
     engine, reshard = cfg.rollout.engine, cfg.reshard
     if engine.device == "auto":
-        gpus = int(ray.cluster_resources().get("GPU", 0))
-        trainer = cfg.trainer.dp if cfg.trainer.device == "cuda" else 0
         need = cfg.rollout.num_workers * cfg.rollout.tp_size
         device = "cuda" if gpus and gpus >= trainer + need else "cpu"
         if gpus:
