@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import tiny
 from bounds import PIPELINE_METRIC_TOL, sgd_weight_atol
 from meshrl.config import ConfigError, load_config
 from meshrl.engines import GenerateRequest, SamplingParams, TorchEngine, TorchEngineConfig
@@ -76,14 +77,9 @@ def test_colocated_one_step_overlap_with_released_weights_trains(ray_cluster, tm
 
 
 def _tiny_model_dir(path: Path) -> str:
-    from meshrl.embedded import build_char_tokenizer
-
-    cfg = Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, tie_word_embeddings=True, pad_token_id=0, eos_token_id=None)  # fmt: skip
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    build_char_tokenizer().save_pretrained(path)
-    return str(path)
+    # Qwen2Config's default context (32768 positions), as this model always had
+    config = tiny.qwen2(vocab_size=128, heads=2, kv_heads=1, positions=32768, pad_token_id=0)
+    return tiny.model_dir(path, config=config)
 
 
 def _requests(n: int, tokens: int, seed: int) -> list[GenerateRequest]:

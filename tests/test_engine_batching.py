@@ -11,8 +11,8 @@ import contextlib
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
 
+import tiny
 from meshrl.engines import GenerateRequest, SamplingParams, TorchEngine, TorchEngineConfig
 
 torch.set_num_threads(1)
@@ -20,15 +20,8 @@ V = 80
 
 
 def hf_model(seed: int = 0, tied: bool = True):
-    cfg = Qwen2Config(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=96, tie_word_embeddings=tied, eos_token_id=None)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(6.0)  # sharper logits than HF's init: greedy ties are then impossible in practice
-    return model
+    # sharper logits than HF's init: greedy ties are then impossible in practice
+    return tiny.hf_model(tiny.qwen2(vocab_size=V, hidden_size=64, tied=tied), seed=seed, sharp=6.0)
 
 
 @pytest.fixture(scope="module")

@@ -14,11 +14,11 @@ import sys
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
 
 if __name__ == "__main__":  # run as a script by test_triton_kernels_in_interpreter
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import tiny  # noqa: E402
 from meshrl.engines import GenerateRequest, SamplingParams, TorchEngine, TorchEngineConfig  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -89,14 +89,14 @@ def _kernel_checks(device: str) -> None:
     assert ist[:, 1].tolist() == [11] * rows and ist[:, 2].tolist() == list(range(1, rows + 1))
 
 
+def _config(layers: int):
+    return tiny.qwen2(vocab_size=1024, hidden_size=256, layers=layers, heads=8, positions=512, tied=False)
+
+
 def _engine_checks(device: str) -> None:
     """A bf16 engine on the fused path: log-probs of its own samples match an fp32 HF forward."""
-    cfg = Qwen2Config(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=False, eos_token_id=None)
-    torch.manual_seed(0)
     with torch.device(device):
-        hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+        hf = tiny.hf_model(_config(layers=2), dtype=torch.bfloat16)
     eng = TorchEngine.from_hf_model(hf, config=TorchEngineConfig(dtype="bfloat16", device=device, max_batch_size=4,
                                                                  max_seq_len=96, cuda_graphs=device == "cuda"))
     assert eng.model.fused_kernels
@@ -139,13 +139,9 @@ def test_gpu_benchmark_script_runs_tiny_on_cpu():
     assert {line.split()[1] for line in table if line.strip()} == {"torch-engine", "hf", "hf-static"}, out.stdout
 
 
-def _hf_cuda():
-    cfg = Qwen2Config(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=False, eos_token_id=None)
-    torch.manual_seed(0)
+def _hf_cuda(sharp: float | None = None):
     with torch.device("cuda"):
-        return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+        return tiny.hf_model(_config(layers=4), dtype=torch.bfloat16, sharp=sharp)
 
 
 @pytest.mark.gpu
@@ -188,11 +184,7 @@ def test_weight_update_is_seen_by_captured_graphs():
 @needs_cuda
 def test_lagged_stops_equal_synchronous_on_gpu():
     """On CUDA stop hits are read a step late (pinned copies); results equal the synchronous check's."""
-    hf = _hf_cuda()
-    with torch.no_grad():
-        for p in hf.parameters():
-            if p.dim() == 2:
-                p.mul_(6.0)  # sharp logits: greedy choices do not flip with the batch's rounding
+    hf = _hf_cuda(sharp=6.0)  # sharp logits: greedy choices do not flip with the batch's rounding
     cfg = TorchEngineConfig(dtype="bfloat16", device="cuda", max_batch_size=4, max_seq_len=96)
     prompts = [list(range(3 + i, 20 + 3 * i)) for i in range(7)]
     base = TorchEngine.from_hf_model(hf, config=cfg)
@@ -249,11 +241,7 @@ def test_host_runs_at_most_a_few_steps_ahead_of_the_gpu():
 def test_streams_add_up_to_generate_with_graphs_and_lagged_stops():
     """CUDA graphs, lagged stop checks, a read every step: each sample's deltas add up to what
     ``generate`` returns, and no delta before the last holds the stop token."""
-    hf = _hf_cuda()
-    with torch.no_grad():
-        for p in hf.parameters():
-            if p.dim() == 2:
-                p.mul_(6.0)
+    hf = _hf_cuda(sharp=6.0)
     cfg = TorchEngineConfig(dtype="bfloat16", device="cuda", max_batch_size=8, max_seq_len=96)
     prompts = [list(range(3 + i, 20 + 3 * i)) for i in range(4)]
     free = [r.completions[0].output_ids for r in asyncio.run(TorchEngine.from_hf_model(hf, config=cfg).generate(

@@ -10,36 +10,29 @@ import asyncio
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
+import tiny
 from meshrl.engines import GenerateRequest, SamplingParams, TorchEngine, TorchEngineConfig
 from meshrl.engines.layout import EngineLayout, ModelSpec
 
 torch.set_num_threads(1)
 EOS = 3
-SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=64, eos_token_id=EOS, pad_token_id=0)
+SMALL = dict(vocab_size=96, hidden_size=64, positions=64, eos_token_id=EOS, pad_token_id=0)
 
 
-def make_config(arch: str, **kw):
+def make_config(arch: str):
     if arch == "qwen2":
-        return Qwen2Config(**{**SMALL, "tie_word_embeddings": True, **kw})
+        return tiny.qwen2(**SMALL)
     if arch == "qwen3":
-        return Qwen3Config(**{**SMALL, "head_dim": 24, "tie_word_embeddings": False, **kw})
+        return tiny.qwen3(**SMALL, head_dim=24)
     llama3_rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                    "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
-    return LlamaConfig(**{**SMALL, "attention_bias": True, "rope_parameters": llama3_rope,
-                          "tie_word_embeddings": False, **kw})
+    return tiny.llama(**SMALL, attention_bias=True, rope_parameters=llama3_rope)
 
 
-def make_hf(arch: str, seed: int = 0, **kw):
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(make_config(arch, **kw)).eval()
-    with torch.no_grad():  # HF's init std (0.02) gives near-uniform logits; sharpen them so greedy is meaningful
-        for name, p in model.named_parameters():
-            if name.endswith("weight") and p.dim() == 2:
-                p.mul_(6.0)
-    return model
+def make_hf(arch: str, seed: int = 0):
+    # HF's init std (0.02) gives near-uniform logits; sharpen them so greedy is meaningful
+    return tiny.hf_model(make_config(arch), seed=seed, sharp=6.0)
 
 
 def prompts(n: int, vocab: int, seed: int = 1) -> list[list[int]]:
@@ -182,13 +175,11 @@ def test_bad_input_errors_name_the_problem():
         ModelSpec.from_hf_config(GPT2Config())
     with pytest.raises(ValueError, match="holds no sequence"):
         TorchEngine.from_hf_model(hf, config=TorchEngineConfig(kv_cache_bytes=100, max_seq_len=16))
-    from transformers import LlamaConfig
-
     for scaling in ({"rope_type": "dynamic", "factor": 2.0},
                     {"rope_type": "longrope", "short_factor": [1.0] * 16, "long_factor": [2.0] * 16,
                      "original_max_position_embeddings": 64}):  # fmt: skip
-        cfg = LlamaConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=2, num_hidden_layers=1,
-                          intermediate_size=64, vocab_size=96, max_position_embeddings=128, rope_scaling=scaling)
+        cfg = tiny.llama(vocab_size=96, hidden_size=64, layers=1, heads=2, intermediate_size=64, positions=128,
+                         rope_scaling=scaling)
         with pytest.raises(ValueError, match=f"{scaling['rope_type']} RoPE scaling is not supported"):
             ModelSpec.from_hf_config(cfg)
 

@@ -13,8 +13,11 @@ import sys
 import pytest
 import ray.cloudpickle
 
-# Ray workers cannot import test modules: ship this module's classes by value.
+from tiny import hf_model, qwen2
+
+# Ray workers cannot import test modules: ship this module's classes, and tiny's functions, by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+ray.cloudpickle.register_pickle_by_value(sys.modules["tiny"])
 
 
 class EngineActor:
@@ -22,16 +25,11 @@ class EngineActor:
 
     def __init__(self):
         import torch
-        from transformers import AutoModelForCausalLM, Qwen2Config
 
         from meshrl.engines import TorchEngine, TorchEngineConfig
 
         torch.set_num_threads(1)
-        cfg = Qwen2Config(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                          tie_word_embeddings=False, eos_token_id=None)
-        torch.manual_seed(0)
-        self.engine = TorchEngine.from_hf_model(AutoModelForCausalLM.from_config(cfg).eval(),
+        self.engine = TorchEngine.from_hf_model(hf_model(qwen2(vocab_size=48, positions=128, tied=False)),
                                                 config=TorchEngineConfig(max_batch_size=4, max_seq_len=128))
 
     async def generate(self, prompts, max_new_tokens):

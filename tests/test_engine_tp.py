@@ -10,8 +10,8 @@ import time
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
 
+import tiny
 from meshrl.engines import GenerateRequest, SamplingParams, TorchEngine, TorchEngineConfig
 from meshrl.engines.layout import EngineLayout, ModelSpec
 from meshrl.mesh.distributed import free_port
@@ -21,20 +21,9 @@ from serving import start_server, wait_healthy
 torch.set_num_threads(1)
 
 
-def config(arch: str = "qwen2"):
-    kw = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=64, eos_token_id=None)
-    return Qwen2Config(**kw, tie_word_embeddings=True) if arch == "qwen2" else Qwen3Config(**kw, head_dim=16)
-
-
 def hf_model(arch: str = "qwen2"):
-    torch.manual_seed(0)
-    m = AutoModelForCausalLM.from_config(config(arch)).eval()
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() == 2:
-                p.mul_(6.0)
-    return m
+    config = tiny.qwen2 if arch == "qwen2" else tiny.qwen3
+    return tiny.hf_model(config(vocab_size=64, hidden_size=64, positions=64), sharp=6.0)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])

@@ -70,35 +70,55 @@ def test_example_runs_end_to_end_and_writes_its_outputs(tmp_path, algo):
     assert model(input_ids=ids).logits.shape == (1, 4, len(tok))
 
 
+def _main_in_process(tmp_path: Path, monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    """``examples/async_ppo.py``'s ``main(argv)`` in this process: each case below stops before Ray
+    and the warm start, so an interpreter per case would only add its start-up."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MESHRL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    from async_ppo import main
+
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
 def test_bad_config_stops_at_start_with_one_line(tmp_path):
+    """As a user runs it: an unknown key is one line on stderr and exit status 2."""
     out = run_example(tmp_path, "queue.max_stalenes=2", timeout=120)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
         "config error: unknown config key `queue.max_stalenes` (known: capacity_tokens, get_timeout_s, "
         "max_staleness, put_timeout_s, reserve_timeout_s, stale_policy)"
     ]
-    out = run_example(tmp_path, "--model", str(tmp_path / "nowhere"), timeout=120)
-    assert out.returncode == 2 and "`model.path`" in out.stderr and "does not exist" in out.stderr
+
+
+def test_bad_paths_prompts_and_files_stop_at_start_with_one_line(tmp_path, monkeypatch, capsys):
+    def run(*args: str) -> tuple[int, str, str]:
+        return _main_in_process(tmp_path, monkeypatch, capsys, *args)
+
+    code, _, err = run("--model", str(tmp_path / "nowhere"))
+    assert code == 2 and "`model.path`" in err and "does not exist" in err
     # a prompt with no room for its completion is found before the warm start and any actor
-    out = run_example(tmp_path, "rollout.max_new_tokens=60", f"run.output_dir={tmp_path / 'long'}", timeout=120)
-    assert out.returncode == 2, out.stderr[-2000:]
-    assert out.stderr.strip().splitlines()[-1].startswith("config error: `rollout.max_new_tokens`: ")
-    assert "train prompt(s) leave no room for 60 new tokens in the engine's max_seq_len=64" in out.stderr
-    assert "warm start" not in out.stdout
+    code, out, err = run("rollout.max_new_tokens=60", f"run.output_dir={tmp_path / 'long'}")
+    assert code == 2, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith("config error: `rollout.max_new_tokens`: ")
+    assert "train prompt(s) leave no room for 60 new tokens in the engine's max_seq_len=64" in err
+    assert "warm start" not in out
     # characters the embedded default's tokenizer lacks would be <unk>: such an answer could never match
     (tmp_path / "accents.jsonl").write_text('{"prompt": "caf", "answer": "\u00e9"}\n', encoding="utf-8")
-    out = run_example(tmp_path, "task.kind=file", f"task.train_file={tmp_path / 'accents.jsonl'}",
-                      f"task.test_file={tmp_path / 'accents.jsonl'}", f"run.output_dir={tmp_path / 'acc'}", timeout=120)
-    assert out.returncode == 2 and "characters the embedded default's tokenizer does not have" in out.stderr, out.stderr[-2000:]
+    code, _, err = run("task.kind=file", f"task.train_file={tmp_path / 'accents.jsonl'}",
+                       f"task.test_file={tmp_path / 'accents.jsonl'}", f"run.output_dir={tmp_path / 'acc'}")
+    assert code == 2 and "characters the embedded default's tokenizer does not have" in err, err[-2000:]
     # a broken prompts file is read before any actor starts, and named in one line too; overrides may
     # come before and after --model
     (tmp_path / "ok.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
     (tmp_path / "bad.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": \n')
-    out = run_example(tmp_path, "run.total_steps=2", "task.kind=file", "--config", str(ROOT / "examples" / "async_ppo.yaml"),
-                      f"task.train_file={tmp_path / 'bad.jsonl'}", f"task.test_file={tmp_path / 'ok.jsonl'}", timeout=120)
-    assert out.returncode == 2
-    assert out.stderr.strip().splitlines() == [f"config error: {tmp_path / 'bad.jsonl'}:2: not valid JSON "
-                                               "(Expecting value)"], out.stderr[-2000:]
+    code, _, err = run("run.total_steps=2", "task.kind=file", "--config", str(ROOT / "examples" / "async_ppo.yaml"),
+                       f"task.train_file={tmp_path / 'bad.jsonl'}", f"task.test_file={tmp_path / 'ok.jsonl'}")
+    assert code == 2
+    assert err.strip().splitlines() == [f"config error: {tmp_path / 'bad.jsonl'}:2: not valid JSON (Expecting value)"], err[-2000:]
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("metrics.jsonl"))
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+import tiny
 from meshrl.engines import TorchEngine, TorchEngineConfig
 from meshrl.engines.serve import make_app
 from meshrl.engines.weights import iter_safetensors, load_hf_config
@@ -29,19 +30,7 @@ CHAT = [{"role": "user", "content": "1+2="}]
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A random tiny Qwen2 with the char tokenizer and a 1024-token context (room for long answers)."""
-    from transformers import AutoModelForCausalLM
-
-    from meshrl.embedded import EmbeddedModelConfig, build_char_tokenizer, build_model_config
-
-    path = tmp_path_factory.mktemp("openai_errors") / "model"
-    tok = build_char_tokenizer()
-    cfg = build_model_config(EmbeddedModelConfig(hidden_size=32, num_hidden_layers=2, intermediate_size=64,
-                                                 num_attention_heads=4, num_key_value_heads=2,
-                                                 max_position_embeddings=1024), tok)  # fmt: skip
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
+    return tiny.model_dir(tmp_path_factory.mktemp("openai_errors") / "model", positions=1024)
 
 
 @contextlib.asynccontextmanager

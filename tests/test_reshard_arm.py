@@ -16,6 +16,7 @@ import time
 import pytest
 import torch
 
+import tiny
 from meshrl.mesh.distributed import free_ports
 from processes import run_processes
 
@@ -29,17 +30,11 @@ def _engine_config():
 
 
 def _config():
-    from transformers import Qwen2Config
-
-    return Qwen2Config(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                       num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True, eos_token_id=None)
+    return tiny.qwen2(vocab_size=40, layers=1, heads=2, positions=32)
 
 
 def _model(seed: int):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(_config())
+    return tiny.hf_model(_config(), seed=seed)
 
 
 def _check(engine, state: dict[str, torch.Tensor], version: int, tp_rank: int = 0, tp_size: int = 1) -> None:

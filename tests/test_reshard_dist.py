@@ -18,6 +18,7 @@ import msgspec
 import pytest
 import torch
 
+import tiny
 from meshrl.mesh.distributed import free_ports
 from processes import run_processes
 
@@ -29,20 +30,13 @@ TIMEOUT_S = 60.0
 
 
 def _config(tied: bool):
-    from transformers import Qwen2Config
-
     # hidden 64 and vocab 64 split 22/22/20 over dp=3; k/v rows 32 split 11/11/10
-    return Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                       tie_word_embeddings=tied, eos_token_id=None)
+    return tiny.qwen2(vocab_size=64, hidden_size=64, intermediate_size=96, positions=64, tied=tied)
 
 
 def _trainer_model(cfg, version: int):
     """What the trainer holds at ``version`` (every process can rebuild it: same seed)."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(100 + version)
-    return AutoModelForCausalLM.from_config(cfg)
+    return tiny.hf_model(cfg, seed=100 + version)
 
 
 def _init_default(rank: int, world: int, port: int) -> None:

@@ -13,6 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import tiny
 from meshrl.engines.layout import EngineLayout, ModelSpec
 from meshrl.reshard import GroupRanks, ReshardConfig, ReshardError, Resharder, dest_layout, plan_transfers
 from meshrl.reshard.layout import SourceLayout, box_shape, shard_box, source_tensor, to_slices
@@ -132,15 +133,8 @@ def _engine(hf_config, state, **kw):
 
 @pytest.fixture(scope="module")
 def qwen():
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    cfg = Qwen2Config(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False, eos_token_id=None)
-    torch.manual_seed(0)
-    old = AutoModelForCausalLM.from_config(cfg).state_dict()
-    torch.manual_seed(1)
-    new = AutoModelForCausalLM.from_config(cfg).state_dict()
-    return cfg, old, new
+    cfg = tiny.qwen2(vocab_size=40, intermediate_size=48, layers=1, positions=32, tied=False)
+    return cfg, tiny.hf_model(cfg, seed=0).state_dict(), tiny.hf_model(cfg, seed=1).state_dict()
 
 
 def test_one_process_push_stages_then_flips(qwen):

@@ -11,15 +11,16 @@ import sys
 import pytest
 import ray.cloudpickle
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
 
 from meshrl.actors.rollout import RolloutWorker
 from meshrl.engines import GenerateRequest, SamplingParams, TorchEngine, TorchEngineConfig
 from meshrl.mesh import Actor, current_rank, endpoint, spawn_procs
 from meshrl.reshard import DestLayout, GroupRanks, PushStats, ReshardConfig, SourceLayout
 from meshrl.reshard.meshes import connect, push
+from tiny import hf_model, qwen2
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+ray.cloudpickle.register_pickle_by_value(sys.modules["tiny"])  # the trainer actors build models with it
 pytestmark = pytest.mark.slow  # four torch-importing actors on two shared cores
 
 ENGINE = TorchEngineConfig(max_batch_size=4, max_seq_len=32)
@@ -27,19 +28,8 @@ REQS = [GenerateRequest(input_ids=[3, 14, 15, 9], sampling=SamplingParams(max_ne
         GenerateRequest(input_ids=[2, 7], sampling=SamplingParams(max_new_tokens=5, temperature=1.0, seed=11))]
 
 
-def config() -> Qwen2Config:
-    return Qwen2Config(vocab_size=48, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                       tie_word_embeddings=True, eos_token_id=None)
-
-
 def model(seed: int):
-    torch.manual_seed(seed)
-    m = AutoModelForCausalLM.from_config(config())
-    with torch.no_grad():
-        for p in m.parameters():
-            p.mul_(4.0) if p.dim() == 2 else None
-    return m
+    return hf_model(qwen2(vocab_size=48, hidden_size=48, intermediate_size=64, positions=64), seed=seed, sharp=4.0)
 
 
 class FsdpTrainer(Actor):

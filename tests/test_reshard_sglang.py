@@ -19,8 +19,8 @@ import time
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
 
+import tiny
 from meshrl.engines import GenerateRequest, SamplingParams
 from meshrl.engines.sglang_engine import SGLangEngine, SGLangEngineConfig
 from meshrl.reshard.sglang import SGLangPushError, SGLangSyncConfig
@@ -30,23 +30,18 @@ pytestmark = pytest.mark.slow  # a server process starts (torch + transformers i
 torch.set_num_threads(1)
 
 
-def config() -> Qwen2Config:
-    return Qwen2Config(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                       tie_word_embeddings=True, eos_token_id=None)
+def model(seed: int):
+    return tiny.hf_model(tiny.qwen2(vocab_size=40, layers=1, heads=2, kv_heads=1, positions=64), seed=seed)
 
 
 def weights(seed: int) -> dict[str, torch.Tensor]:
-    torch.manual_seed(seed)
-    return dict(AutoModelForCausalLM.from_config(config()).named_parameters())
+    return dict(model(seed).named_parameters())
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     ckpt = tmp_path_factory.mktemp("ckpt")
-    m = AutoModelForCausalLM.from_config(config())
-    m.load_state_dict(weights(0), strict=False)
-    m.save_pretrained(ckpt)
+    model(0).save_pretrained(ckpt)
     with running_server(ckpt, "--device", "cpu", "--dtype", "float32", "--max-batch-size", "4", "--max-seq-len", "64",
                         "--compat-version", "0.5.23") as url:
         yield url

@@ -17,6 +17,7 @@ import ray.cloudpickle
 import torch
 from aiohttp import web
 
+import tiny
 from meshrl.envs import FunctionReward, HTTPReward, as_reward, batched_reward
 from meshrl.mesh import Actor, endpoint, spawn_procs
 from meshrl.tasks import AdditionTask, Problem, RewardOutput
@@ -171,15 +172,14 @@ _spawned: list = []
 
 @pytest.mark.slow
 def test_reward_model_and_scorer_actors_on_a_mesh(ray_cluster, tmp_path):
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer, Qwen2Config
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from meshrl.embedded import build_char_tokenizer
     from meshrl.envs import MeshReward, RewardModel
 
-    tok = build_char_tokenizer()
+    tok = tiny.char_tokenizer()
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                      num_key_value_heads=2, num_labels=1, pad_token_id=tok.pad_token_id)  # fmt: skip
+    cfg = tiny.qwen2(vocab_size=len(tok), layers=1, positions=32768, tied=False,  # Qwen2Config's defaults
+                     num_labels=1, pad_token_id=tok.pad_token_id)
     AutoModelForSequenceClassification.from_config(cfg).save_pretrained(tmp_path / "rm")
     tok.save_pretrained(tmp_path / "rm")
     texts = ["12", "2", "a longer completion", "4", "5", "6"]

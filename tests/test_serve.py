@@ -17,8 +17,8 @@ import msgspec
 import pytest
 import torch
 from aiohttp import web
-from transformers import AutoModelForCausalLM, Qwen2Config
 
+import tiny
 from meshrl.engines import GenerateRequest, SamplingParams, TorchEngine, TorchEngineConfig
 from meshrl.engines.serve import SGLANG_COMPAT_VERSION, make_app
 from serving import app_session, running_server
@@ -61,21 +61,9 @@ class Out(msgspec.Struct):
     meta_info: Meta
 
 
-def hf_model():
-    cfg = Qwen2Config(vocab_size=72, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=96, tie_word_embeddings=True, eos_token_id=None)
-    torch.manual_seed(0)
-    m = AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() == 2:
-                p.mul_(6.0)
-    return m
-
-
 @pytest.fixture(scope="module")
 def hf():
-    return hf_model()
+    return tiny.hf_model(tiny.qwen2(hidden_size=64), sharp=6.0)
 
 
 def make_engine(hf) -> TorchEngine:

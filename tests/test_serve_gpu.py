@@ -12,8 +12,8 @@ import asyncio
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
 
+import tiny
 from meshrl.engines import GenerateRequest, SamplingParams
 from meshrl.engines.sglang_engine import SGLangEngine, SGLangEngineConfig
 from meshrl.reshard.sglang import SGLangSyncConfig
@@ -25,22 +25,19 @@ NAMES = ("model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.down_proj
          "model.norm.weight")
 
 
-def _config() -> Qwen2Config:
-    return Qwen2Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                       tie_word_embeddings=True, eos_token_id=None)
+def _config():
+    return tiny.qwen2(vocab_size=256, hidden_size=128, positions=128)
 
 
 def _weights(seed: int) -> dict[str, torch.Tensor]:
-    torch.manual_seed(seed)
-    m = AutoModelForCausalLM.from_config(_config()).to("cuda:0", torch.bfloat16)
+    m = tiny.hf_model(_config(), seed=seed).to("cuda:0", torch.bfloat16)
     return {n: p.detach() for n, p in m.named_parameters()}
 
 
 @pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.skipif(
     torch.cuda.device_count() < 2, reason="NCCL needs two CUDA devices"))])
 def test_weight_updates_into_a_gpu_server(tmp_path, backend):
-    AutoModelForCausalLM.from_config(_config()).to(torch.bfloat16).save_pretrained(tmp_path)
+    tiny.hf_model(_config()).to(torch.bfloat16).save_pretrained(tmp_path)  # the pushes replace every weight
 
     async def main(url: str) -> None:
         torch.cuda.set_device(0)

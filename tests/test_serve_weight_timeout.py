@@ -23,8 +23,8 @@ import time
 import pytest
 import torch
 from aiohttp import web
-from transformers import AutoModelForCausalLM, Qwen2Config
 
+import tiny
 from meshrl.engines import TorchEngine, TorchEngineConfig
 from meshrl.engines.serve_weights import WeightSync
 from meshrl.mesh.distributed import free_port
@@ -66,11 +66,8 @@ def _trainer(conn) -> None:
 
 
 def _engine() -> TorchEngine:
-    cfg = Qwen2Config(vocab_size=72, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=96, tie_word_embeddings=True, eos_token_id=None)
-    torch.manual_seed(0)
-    return TorchEngine.from_hf_model(AutoModelForCausalLM.from_config(cfg), config=TorchEngineConfig(
-        max_batch_size=2, max_seq_len=32))
+    hf = tiny.hf_model(tiny.qwen2(hidden_size=64, layers=1))
+    return TorchEngine.from_hf_model(hf, config=TorchEngineConfig(max_batch_size=2, max_seq_len=32))
 
 
 @contextlib.asynccontextmanager

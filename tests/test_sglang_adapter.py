@@ -12,10 +12,16 @@ import time
 import pytest
 from aiohttp import web
 
+import tiny
 from meshrl.engines import GenerateRequest, SamplingParams
 from meshrl.engines.serve import make_app
 from meshrl.engines.sglang_engine import SGLangEngine, SGLangEngineConfig
-from test_serve import hf_model, make_engine
+from test_serve import make_engine
+
+
+def _engine():
+    """test_serve's engine, on a fresh copy of its model."""
+    return make_engine(tiny.hf_model(tiny.qwen2(hidden_size=64), sharp=6.0))
 
 
 @contextlib.asynccontextmanager
@@ -34,7 +40,7 @@ def test_a_pause_gets_through_while_generations_fill_the_pool():
     """max_connections generations held on the server (paused in place): the pause of a weight sync
     must still reach it; it used to wait for a pooled connection until its timeout."""
     async def main():
-        engine = make_engine(hf_model())
+        engine = _engine()
         async with serving(engine) as url:
             client = SGLangEngine(url, config=SGLangEngineConfig(max_connections=2, request_timeout_s=5.0))
             try:
@@ -95,7 +101,7 @@ def test_samples_of_an_n_request_are_named_and_aborted_the_sglang_way():
     so no abort reaches them (this server does the same). The adapter sends the n samples as a batch
     of n prompts with ids of its own, ``{rid}_{i}``, and aborts those."""
     async def main():
-        engine = make_engine(hf_model())
+        engine = _engine()
         async with serving(engine) as url:
             client = SGLangEngine(url, config=SGLangEngineConfig(request_timeout_s=10.0))
             try:
@@ -128,7 +134,7 @@ def test_samples_of_an_n_request_are_named_and_aborted_the_sglang_way():
 
 def test_a_generation_that_never_got_a_slot_says_so():
     async def main():
-        engine = make_engine(hf_model())
+        engine = _engine()
         async with serving(engine) as url:
             client = SGLangEngine(url, config=SGLangEngineConfig(max_connections=1, generate_timeout_s=30.0))
             try:

@@ -15,8 +15,8 @@ import asyncio
 import aiohttp
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
 
+import tiny
 from meshrl.engines import GenerateRequest, SamplingParams, TorchEngine, TorchEngineConfig
 from meshrl.engines.sglang_engine import SGLangEngine, SGLangEngineConfig
 from meshrl.reshard.sglang import SGLangPushError, SGLangSyncConfig, SGLangWeightSender
@@ -31,21 +31,17 @@ REQS = [GenerateRequest(input_ids=[5, 9, 17, 4], sampling=SamplingParams(max_new
         GenerateRequest(input_ids=[11, 3], sampling=SamplingParams(max_new_tokens=6, temperature=0.9, n=2, seed=5))]
 
 
-def config() -> Qwen2Config:
-    return Qwen2Config(vocab_size=72, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96,
-                       tie_word_embeddings=True, eos_token_id=None)
+def config():
+    return tiny.qwen2(hidden_size=64)
+
+
+def model(seed: int):
+    """The trainer's model at one version (sharp weights, so greedy outputs differ by version)."""
+    return tiny.hf_model(config(), seed=seed, sharp=6.0)
 
 
 def weights(seed: int) -> dict[str, torch.Tensor]:
-    """The trainer's model at one version (sharp weights, so greedy outputs differ by version)."""
-    torch.manual_seed(seed)
-    m = AutoModelForCausalLM.from_config(config())
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() == 2:
-                p.mul_(6.0)
-    return dict(m.named_parameters())  # tied: no lm_head entry, as a trainer's parameters
+    return dict(model(seed).named_parameters())  # tied: no lm_head entry, as a trainer's parameters
 
 
 def sync(**kw) -> SGLangEngineConfig:
@@ -57,9 +53,7 @@ def sync(**kw) -> SGLangEngineConfig:
 def servers(tmp_path_factory):
     """``{compat version: url}``, servers started together from the version-0 checkpoint."""
     ckpt = tmp_path_factory.mktemp("ckpt")
-    m = AutoModelForCausalLM.from_config(config())
-    m.load_state_dict(weights(0), strict=False)
-    m.save_pretrained(ckpt)
+    model(0).save_pretrained(ckpt)
     started = {compat: start_server(ckpt, "--device", "cpu", "--dtype", "float32", "--max-batch-size", "8",
                                     "--max-seq-len", "64", "--compat-version", compat)
                for compat in ("0.5.23", "0.4.6.post5")}  # both start at once; then wait for each

@@ -1,12 +1,9 @@
 """The timeline math (meshrl.pipeline.timeline) on synthetic spans whose answers are known by hand,
-the timeline PNG, and (slow) the end-to-end bench's CPU mode through a subprocess."""
+the timeline PNG, and (slow) the end-to-end bench's CPU mode."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -127,14 +124,19 @@ def test_plot_run_leaves_the_callers_matplotlib_alone(tmp_path):
 
 
 @pytest.mark.slow
-def test_e2e_bench_tiny_cpu_mode(tmp_path):
-    """The GPU bench's own code path at tiny size on CPU: sync and one async run, table and files."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}
-    env.pop("RAY_ADDRESS", None)
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e_gpu.py"), "--tiny", "--etas", "0,1", "--steps", "4",
-                          "--warmup", "1", "--out", str(tmp_path / "e2e")],
-                         capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)  # fmt: skip
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+def test_e2e_bench_tiny_cpu_mode(ray_cluster, tmp_path, monkeypatch, capsys):
+    """The GPU bench's own code path at tiny size on CPU: sync and one async run, table and files
+    (its main() in this process, on the session's Ray cluster: a subprocess would only add an
+    interpreter and a cluster start)."""
+    import ray
+
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import e2e_gpu
+
+    ray.cloudpickle.register_pickle_by_value(e2e_gpu)  # its task reaches the reward workers (not on their path)
+
+    assert e2e_gpu.main(["--tiny", "--etas", "0,1", "--steps", "4", "--warmup", "1", "--out", str(tmp_path / "e2e")]) == 0
+    stdout = capsys.readouterr().out
     result = json.loads((tmp_path / "e2e" / "e2e.json").read_text())
     runs = {r["eta"]: r for r in result["models"][0]["runs"]}
     assert set(runs) == {0, 1}
@@ -144,4 +146,4 @@ def test_e2e_bench_tiny_cpu_mode(tmp_path):
         assert r["response_tokens_mean"] == result["models"][0]["config"]["response_len"]  # fixed lengths (ignore_eos)
     assert runs[0]["staleness_mean"] == 0.0
     assert (tmp_path / "e2e" / "tiny" / "timelines.png").stat().st_size > 10_000
-    assert any(line.startswith("| η |") for line in out.stdout.splitlines()[-8:])  # the table prints last
+    assert any(line.startswith("| η |") for line in stdout.splitlines()[-8:])  # the table prints last

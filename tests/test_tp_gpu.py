@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 
+import tiny
 from meshrl.engines import GenerateRequest, SamplingParams, TorchEngine, TorchEngineConfig
 from meshrl.mesh.distributed import free_port
 from processes import run_processes
@@ -23,18 +24,9 @@ CFG = dict(dtype="bfloat16", max_batch_size=8, max_seq_len=96)
 
 
 def _checkpoint(path: str) -> None:
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    cfg = Qwen2Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
-                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128,
-                      tie_word_embeddings=False, eos_token_id=None)
-    torch.manual_seed(0)
-    m = AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() == 2:
-                p.mul_(6.0)  # sharp logits: greedy tokens do not flip with TP's other summation order
-    m.to(torch.bfloat16).save_pretrained(path)
+    cfg = tiny.qwen2(vocab_size=512, hidden_size=256, layers=3, heads=8, positions=128, tied=False)
+    # sharp logits: greedy tokens do not flip with TP's other summation order
+    tiny.hf_model(cfg, sharp=6.0).to(torch.bfloat16).save_pretrained(path)
 
 
 def _greedy_under(path: str, state: dict[str, torch.Tensor] | None, prompts: list[list[int]],

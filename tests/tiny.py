@@ -4,8 +4,8 @@
   names only what it depends on (a vocabulary its token ids fit in, tied embeddings, a TP split).
 - ``hf_model``: a random model of a config, seeded; ``sharp`` scales its matrices so that greedy
   outputs differ between seeds (the weight-push tests tell versions apart by them).
-- ``model_dir``: a saved model with the embedded default's architecture and its character
-  tokenizer, what ``--model DIR`` takes. The session fixtures ``tiny_model`` (1 layer) and
+- ``model_dir``: a saved model with the embedded default's architecture (or a config's) and its
+  character tokenizer, what ``--model DIR`` takes. The session fixtures ``tiny_model`` (1 layer) and
   ``tiny_model_2l`` (2 layers) in conftest.py are written once; a test that changes a directory
   writes its own with ``model_dir``.
 - ``make_samples``: deterministic trainer samples of mixed lengths.
@@ -75,19 +75,23 @@ def char_tokenizer():
     return build_char_tokenizer()
 
 
-def model_dir(path: Path, *, layers: int = 2, hidden: int = 32, positions: int | None = None, seed: int = 0) -> str:
+def model_dir(path: Path, *, layers: int = 2, hidden: int = 32, positions: int | None = None, seed: int = 0,
+              config: Any = None) -> str:
     """A random model of the embedded default's architecture (Qwen2, smaller) and the char
-    tokenizer, saved at ``path`` as ``--model DIR`` reads it."""
+    tokenizer, saved at ``path`` as ``--model DIR`` reads it; a ``config`` (say ``qwen2(...)``)
+    replaces that architecture, and ``layers``/``hidden``/``positions`` are then unused."""
     from transformers import AutoModelForCausalLM
 
     from meshrl.embedded import EmbeddedModelConfig, build_model_config
 
-    shape = EmbeddedModelConfig(hidden_size=hidden, num_hidden_layers=layers, intermediate_size=2 * hidden,
-                                num_attention_heads=4, num_key_value_heads=2,
-                                **({"max_position_embeddings": positions} if positions else {}))  # fmt: skip
     tok = char_tokenizer()
+    if config is None:
+        shape = EmbeddedModelConfig(hidden_size=hidden, num_hidden_layers=layers, intermediate_size=2 * hidden,
+                                    num_attention_heads=4, num_key_value_heads=2,
+                                    **({"max_position_embeddings": positions} if positions else {}))  # fmt: skip
+        config = build_model_config(shape, tok)
     torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(build_model_config(shape, tok)).save_pretrained(path)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
     tok.save_pretrained(path)
     return str(path)
 

@@ -27,7 +27,11 @@ __all__ = sorted(_MODULES)
 def __getattr__(name: str) -> Any:
     if name not in _MODULES:
         raise AttributeError(f"module 'meshrl.actors' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"meshrl.actors.{_MODULES[name]}"), name)
+    module = f"meshrl.actors.{_MODULES[name]}"
+    try:
+        value = getattr(importlib.import_module(module), name)
+    except AttributeError as exc:  # raised inside the import, it would read as "cannot import name"
+        raise ImportError(f"importing {module} failed: {exc!r}") from exc
     globals()[name] = value
     return value
 
