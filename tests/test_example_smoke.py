@@ -30,16 +30,26 @@ def run_example(tmp_path: Path, *args: str, timeout: int = 300) -> subprocess.Co
 
 @pytest.mark.slow
 @pytest.mark.parametrize("algo", ["ppo", "grpo_kl"])
-def test_example_runs_end_to_end_and_writes_its_outputs(tmp_path, algo):
+def test_example_runs_end_to_end_and_writes_its_outputs(request, tmp_path, algo):
+    """ppo through a subprocess, as a user runs it; grpo with a KL term (a reference worker) through
+    the example's main() in this process, on the session's Ray cluster (the same code after start-up)."""
     # ppo pushes every 2 steps: after the 3rd and last step one more push (off the cadence the queue
     # counts on), so the final evaluation is of the exported weights
     sync = 2 if algo == "ppo" else 1
     extra = ["algo=grpo", "algo.samples_per_prompt=4", "algo.kl_coef=0.01"] if algo == "grpo_kl" else []
     extra.append(f"trainer.sync_interval={sync}")
-    out = run_example(tmp_path, *TINY, *extra, f"run.output_dir={tmp_path / 'run'}")
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "held-out accuracy:" in out.stdout
-    assert "held-out accuracy at step 2 (v" in out.stdout  # the periodic evaluation (run.eval_every=2) is printed
+    args = [*TINY, *extra, f"run.output_dir={tmp_path / 'run'}"]
+    if algo == "ppo":
+        out = run_example(tmp_path, *args)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        stdout = out.stdout
+    else:
+        request.getfixturevalue("ray_cluster")
+        code, stdout, err = _main_in_process(tmp_path, request.getfixturevalue("monkeypatch"),
+                                             request.getfixturevalue("capsys"), *args)
+        assert code == 0, stdout[-3000:] + err[-3000:]
+    assert "held-out accuracy:" in stdout
+    assert "held-out accuracy at step 2 (v" in stdout  # the periodic evaluation (run.eval_every=2) is printed
 
     run = tmp_path / "run"
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import time
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -143,10 +144,11 @@ async def _armed_receive(res, engine, version: int):
     return await res.receive(engine, version)
 
 
-def _failed_push(proc: int, ports: list[int]) -> None:
-    """Trainer process 0 joins but never sends: engine process 1 must time out and stay on v0."""
-    from meshrl.engines import TorchEngine, TorchEngineConfig
-    from meshrl.reshard import GroupRanks, ReshardConfig, ReshardError, Resharder
+def _failed_push(proc: int, ports: list[int], done: Path) -> None:
+    """Trainer process 0 joins but never sends: engine process 1 must time out and stay on v0.
+    Process 0 stays (its end would close the group's pairs: an error, not a timeout) until process
+    1 has seen every timeout and writes ``done``."""
+    from meshrl.reshard import GroupRanks, ReshardConfig, Resharder
 
     cfg = _config(True)
     source, dest = _layouts(cfg, 1, 1, "float32")
@@ -155,8 +157,21 @@ def _failed_push(proc: int, ports: list[int]) -> None:
     in_place = Resharder.join(source, dest, GroupRanks.disjoint(1, 1), proc, "127.0.0.1", ports[1],
                               msgspec.structs.replace(conf, apply="in_place", group_name="rs-fail-in-place"))
     if proc == 0:
-        time.sleep(14.0)  # the engine gives up meanwhile, three times
+        deadline = time.monotonic() + 60
+        while not done.exists():  # waits for: process 1's last check (the engine gives up meanwhile, three times)
+            assert time.monotonic() < deadline, "the engine process did not finish its failed-push checks within 60 s"
+            time.sleep(0.05)
         return
+    try:
+        _failed_push_engine(res, in_place, cfg)
+    finally:
+        done.touch()
+
+
+def _failed_push_engine(res, in_place, cfg) -> None:
+    from meshrl.engines import TorchEngine, TorchEngineConfig
+    from meshrl.reshard import ReshardError
+
     engine = TorchEngine.from_hf_model(_trainer_model(cfg, 0).state_dict(), cfg,
                                        TorchEngineConfig(max_batch_size=2, max_seq_len=32))
     before = {n: p.clone() for n, p in engine.model.params.items()}
@@ -195,7 +210,7 @@ def _failed_push(proc: int, ports: list[int]) -> None:
     assert engine.is_paused and engine.version == 0
 
 
-def _main(proc: int, all_ports: list[list[int]]) -> None:
+def _main(proc: int, all_ports: list[list[int]], out: str) -> None:
     torch.set_num_threads(1)
     # First-use costs (model code import, FSDP, engine) in parallel, not when each process first joins a case.
     from torch.distributed.fsdp import fully_shard  # noqa: F401
@@ -206,11 +221,11 @@ def _main(proc: int, all_ports: list[list[int]]) -> None:
     for (dp, tp, dtype, tied), ports in zip(CASES, all_ports):
         _run_case(proc, dp, tp, dtype, tied, ports)
     if proc < 2:
-        _failed_push(proc, all_ports[-1])
+        _failed_push(proc, all_ports[-1], Path(out) / "failed_push_done")
 
 
 @pytest.mark.slow
-def test_fsdp2_to_tp_engines_bit_exact():
+def test_fsdp2_to_tp_engines_bit_exact(tmp_path):
     flat = free_ports(3 * (len(CASES) + 1))
     ports = [flat[i:i + 3] for i in range(0, len(flat), 3)]
-    run_processes(_main, (ports,), NPROCS, timeout_s=150, what="reshard processes")
+    run_processes(_main, (ports, str(tmp_path)), NPROCS, timeout_s=150, what="reshard processes")
