@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["DTYPE", "ADAM_EPS", "param_atol", "PARAM_ATOL", "METRIC_TOL", "GRAD_ATOL", "sgd_weight_atol",
-           "PIPELINE_METRIC_TOL"]
+           "PIPELINE_METRIC_TOL", "ON_POLICY_RATIO_ATOL", "ON_POLICY_KL_MAX"]
 
 DTYPE = torch.float64
 ADAM_EPS = 1e-8  # torch's AdamW default, which PolicyTrainer keeps
@@ -56,3 +56,11 @@ def sgd_weight_atol(*, steps: int, lr: float) -> float:
 
 
 PIPELINE_METRIC_TOL = {"rel": 1e-4, "abs": 1e-6}  # pytest.approx's keywords
+
+# On-policy (max_staleness = 0) the engine's behaviour log-probs and the trainer's are one policy's,
+# computed by two float32 programs (incremental decode with a KV cache vs one full forward, other
+# batch rows): they differ by rounding, |Δlogp| ≲ 1e-6, so a ratio exp(Δ) is within ~2e-6 of 1
+# (seen: 4 ulps, 4.8e-7, with TorchEngine and with the SGLang backend alike) and the mismatch KL,
+# ~Δ²/2, below 1e-12. A push missed by one version moves them by ~1e-2.
+ON_POLICY_RATIO_ATOL = 2e-6
+ON_POLICY_KL_MAX = 1e-10

@@ -132,7 +132,8 @@ def test_free_ports_are_distinct_bindable_and_outside_the_ephemeral_range(monkey
     pair, Ray's gRPC) can take before the group's store binds it: free_ports draws from below."""
     import socket
 
-    from meshrl.mesh import distributed, free_ports
+    from meshrl import groups as distributed  # where the port helpers live (meshrl.mesh re-exports them)
+    from meshrl.mesh import free_ports
 
     low, _ = distributed._ephemeral_ports()
     ports = free_ports(32)

@@ -394,11 +394,13 @@ def test_release_and_resume_memory_occupation(hf):
     assert both[0] == 200 and weights_gone
 
 
-def test_sampling_seed_exists_from_the_version_the_server_shows(hf):
-    """SGLang added sampling_seed in 0.5.23: a server showing an older release refuses it, as that
-    release would, so an adapter's version branches meet the same answers as against SGLang."""
+@pytest.mark.parametrize("compat, accepted", [("0.5.2", False), ("0.5.17", True)])
+def test_sampling_seed_exists_from_the_version_the_server_shows(hf, compat, accepted):
+    """SGLang added sampling_seed after 0.5.2 (0.5.17, on the GPU machine, has it): a server showing an
+    older release refuses it, as that release would, so an adapter's version branches meet the same
+    answers as against SGLang."""
     async def main():
-        runner = web.AppRunner(make_app(make_engine(hf), compat_version="0.5.10"))
+        runner = web.AppRunner(make_app(make_engine(hf), compat_version=compat))
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
@@ -411,7 +413,10 @@ def test_sampling_seed_exists_from_the_version_the_server_shows(hf):
             await runner.cleanup()
 
     status, out = asyncio.run(main())
-    assert status == 400 and "sampling_seed" in out["error"]["message"] and "0.5.10" in out["error"]["message"]
+    if accepted:
+        assert status == 200, out
+    else:
+        assert status == 400 and "sampling_seed" in out["error"]["message"] and compat in out["error"]["message"]
 
 
 def test_per_prompt_logprob_flags_and_an_abort_of_a_sample_id_that_is_not_running(hf):

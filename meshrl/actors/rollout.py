@@ -13,24 +13,49 @@ replica is T actors (one GPU each on CUDA) joined in one process group (``init_t
 whose DeviceMesh's ``tp`` axis shards the engine (``engines/tp.py``), leader-driven: the controller
 sends generation calls to ``tp = 0`` only (``start_tp``: the others follow its schedule), while
 weight pushes reach every rank, each receiving its own shard and going live at rank 0's flip.
+
+With ``rollout.engine.backend=sglang`` a worker holds an ``SGLangEngine`` instead: ``start_sglang``
+launches its SGLang server on the worker's GPUs (all ``tp_size`` of them: the server does its own
+TP) or attaches to the URL the config gives it (``meshrl.engines.sglang_server``). Weights then go
+from the trainer straight into the servers (``meshrl.actors.sglang_sync``); a push's abort-mode
+pause ends the samples in flight, which the engine sends again (``reissue_aborted``), so a generate
+call always returns whole samples. A server that dies fails the worker's next call, naming its log.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Sequence
+from pathlib import Path
+from typing import Any, Literal, Sequence
 
 import msgspec
 
 from meshrl.engines import GenerateRequest, GenerateResult
+from meshrl.engines.engine_config import TorchEngineConfig
+from meshrl.engines.sglang_server import SGLangServerConfig
 from meshrl.engines.types import GREEDY_TEMPERATURE
-from meshrl.engines.torch_engine import TorchEngine, TorchEngineConfig
 from meshrl.envs import EnvFactory, Episode, EpisodeConfig, EpisodeRequest, run_episodes
 from meshrl.mesh import Actor, current_rank, endpoint
 from meshrl.reshard import DestLayout, GroupRanks, PushStats, ReshardConfig, SourceLayout
 from meshrl.reshard.meshes import DestSide
 
-__all__ = ["RolloutConfig", "RolloutWorker"]
+__all__ = ["RolloutConfig", "RolloutEngineConfig", "RolloutWorker"]
+
+REISSUE_ABORTED = 8
+"""Times a sample aborted by its SGLang server's pause is sent again before it counts as aborted."""
+
+
+class RolloutEngineConfig(TorchEngineConfig, frozen=True, kw_only=True):
+    """``rollout.engine``: which engine backs the rollout workers; TorchEngine's settings, and SGLang's."""
+
+    backend: Literal["torch", "sglang"] = "torch"
+    """torch: a TorchEngine in every worker (the embedded default); sglang: an SGLang server per
+    worker (rollout.engine.sglang: launched on the worker's GPUs, or attached by URL). With sglang,
+    dtype, device, max_batch_size (--max-running-requests), max_seq_len (--context-length),
+    cuda_graphs (--disable-cuda-graph), seed and initial_version apply to the server; TorchEngine's
+    other settings do not (kv_cache_bytes and compile are refused: the server sizes its cache by
+    rollout.engine.sglang.mem_fraction_static)."""
+    sglang: SGLangServerConfig = SGLangServerConfig()
 
 
 class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -54,7 +79,7 @@ class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Concurrent generate calls per worker, so the engine batches across them."""
     threads: int = 1
     """torch intra-op threads per worker."""
-    engine: TorchEngineConfig = TorchEngineConfig()
+    engine: RolloutEngineConfig = RolloutEngineConfig()
     episode: EpisodeConfig = EpisodeConfig()
     """Limits of environment episodes (only with an environment); max_new_tokens bounds each turn."""
 
@@ -73,8 +98,9 @@ class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class RolloutWorker(Actor):
-    """Owns a ``TorchEngine`` loaded from a Hugging Face checkpoint directory (and, to play
-    episodes, an environment factory and the checkpoint's tokenizer)."""
+    """Owns a ``TorchEngine`` loaded from a Hugging Face checkpoint directory, or with
+    ``backend=sglang`` an SGLang server and its ``SGLangEngine`` (and, to play episodes, an
+    environment factory and the checkpoint's tokenizer)."""
 
     def __init__(self, model_path: str, engine: TorchEngineConfig, threads: int = 1, *, tp_size: int = 1,
                  tp_timeout_s: float = 600.0, environment: EnvFactory | None = None,
@@ -82,16 +108,81 @@ class RolloutWorker(Actor):
         import torch
 
         torch.set_num_threads(threads)
-        tp = _join_tp(tp_size, tp_timeout_s) if tp_size > 1 else None
-        self.engine = TorchEngine.from_pretrained(model_path, engine, tp=tp)
+        self.model_path, self.config, self.tp_size = model_path, engine, tp_size
+        self.server: Any = None
+        """The SGLang server this worker launched (None: TorchEngine, or a server attached by URL)."""
         self._follow: Any = None
-        self.reshard = DestSide(self.engine)
+        if getattr(engine, "backend", "torch") == "sglang":
+            self.engine: Any = None  # start_sglang, once the server is up
+            self.reshard = None
+        else:
+            from meshrl.engines.torch_engine import TorchEngine
+
+            tp = _join_tp(tp_size, tp_timeout_s) if tp_size > 1 else None
+            self.engine = TorchEngine.from_pretrained(model_path, engine, tp=tp)
+            self.reshard = DestSide(self.engine)
         self.environment, self.episode = environment, episode
         self.tokenizer = None
         if environment is not None:
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+
+    @endpoint
+    async def start_sglang(self, log_dir: str, trainer_ip: str) -> str:
+        """``backend=sglang``: launch this worker's server on its GPUs (or attach to its URL in
+        ``rollout.engine.sglang.urls``) and wait until it is healthy; returns the server's URL.
+        Its log is ``log_dir/server<rank>.log``."""
+        from meshrl.engines.sglang_engine import SGLangEngine, SGLangEngineConfig
+        from meshrl.engines.sglang_server import SGLangServer, server_args
+        from meshrl.groups import free_port, routable_ip
+
+        cfg, engine, rank = self.config.sglang, self.config, current_rank().rank
+        if cfg.urls:
+            url = cfg.urls[rank].rstrip("/")
+        else:
+            node = routable_ip()
+            host = cfg.host if cfg.host != "auto" else "127.0.0.1" if trainer_ip in (node, "127.0.0.1") else node
+            port = free_port()
+            args = server_args(cfg, model_path=self.model_path, host=host, port=port, tp_size=self.tp_size,
+                               dtype=engine.dtype, seed=engine.seed, context_length=engine.max_seq_len,
+                               max_running_requests=engine.max_batch_size, cuda_graphs=engine.cuda_graphs)  # fmt: skip
+            if engine.device != "auto":
+                args += ["--device", "cuda" if engine.device.startswith("cuda") else engine.device]
+            self.server = await SGLangServer.launch(cfg, args, host=host, port=port,
+                                                    log_path=Path(log_dir) / f"server{rank}.log")
+            url = self.server.url
+        self.engine = SGLangEngine(url, config=SGLangEngineConfig(
+            request_timeout_s=cfg.request_timeout_s, generate_timeout_s=cfg.generate_timeout_s,
+            initial_version=engine.initial_version, reissue_aborted=REISSUE_ABORTED))  # fmt: skip
+        await self._calling(self.engine.server_version())  # an attached URL that does not answer fails here
+        return url
+
+    async def _calling(self, call: Any) -> Any:
+        """``await call``; when it fails and this worker's server has exited, that is the error (its log named)."""
+        try:
+            return await call
+        except Exception:
+            if self.server is not None:
+                self.server.check()
+            raise
+
+    @endpoint
+    async def check_engine(self) -> None:
+        """Raise if this worker's SGLang server has exited (naming its log); a no-op otherwise."""
+        if self.server is not None:
+            self.server.check()
+
+    @endpoint
+    async def close_engine(self) -> None:
+        """Stop this worker's SGLang server and every process it started (TorchEngine: nothing)."""
+        server, self.server = self.server, None
+        try:
+            if self.engine is not None and hasattr(self.engine, "close"):
+                await self.engine.close()
+        finally:
+            if server is not None:
+                await asyncio.to_thread(server.stop)
 
     @endpoint
     async def start_tp(self) -> tuple[int, int]:
@@ -111,15 +202,24 @@ class RolloutWorker(Actor):
 
     @endpoint
     async def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
-        return await self.engine.generate(requests)
+        return await self._calling(self.engine.generate(requests))
 
     @endpoint
     async def run_episodes(self, requests: Sequence[EpisodeRequest]) -> list[list[Episode]]:
         """Every request's ``n`` episodes of the environment, played concurrently on the engine."""
         if self.environment is None:
             raise RuntimeError("run_episodes: this rollout worker has no environment (Pipeline(environment=...))")
-        return await run_episodes(self.engine, self.tokenizer, self.environment, requests, self.episode,
-                                  max_seq_len=self.engine.cache.max_seq_len)  # fmt: skip
+        seq = self.engine.cache.max_seq_len if self.reshard is not None else self._max_seq_len()
+        return await self._calling(run_episodes(self.engine, self.tokenizer, self.environment, requests, self.episode,
+                                                max_seq_len=seq))  # fmt: skip
+
+    def _max_seq_len(self) -> int:
+        """An SGLang server's context: rollout.engine.max_seq_len, or the model's positions (capped as TorchEngine's)."""
+        if self.config.max_seq_len:
+            return self.config.max_seq_len
+        from meshrl.engines.weights import load_hf_config
+
+        return min(int(getattr(load_hf_config(self.model_path), "max_position_embeddings", 4096)), 4096)
 
     @endpoint
     async def update_weights(self, named_tensors: dict[str, Any], version: int) -> int:
@@ -129,40 +229,53 @@ class RolloutWorker(Actor):
 
     @endpoint
     async def version(self) -> int:
+        if self.reshard is None:  # an SGLang server: the version it serves (stamped by the last push)
+            return await self._calling(self.engine.refresh_version())
         return self.engine.version
 
     @endpoint
     async def pause(self, mode: str = "keep") -> None:
-        await self.engine.pause(mode)
+        await self._calling(self.engine.pause(mode))
 
     @endpoint
     async def resume(self) -> None:
-        await self.engine.resume()
+        await self._calling(self.engine.resume())
+
+    @endpoint
+    async def reissued(self) -> int:
+        """Samples an SGLang server aborted for a push and this worker sent again (0 with TorchEngine)."""
+        return getattr(self.engine, "reissued", 0)
+
+    def _torch(self, what: str) -> DestSide:
+        if self.reshard is None:
+            raise RuntimeError(f"{what}: this rollout worker's engine is an SGLang server, which takes weights "
+                               "from the trainer over SGLang's own group (Trainer.sglang_push), not reshard")
+        return self.reshard
 
     @endpoint
     async def reshard_dest_layout(self, num_ranks: int) -> DestLayout:
         """The layout of ``num_ranks`` engine ranks like this one (its declared TP plan and dtype)."""
-        return self.reshard.layout(num_ranks)
+        return self._torch("reshard_dest_layout").layout(num_ranks)
 
     @endpoint
     async def reshard_join(self, source: SourceLayout, dest: DestLayout, ranks: GroupRanks, addr: str, port: int,
                            config: ReshardConfig) -> None:
         """Join the trainer-to-engines transfer group as destination rank = this actor's flat rank."""
-        await self.reshard.join(source, dest, ranks, current_rank().rank, addr, port, config)
+        await self._torch("reshard_join").join(source, dest, ranks, current_rank().rank, addr, port, config)
 
     @endpoint
     async def reshard_receive(self, version: int) -> PushStats:
         """Receive a whole version from the trainer ranks and serve it from the next step on."""
-        return await self.reshard.receive(version)
+        return await self._torch("reshard_receive").receive(version)
 
     @endpoint
     async def reshard_arm(self, version: int, timeout_s: float) -> None:
         """Post the receive of ``version`` now, before the trainer sends it (``Resharder.arm``)."""
-        await self.reshard.arm(version, timeout_s)
+        await self._torch("reshard_arm").arm(version, timeout_s)
 
     @endpoint
     async def reshard_disarm(self) -> None:
-        await self.reshard.disarm()
+        await self._torch("reshard_disarm").disarm()
 
 
 def _exit_unless_stopped(task: asyncio.Task) -> None:

@@ -17,6 +17,9 @@ Endpoints and who calls them:
   rank): the source side of ``meshrl.reshard.meshes`` — each rank sends its own FSDP2 shards
   straight into the engines' tensor-parallel layout, no gather (the default weight transport).
 - ``gather_weights()`` + ``export_weights()``: the ``object_store`` transport instead.
+- ``sglang_connect(urls, ...)`` (every rank; rank 0 joins SGLang's weight-update group) and
+  ``sglang_push(version)`` (every rank: the gathers; rank 0 sends): ``rollout.engine.backend=sglang``
+  (``meshrl.actors.sglang_sync``).
 - ``save_hf(path)``, ``save_checkpoint(path)``, ``load_checkpoint(path)``: on every rank.
 """
 
@@ -29,6 +32,7 @@ import torch
 from meshrl.actors.algo_config import AlgoConfig
 from meshrl.actors.data_parallel import DataParallel
 from meshrl.actors.policy_trainer import NonFiniteStepsError, PolicyTrainer, TrainerConfig, batch_stats, lr_lambda
+from meshrl.actors.sglang_sync import SGLangSource
 from meshrl.actors.trainer_checkpoint import load_trainer_state, save_trainer_state
 from meshrl.mesh import Actor, current_rank, current_size, endpoint, init_torch_distributed
 from meshrl.queues import decode_samples
@@ -66,6 +70,7 @@ class Trainer(Actor):
                                   max_new_tokens=max_new_tokens, total_steps=total_steps)  # fmt: skip
         self._staged: dict[str, torch.Tensor] | None = None
         self.reshard = SourceSide(self.core.export_parameters, dp.device, layout_parameters=self.core.layout_parameters)
+        self.sglang = SGLangSource(self.core.export_parameters, dp.rank)
 
     @endpoint
     def train_step(self, encoded_samples: bytes, version: int) -> dict[str, float]:
@@ -109,6 +114,23 @@ class Trainer(Actor):
     def reshard_send(self, version: int) -> PushStats:
         """Send this rank's shards of the current policy as ``version``."""
         return self.reshard.send(version)
+
+    @endpoint
+    def sglang_connect(self, urls: list[str], bucket_bytes: int, backend: str, pause_mode: str, timeout_s: float,
+                       request_timeout_s: float) -> None:
+        """Rank 0 joins SGLang's weight-update group with every server at ``urls`` (once)."""
+        self.sglang.connect(urls, bucket_bytes=bucket_bytes, backend=backend, pause_mode=pause_mode,
+                            timeout_s=timeout_s, request_timeout_s=request_timeout_s)  # fmt: skip
+
+    @endpoint
+    def sglang_push(self, version: int) -> PushStats:
+        """The current policy into every SGLang server as ``version`` (every rank: a collective)."""
+        return self.sglang.push(version)
+
+    @endpoint
+    def sglang_close(self) -> None:
+        """Leave SGLang's weight-update group (best effort)."""
+        self.sglang.close()
 
     @endpoint
     def save_hf(self, path: str) -> str:

@@ -257,9 +257,9 @@ class _Server:
         for s in sps:
             if isinstance(s, dict):
                 _flag(s, "no_stop_trim")
-                if s.get("sampling_seed") is not None and _version(self.compat_version) < (0, 5, 23):
-                    raise BadRequest(f"unknown sampling param 'sampling_seed': it came with SGLang 0.5.23, and this "
-                                     f"server shows {self.compat_version} (--compat-version)")
+                if s.get("sampling_seed") is not None and _version(self.compat_version) < (0, 5, 3):
+                    raise BadRequest(f"unknown sampling param 'sampling_seed': it came with SGLang 0.5.3 (0.5.2 has "
+                                     f"none), and this server shows {self.compat_version} (--compat-version)")
         # a server-made id must never be a client's rid (SGLang uses uuid4 hex as well)
         reqs = [GenerateRequest(input_ids=p, sampling=_sampling(s), request_id=r or uuid.uuid4().hex)
                 for p, s, r in zip(batch, sps, rids)]
@@ -283,8 +283,10 @@ class _Server:
             "id": res.request_id if len(res.completions) == 1 else uuid.uuid5(uuid.NAMESPACE_OID, f"{res.request_id}/{j}").hex,
             "finish_reason": reason, "prompt_tokens": res.prompt_tokens, "completion_tokens": len(c.output_ids),
             "cached_tokens": 0, "weight_version": str(c.versions[-1] if c.versions else self.engine.version),
-            "weight_versions": _spans(c.versions), "e2e_latency": latency_s,
+            "e2e_latency": latency_s,
         }
+        if _version(self.compat_version) >= (0, 5, 23):  # per-token spans came with 0.5.23
+            meta["weight_versions"] = _spans(c.versions)
         if return_logprob:
             texts = token_texts if token_texts is not None else [self.tokenizer.decode([t]) for t in c.output_ids] \
                 if with_text and self.tokenizer is not None else [None] * len(c.output_ids)

@@ -1,5 +1,13 @@
 """The command line of ``python -m meshrl.engines.serve``: one engine, or ``--tp N`` processes.
 
+It also takes the names ``python -m sglang.launch_server`` knows for the same settings
+(``--model-path``, ``--tp-size``, ``--random-seed``, ``--context-length``,
+``--max-running-requests``, ``--disable-cuda-graph``, ``--enable-memory-saver``), so a rollout
+worker launches it with the arguments it builds for SGLang (``meshrl.engines.sglang_server``);
+SGLang's tuning flags that TorchEngine has no use for (``--skip-tokenizer-init``,
+``--mem-fraction-static``, ``--attention-backend``, ``--sampling-backend``, ``--log-level``) are
+accepted and said to be ignored.
+
 With ``--tp N`` this process is TP rank 0 and serves HTTP (``make_app``); it spawns ranks 1..N-1
 (``_follower_main``), which build their shards and follow its schedule (``schedule.py``), and a
 thread (``_FollowerWatch``) that stops the server when one of them dies. Rank i uses ``cuda:i``
@@ -24,25 +32,35 @@ from meshrl.engines.torch_engine import TorchEngine, TorchEngineConfig
 def main(argv: list[str] | None = None) -> None:
     """Parse the command line, build the engine (and its TP ranks), serve until stopped."""
     p = argparse.ArgumentParser(description="Serve a local HF checkpoint with TorchEngine over SGLang's (and OpenAI's) HTTP API.")
-    p.add_argument("--model", required=True, help="checkpoint directory (config.json + *.safetensors)")
+    p.add_argument("--model", "--model-path", dest="model", required=True,
+                   help="checkpoint directory (config.json + *.safetensors)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
-    p.add_argument("--max-batch-size", type=int, default=256)
-    p.add_argument("--max-seq-len", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--max-batch-size", "--max-running-requests", dest="max_batch_size", type=int, default=256)
+    p.add_argument("--max-seq-len", "--context-length", dest="max_seq_len", type=int, default=0)
+    p.add_argument("--seed", "--random-seed", dest="seed", type=int, default=0)
+    p.add_argument("--no-cuda-graphs", "--disable-cuda-graph", dest="no_cuda_graphs", action="store_true")
     p.add_argument("--enable-memory-saver", action="store_true",
                    help="keep the weights in one buffer, so /release_memory_occupation can free them too")
     p.add_argument("--compat-version", default=SGLANG_COMPAT_VERSION,
                    help="SGLang release whose HTTP surface to show (weight-update branches differ by version)")
-    p.add_argument("--tp", type=int, default=1,
+    for flag in ("--mem-fraction-static", "--attention-backend", "--sampling-backend", "--log-level"):
+        p.add_argument(flag, dest=f"ignored_{flag[2:].replace('-', '_')}", help=argparse.SUPPRESS)
+    p.add_argument("--skip-tokenizer-init", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--tp", "--tp-size", dest="tp", type=int, default=1,
                    help="tensor-parallel ranks: one process each (GPU i on CUDA); this one serves, the others "
                         "follow its schedule")
     p.add_argument("--tp-timeout-s", type=float, default=600.0,
                    help="timeout of the TP ranks' collectives (start-up rendezvous included)")
     a = p.parse_args(argv)
+    ignored = [f"--{k[8:].replace('_', '-')}" for k, v in vars(a).items() if k.startswith("ignored_") and v is not None]
+    if a.skip_tokenizer_init:
+        ignored.append("--skip-tokenizer-init")
+    if ignored:  # SGLang's launcher flags: TorchEngine sizes its KV cache and picks its kernels itself
+        print(f"meshrl.engines.serve: ignoring {' '.join(ignored)} (SGLang settings TorchEngine has no use for)",
+              flush=True)  # fmt: skip
     if a.tp < 1:
         p.error(f"--tp must be >= 1, got {a.tp}")
     if a.tp > 1 and a.device not in ("auto", "cpu", "cuda"):
@@ -56,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.tp > 1:
         import torch.multiprocessing as mp
 
-        from meshrl.mesh.distributed import free_port
+        from meshrl.groups import free_port
 
         rendezvous = free_port()
         followers = mp.start_processes(_follower_main, args=(a, rendezvous), nprocs=a.tp - 1, start_method="spawn",

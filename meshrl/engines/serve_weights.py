@@ -133,7 +133,7 @@ class WeightSync:
                                  f"{self.engine.version}.")
 
     async def init_group(self, request: web.Request) -> web.Response:
-        from meshrl.mesh.distributed import join_process_group
+        from meshrl.groups import join_process_group
 
         b = await read_json(request)
         name = b.get("group_name", "weight_update_group")

@@ -12,8 +12,9 @@ buckets, flush, end, continue). To push to several servers at once, give one sen
 
 Every HTTP call has a timeout; calls that are safe to repeat (reads, pause/continue/abort/flush)
 are retried on connection errors, the others never (a repeated ``/generate`` would generate twice).
-The server's version (``/get_server_info``) is read once and gates ``sampling_seed`` (0.5.23) and
-``in_place`` pauses (0.5.10+).
+The server's version (``/get_server_info``) is read once and gates ``sampling_seed`` (0.5.3+; seen
+on 0.5.17) and ``in_place`` pauses (0.5.10+). With ``reissue_aborted``, samples the server aborts on
+its own (a weight push's pause in abort mode) are sent again, each alone with its own seed.
 
 Simplification, on purpose: log-probs are whatever SGLang returns for the sampled tokens (the
 ``Engine`` protocol asks for temperature-scaled log-probs; SGLang computes them after its own
@@ -64,6 +65,10 @@ class SGLangEngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     beyond it, so a full pool of generations never holds up the pause of a weight sync."""
     initial_version: int = 0
     """Policy version the server starts with (SGLang reports 'default' until told otherwise)."""
+    reissue_aborted: int = 0
+    """Times a sample the server aborted on its own (a pause for a weight push in abort mode) is sent
+    again, alone and with its own seed, so it comes back whole from the new weights; 0: returned as
+    aborted. Requests aborted through ``abort`` are never sent again."""
     sync: SGLangSyncConfig = SGLangSyncConfig()
     """How ``update_weights`` pushes (bucket size, backend, pause mode, timeouts)."""
 
@@ -90,6 +95,10 @@ class SGLangEngine:
         self._sender: SGLangWeightSender | None = None
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
+        self._aborted: set[str] = set()
+        """Request ids ended through ``abort``: their aborted samples are not sent again."""
+        self.reissued = 0
+        """Samples sent again after the server aborted them (``reissue_aborted``)."""
 
     @classmethod
     def launch(cls, config: SGLangEngineConfig = SGLangEngineConfig(), **server_args: Any) -> "SGLangEngine":
@@ -188,8 +197,10 @@ class SGLangEngine:
         if sp.stop_token_ids:
             out["stop_token_ids"] = list(sp.stop_token_ids)
         if sp.seed is not None:
-            if version < (0, 5, 23):
-                raise ValueError(f"per-request seeds need SGLang 0.5.23+ (sampling_seed); {self.name} runs {version}")
+            # sampling_seed came with deterministic sampling (sgl-project/sglang#10678, after 0.5.2); seen
+            # on 0.5.17 and 0.5.23. A release between them that lacks it refuses the key with a 400.
+            if version < (0, 5, 3):
+                raise ValueError(f"per-request seeds need SGLang 0.5.3+ (sampling_seed); {self.name} runs {version}")
             out["sampling_seed"] = sp.seed if sample is None else mix_seed(sp.seed, sample)
         return out
 
@@ -249,8 +260,27 @@ class SGLangEngine:
         outs = reply if isinstance(reply, list) else [reply]
         if len(outs) != req.sampling.n:
             raise RuntimeError(f"{self.name}: {len(outs)} outputs for n={req.sampling.n}")
-        return GenerateResult(request_id=rid, prompt_tokens=len(req.input_ids),
-                              completions=[self._completion(o) for o in outs])
+        completions = [self._completion(o) for o in outs]
+        for attempt in range(self.config.reissue_aborted):
+            again = [i for i, c in enumerate(completions) if c.finish_reason == "abort"]
+            if not again or rid in self._aborted:
+                break
+            # sample i alone, under its own seed (what its row of the batch had): the same draw, from
+            # the weights the server serves once generation continues (it holds new requests till then)
+            redo = await asyncio.gather(*(self._generate_one(self._sample_request(req, i, f"{rid}-re{attempt}-{i}"), version)
+                                          for i in again))  # fmt: skip
+            for i, result in zip(again, redo):
+                completions[i] = result.completions[0]
+            self.reissued += len(again)
+        self._aborted.discard(rid)
+        return GenerateResult(request_id=rid, prompt_tokens=len(req.input_ids), completions=completions)
+
+    @staticmethod
+    def _sample_request(req: GenerateRequest, i: int, rid: str) -> GenerateRequest:
+        """Sample ``i`` of ``req`` as a request of its own (n = 1, the seed its row was sent with)."""
+        sp = req.sampling
+        seed = sp.seed if sp.seed is None or sp.n == 1 else mix_seed(sp.seed, i)
+        return msgspec.structs.replace(req, request_id=rid, sampling=msgspec.structs.replace(sp, n=1, seed=seed))
 
     @staticmethod
     def _server_rids(rid: str, n: int) -> list[str]:
@@ -292,6 +322,8 @@ class SGLangEngine:
 
     async def abort(self, request_id: str) -> None:
         """End ``request_id`` (all its samples) on the server; unknown or finished ids are a no-op."""
+        if request_id in self._in_flight:
+            self._aborted.add(request_id)  # its aborted samples are the caller's wish: not sent again
         for rid in self._server_rids(request_id, self._in_flight.get(request_id, 1)):
             await self._ok("/abort_request", {"rid": rid, "abort_all": False})
 

@@ -125,6 +125,8 @@ class TorchEngine(WeightUpdates, MemoryRelease):
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._waiting: collections.deque[_Pending] = collections.deque()
+        self._queued_before_pause: set[str] | None = None
+        """After an abort-mode pause: the requests that were waiting when it began (``flush_cache``)."""
         self._requests: dict[str, _Pending] = {}
         self._paused = False
         self._stage: StagedWeights | None = None
@@ -456,6 +458,7 @@ class TorchEngine(WeightUpdates, MemoryRelease):
             raise ValueError(f"pause mode must be 'abort' or 'keep', got {mode!r}")
         self._leader_only("pause")
         self._paused = True
+        self._queued_before_pause = {p.rid for p in self._waiting} if mode == "abort" else None
         self._record(["pause"])
         if mode == "abort":
             self.abort_all()
@@ -477,8 +480,17 @@ class TorchEngine(WeightUpdates, MemoryRelease):
         self._batch.reset()  # no device reads: the step that failed may have left the batch half-updated
 
     def flush_cache(self) -> bool:
-        """SGLang's flush: succeeds only while idle. There is no prefix cache, so nothing to drop."""
-        return not (self._batch.size or self._waiting)
+        """SGLang's flush: succeeds only while idle. There is no prefix cache, so nothing to drop.
+
+        After an abort-mode pause, requests that arrive wait as SGLang holds them in its tokenizer
+        manager, outside the scheduler whose queues a flush checks: a weight push's flush succeeds
+        although the samples its pause ended were already sent again. After an in-place pause they
+        wait in the scheduler, as SGLang's do, and a flush is refused."""
+        if self._batch.size:
+            return False
+        if self._paused and self._queued_before_pause is not None:
+            return not any(p.rid in self._queued_before_pause for p in self._waiting)
+        return not self._waiting
 
     async def shutdown(self) -> None:
         """Abort everything and stop the step task (and, on a TP leader, the followers' ``follow``)."""

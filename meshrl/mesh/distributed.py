@@ -14,10 +14,8 @@ training code use it for); with ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES`` 
 Ray-assigned GPU id instead. ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` are
 set as a launcher would.
 
-``join_process_group`` builds an extra group over processes of different meshes (trainer and
-engines, for weight transfer) exactly the way SGLang builds its own (``init_custom_process_group``:
-tcp rendezvous, ``PrefixStore(group_name, store)``, ``_new_process_group_helper``), so it works in
-a process that has a default group, or none, and interoperates with an SGLang engine.
+``join_process_group`` (``meshrl.groups``, re-exported here) builds an extra group over processes
+of different meshes (trainer and engines, for weight transfer) the way SGLang builds its own.
 
 The rendezvous is keyed by a name for the group that every rank shares: ``init_torch_distributed_on``
 draws a fresh one in the caller and hands it to every rank. Called in the actors directly, pass
@@ -30,8 +28,6 @@ new ``key`` (a restarted process's count starts again at 0, the others' do not).
 from __future__ import annotations
 
 import os
-import random
-import socket
 import time
 import uuid
 from datetime import timedelta
@@ -39,11 +35,11 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from meshrl.groups import free_port, free_ports, join_process_group  # noqa: F401 - re-exported
 from meshrl.mesh.actor import current_rank, mesh_context
 from meshrl.mesh.adverbs import Future
 
 if TYPE_CHECKING:
-    from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
 _KV_NAMESPACE = "meshrl"
@@ -55,59 +51,6 @@ _device_mesh: DeviceMesh | None = None
 def host_ip() -> str:
     """This node's IP address as Ray knows it (what other nodes can reach)."""
     return ray.util.get_node_ip_address()
-
-
-# Ports handed out by free_port: above Ray's worker ports (10002-19999), below the OS's ephemeral range.
-_FIRST_FREE_PORT = 20000
-_FREE_PORT_TRIES = 64
-
-
-def _ephemeral_ports() -> tuple[int, int]:
-    """The range the OS takes source ports of outgoing connections from (Linux default if unknown)."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low, high = (int(x) for x in f.read().split())
-        return low, high
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("", port))
-        except OSError:
-            return False
-        return True
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct TCP ports that were free on this host a moment ago.
-
-    They are drawn outside the OS's ephemeral range when it leaves room: every outgoing connection
-    (gloo's pairs, Ray's gRPC) takes an ephemeral port, so one found by binding port 0 can be taken
-    in the moment before the group's store binds it (``EADDRINUSE``). Falls back to the OS's pick.
-    """
-    low, _ = _ephemeral_ports()
-    rng, ports = random.SystemRandom(), []
-    tries = _FREE_PORT_TRIES * n if low - _FIRST_FREE_PORT >= 1000 else 0  # else no room below: the OS picks
-    for _ in range(tries):
-        port = rng.randrange(_FIRST_FREE_PORT, low)
-        if port not in ports and _bindable(port):
-            ports.append(port)
-            if len(ports) == n:
-                break
-    while len(ports) < n:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            if (port := s.getsockname()[1]) not in ports:
-                ports.append(port)
-    return ports
-
-
-def free_port() -> int:
-    """A TCP port that was free on this host a moment ago (see ``free_ports``)."""
-    return free_ports(1)[0]
 
 
 def _address() -> tuple[str, int]:
@@ -229,54 +172,3 @@ def init_torch_distributed_on(mesh: Any, backend: str | None = None, timeout: fl
         )
     # one fresh key for this group on every rank: a rank restarted by supervision agrees with the rest
     return mesh._run_all(_init_summary, backend, timeout, uuid.uuid4().hex, what="init_torch_distributed")
-
-
-def join_process_group(
-    group_name: str,
-    rank: int,
-    world_size: int,
-    master_addr: str,
-    master_port: int,
-    backend: str = "gloo",
-    timeout: float = 120.0,
-    high_priority: bool = False,
-) -> ProcessGroup:
-    """Join an extra process group (SGLang's construction); rank 0 hosts the store on ``master_port``.
-
-    ``high_priority`` (NCCL): the group's kernels run on high-priority CUDA streams, so their
-    thread blocks are scheduled ahead of those of kernels already queued on the device.
-
-    Use it as ``dist.broadcast(t, src=0, group=pg)`` (group ranks equal the ``rank`` given here)
-    and ``dist.destroy_process_group(pg)`` when done.
-    """
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
-
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is outside a group of world_size {world_size}")
-    if backend == "nccl":
-        # SGLang's engines run with these; a mismatch makes the first broadcast hang or fail.
-        os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    td = timedelta(seconds=timeout)
-    try:
-        store, rank, world_size = next(rendezvous(f"tcp://{master_addr}:{master_port}", rank, world_size, timeout=td))
-        store.set_timeout(td)
-        store = PrefixStore(group_name, store)
-        options = None
-        if backend == "nccl" and high_priority:
-            from torch.distributed import ProcessGroupNCCL
-
-            options = ProcessGroupNCCL.Options()
-            options.is_high_priority_stream = True
-        pg, _ = _new_process_group_helper(
-            world_size, rank, [], Backend(backend), store, group_name=group_name, timeout=td,  # type: ignore[arg-type]
-            backend_options=options,
-        )
-    except Exception as exc:
-        exc.add_note(
-            f"joining process group {group_name!r} as rank {rank} of {world_size} at {master_addr}:{master_port} "
-            f"(timeout {timeout} s)"
-        )
-        raise
-    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    return pg

@@ -207,7 +207,28 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
                               f"plus one request's {r} samples, of up to {seq} tokens each ({need}): a put would wait "
                               "for room only a train step frees, and the step for that put; raise it")
 
+    def _validate_sglang(self) -> None:
+        engine = self.rollout.engine
+        if engine.backend != "sglang":
+            return
+        urls, n = engine.sglang.urls, self.rollout.num_workers
+        if urls and len(urls) != n:
+            raise ConfigError(f"`rollout.engine.sglang.urls`: {len(urls)} server URL(s) for rollout.num_workers={n}: "
+                              "give one per rollout worker")
+        if self.placement == "colocated":
+            raise ConfigError("`placement`: colocated runs a TorchEngine inside each trainer process; with "
+                              "rollout.engine.backend=sglang use placement=disaggregated (the servers take GPUs "
+                              "of their own)")
+        if engine.kv_cache_bytes:
+            raise ConfigError("`rollout.engine.kv_cache_bytes`: an SGLang server sizes its KV cache itself: set "
+                              "rollout.engine.sglang.mem_fraction_static instead")
+        if engine.compile:
+            raise ConfigError("`rollout.engine.compile`: TorchEngine's torch.compile; an SGLang server captures CUDA "
+                              "graphs (rollout.engine.cuda_graphs) and takes its own flags in "
+                              "rollout.engine.sglang.extra_args")
+
     def _validate_placement(self) -> None:
+        self._validate_sglang()
         tp = self.rollout.tp_size
         if tp > 1 and self.placement == "colocated":
             raise ConfigError(f"`rollout.tp_size`: placement=colocated holds one whole engine replica per trainer "
@@ -223,7 +244,7 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
             bad = {k: v for k, v in sizes.items() if v % tp}
             if bad:
                 raise ConfigError(f"`rollout.tp_size`: the model's {bad} do not split over tp_size={tp} ranks")
-        if tp > 1 and self.reshard.apply != "staged":
+        if tp > 1 and self.reshard.apply != "staged" and self.rollout.engine.backend != "sglang":
             raise ConfigError(f"`reshard.apply`: tensor-parallel engines (rollout.tp_size={tp}) take staged updates "
                               f"only (each rank goes live at rank 0's flip), got {self.reshard.apply}")
         if self.placement != "colocated":

@@ -54,13 +54,13 @@ from meshrl.actors.hybrid import HybridWorker
 from meshrl.config import ConfigError, to_yaml
 from meshrl.embedded import warm_start
 from meshrl.envs import EnvFactory
-from meshrl.mesh import ActorMesh, ProcMesh, spawn_procs
+from meshrl.mesh import ActorMesh, ProcMesh, actor_address, spawn_procs
 from meshrl.pipeline import checkpoint as ckpt
 from meshrl.pipeline import evaluation
 from meshrl.pipeline.config import PipelineConfig
 from meshrl.pipeline.metrics import RunLog
 from meshrl.pipeline.rollout_loop import Roles, RolloutDriver, bounded
-from meshrl.pipeline.startup import WORKER_ENV, check_prompts, ensure_ray, settle_devices
+from meshrl.pipeline.startup import WORKER_ENV, check_prompts, ensure_ray, settle_devices, sglang_group_backend
 from meshrl.pipeline.training import TrainLoop
 from meshrl.queues import QueueClosed
 from meshrl.queues.actor import QueueActor
@@ -101,6 +101,8 @@ class Pipeline:
         self._log_ready, self._roles_ready = asyncio.Event(), asyncio.Event()
         self._failure: BaseException | None = None
         self._procs: list[ProcMesh] = []
+        self._servers: ActorMesh | None = None
+        """backend=sglang: the rollout workers whose servers must be stopped when the run ends."""
         # the run's actors live in a Ray namespace of their own: a second Pipeline in this program (or
         # another program on the same cluster) has meshes called "queue", "trainer", ... as well
         self._namespace = f"meshrl-{uuid.uuid4().hex[:12]}"
@@ -158,11 +160,14 @@ class Pipeline:
             )  # fmt: skip
         else:
             engine_gpus = int(cfg.rollout.engine.device.startswith("cuda"))  # one GPU per engine rank
-            tp = cfg.rollout.tp_size
+            tp, sglang = cfg.rollout.tp_size, cfg.rollout.engine.backend == "sglang"
+            # an SGLang server does its own TP: one worker per replica, holding all tp_size of its GPUs
+            dims = {"procs": cfg.rollout.num_workers, **({"tp": tp} if tp > 1 and not sglang else {})}
             rollouts = self._spawn("rollout", RolloutWorker, model_dir, cfg.rollout.engine, cfg.rollout.threads,
-                                   dims={"procs": cfg.rollout.num_workers, **({"tp": tp} if tp > 1 else {})},
-                                   gpus_per_proc=engine_gpus, tp_size=tp, tp_timeout_s=cfg.run.step_timeout_s,
+                                   dims=dims, gpus_per_proc=engine_gpus * (tp if sglang else 1), tp_size=tp,
+                                   tp_timeout_s=cfg.run.step_timeout_s,
                                    **({"environment": env, "episode": cfg.rollout.episode} if env else {}))  # fmt: skip
+            self._servers = rollouts if sglang else None
         if callable(getattr(self.reward, "start", None)):  # a reward served by a mesh of its own
             await self.reward.start(self._spawn)
         # without an environment the task's reward is the default; an environment's rewards stand alone
@@ -190,10 +195,35 @@ class Pipeline:
             self._echo(f"engines: {cfg.rollout.num_workers} replica(s) x {cfg.rollout.tp_size} tensor-parallel ranks, "
                        "as the engines report")
             rollouts = rollouts.slice(tp=0)
-        if cfg.reshard.transport == "distributed" and cfg.placement != "colocated":  # colocated: in-place hand-over
+        if self._servers is not None:
+            await self._start_servers(rollouts, trainer)
+        elif cfg.reshard.transport == "distributed" and cfg.placement != "colocated":  # colocated: in-place hand-over
             # once: a process group over every trainer and engine rank, and the cached transfer plan
             await reshard_meshes.connect(trainer, engines, cfg.reshard)
         return Roles(queue, rollouts, rewards, trainer, reference, engines=engines)
+
+    async def _start_servers(self, rollouts: ActorMesh, trainer: ActorMesh) -> None:
+        """``backend=sglang``: every worker's server up and healthy, and trainer rank 0 in the
+        servers' weight-update group (meshrl.actors.sglang_sync)."""
+        cfg = self.cfg
+        s, logs = cfg.rollout.engine.sglang, self.out_dir / "sglang"
+        trainer_ip, _ = await actor_address(trainer.slice(**{d: 0 for d in trainer.sizes})).within(60)
+        # waits for: every server's /health (a first start JIT-compiles kernels); unblocked by: the servers
+        urls = (await rollouts.start_sglang.call(str(logs), trainer_ip).within(s.startup_timeout_s + 60)).values()
+        where = "attached" if s.urls else f"launched, logs in {logs}"
+        backend = sglang_group_backend(cfg)
+        self._echo(f"sglang: {len(urls)} server(s) ({where}): {', '.join(urls)}; weights over a {backend} group")
+        await trainer.sglang_connect.call(list(urls), s.bucket_bytes, backend, s.pause_mode, cfg.reshard.timeout_s,
+                                          s.request_timeout_s).within(cfg.reshard.timeout_s + 30)  # fmt: skip
+
+    async def _close_servers(self) -> None:
+        """Stop the servers the workers launched (and leave their group): best effort, bounded."""
+        servers, self._servers = self._servers, None
+        if servers is None:
+            return
+        limit = self.cfg.rollout.engine.sglang.stop_timeout_s + 30
+        with contextlib.suppress(Exception):
+            await servers.close_engine.call().within(limit)
 
     def _echo(self, line: str) -> None:
         if self.log is not None:
@@ -310,6 +340,7 @@ class Pipeline:
         finally:
             self._closed = True  # a user's call still running fails from here as "shut down" (_user_call)
             log.close()
+            await self._close_servers()
             self._shutdown()
         from meshrl.pipeline.plots import plot_run
         from meshrl.pipeline.timeline import run_summary

@@ -22,7 +22,7 @@ from meshrl.pipeline.config import PipelineConfig
 from meshrl.tasks import Task
 from meshrl.tasks.answers import reference_answer
 
-__all__ = ["WORKER_ENV", "check_prompts", "ensure_ray", "settle_devices"]
+__all__ = ["WORKER_ENV", "check_prompts", "ensure_ray", "settle_devices", "sglang_group_backend"]
 
 WORKER_ENV = {
     "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_WARN_BLOCKING_GET_INSIDE_ASYNC": "0",
@@ -175,6 +175,17 @@ def _check_gpus(cfg: PipelineConfig, gpus: int, trainer: int) -> None:
                       "the GPUs are (on a GPU machine, or attached to a cluster that has them)")
 
 
+def sglang_group_backend(cfg: PipelineConfig) -> str:
+    """The backend of the trainer's weight-update group with the SGLang servers: nccl between
+    distinct GPUs; gloo when a server shares the trainer's GPU (NCCL refuses two ranks on one
+    device) or either side is on a CPU."""
+    chosen = cfg.rollout.engine.sglang.group_backend
+    if chosen != "auto":
+        return chosen
+    cuda = cfg.trainer.device == "cuda" and cfg.rollout.engine.device.startswith("cuda")
+    return "nccl" if cuda and cfg.placement != "colocated" else "gloo"
+
+
 def settle_devices(cfg: PipelineConfig, echo: Callable[[str], None] = print) -> PipelineConfig:
     """``cfg`` with the engines' ``device=auto`` settled for the cluster, and a weight transport
     both sides can use (placement=disaggregated; colocated engines share the trainer's device).
@@ -201,7 +212,13 @@ def settle_devices(cfg: PipelineConfig, echo: Callable[[str], None] = print) -> 
                  f"{need}" + (f" besides the trainer's {trainer}" if trainer else "") + ")")
         engine = msgspec.structs.replace(engine, device=device)
     sides = {cfg.trainer.device, "cuda" if engine.device.startswith("cuda") else "cpu"}
-    if reshard.transport == "distributed" and reshard.backend == "auto" and len(sides) > 1:
+    if engine.backend == "sglang":  # weights travel over SGLang's own group (sglang_group_backend), not reshard
+        launcher = engine.sglang.command[1:] == ("-m", "sglang.launch_server")
+        if launcher and not engine.sglang.urls and not engine.device.startswith("cuda"):
+            raise ConfigError(f"`rollout.engine.device`: {engine.device} (the cluster has {gpus} GPU(s)), but SGLang "
+                              "servers run on GPUs: run where the GPUs are, or give rollout.engine.sglang.urls of "
+                              "running servers")
+    elif reshard.transport == "distributed" and reshard.backend == "auto" and len(sides) > 1:
         if cfg.rollout.tp_size > 1:
             raise ConfigError(f"`reshard.transport`: the trainer is on {cfg.trainer.device} and the tensor-parallel "
                               f"engines on {engine.device}: put both on cuda (rollout.engine.device=cuda)")

@@ -64,7 +64,10 @@ class TrainLoop:
         """The last finished distributed push's parts (sync/send_s, sync/transfer_s, ...), logged with
         the step that finished it."""
         reshard = cfg.reshard
-        self._arms = reshard.transport == "distributed" and reshard.apply == "staged" and cfg.placement != "colocated"
+        self._sglang = cfg.rollout.engine.backend == "sglang"
+        """Pushes go from the trainer into the SGLang servers (Trainer.sglang_push), not through reshard."""
+        self._arms = (reshard.transport == "distributed" and reshard.apply == "staged" and cfg.placement != "colocated"
+                      and not self._sglang)  # fmt: skip
         """The engines' receives are posted during the step (reshard.meshes.arm)."""
         self._detach = self._arms and cfg.queue.max_staleness >= 1
         """The loop goes on once the trainer has sent; the engines flip within the staleness bound."""
@@ -187,6 +190,8 @@ class TrainLoop:
         reservations generate on ``version`` or later, so publishing before a detached flip lands
         would let a batch start on ``version - 1`` and miss the staleness bound by one."""
         timeout, trainer, rollouts = self.cfg.run.step_timeout_s, self.roles.trainer, self.roles.engines
+        if self._sglang:
+            return await self._push_sglang(version, publish)
         if self.cfg.reshard.transport == "distributed":
             if self._armed is not None:
                 armed, self._armed = self._armed, None
@@ -207,6 +212,24 @@ class TrainLoop:
         if publish:
             await self._publish(pushed.version)
         return pushed.version
+
+    async def _push_sglang(self, version: int, publish: bool) -> int:
+        """Every trainer rank gathers, rank 0 sends into every server (pause in abort mode, buckets,
+        flush, continue); the servers serve ``version`` when it returns. A failure names the log of
+        a server that died, if one did (a dead server is the cause, not the connection it broke)."""
+        timeout, start = self.cfg.run.step_timeout_s, time.perf_counter()
+        try:
+            stats = (await self.roles.trainer.sglang_push.call(version).within(timeout)).values()[0]
+        except Exception:
+            await self.roles.engines.check_engine.call().within(60)
+            raise
+        reissued = sum((await self.roles.rollouts.reissued.call().within(60)).values())
+        self.push_phases = {"sync/push_s": time.perf_counter() - start, "sync/bytes": float(stats.bytes),
+                            "sync/reissued_samples": float(reissued)}  # fmt: skip
+        self._phases_logged = False
+        if publish:
+            await self._publish(version)
+        return version
 
     async def _flip(self, push: reshard_meshes.Push, publish: bool) -> PushStats:
         stats = await push.finish()

@@ -190,7 +190,7 @@ class Resharder:
         """Join the transfer group (group rank 0 hosts its store at ``master_addr:master_port``)."""
         import torch.distributed as dist
 
-        from meshrl.mesh.distributed import join_process_group
+        from meshrl.groups import join_process_group
 
         device = torch.device(device)
         backend = config.backend if config.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")

@@ -179,15 +179,15 @@ class SGLangWeightSender:
         hosts = {re.sub(r"^\w+://", "", e.name).split("/")[0].rsplit(":", 1)[0] for e in self.engines}
         if hosts <= {"127.0.0.1", "localhost", "in-process"}:
             return "127.0.0.1"
-        from meshrl.mesh.distributed import host_ip
+        from meshrl.groups import routable_ip
 
-        return host_ip()
+        return routable_ip()
 
     async def connect(self) -> None:
         """Read every engine's version, then build the group (once)."""
         if self.group is not None:
             return
-        from meshrl.mesh.distributed import free_port, join_process_group
+        from meshrl.groups import free_port, join_process_group
 
         infos = await self._all("GET", "/get_server_info", [None] * len(self.engines), "version detection")
         self.versions = [parse_version(i.get("version", "0")) for i in infos]

@@ -1,0 +1,201 @@
+"""``rollout.engine.backend=sglang`` end to end on a CPU: the pipeline launches one server per rollout
+worker through the production lifecycle (``meshrl.engines.sglang_server``), pushes weights into
+them over SGLang's weight-update group (gloo), re-issues the samples a push's abort-mode pause
+ends, and stops every server when the run ends or fails.
+
+The server is meshrl's own SGLang-compatible one (``rollout.engine.sglang.command`` =
+``{python} -m meshrl.engines.serve``, which takes SGLang's launcher arguments), showing SGLang
+0.5.17's surface (``--compat-version``): no begin/end_weight_update, a ``weight_version`` per
+completion and no per-token spans. Real SGLang on a GPU: bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import ray.cloudpickle
+
+from bounds import ON_POLICY_KL_MAX, ON_POLICY_RATIO_ATOL
+from meshrl.config import ConfigError, load_config
+from meshrl.pipeline import Pipeline, PipelineConfig
+from meshrl.tasks import Problem, RewardOutput, TaskConfig, build_task
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+pytestmark = pytest.mark.slow
+
+OWN_SERVER = '["{python}", "-m", "meshrl.engines.serve"]'
+
+
+class DigitShareTask:
+    """1-digit addition prompts rewarded by the share of digits in the completion: varied rewards
+    (non-zero advantages) for a random model."""
+
+    name = "digit-share"
+
+    def __init__(self) -> None:
+        self._base = build_task(TaskConfig(digits=1, num_test=4))
+
+    def split(self, name: str):
+        return self._base.split(name)
+
+    def reward(self, problem: Problem, completion: str) -> RewardOutput:
+        return RewardOutput(reward=sum(c.isdigit() for c in completion) / max(1, len(completion)))
+
+
+def _config(model_dir: str, out: Path, *extra: str) -> PipelineConfig:
+    return load_config(PipelineConfig, None, [
+        f"model.path={model_dir}", f"run.output_dir={out}", "run.total_steps=3", "run.eval_every=0",
+        "run.progress=false", "algo=grpo", "algo.samples_per_prompt=2", "trainer.samples_per_step=8",
+        "rollout.prompts_per_request=2", "rollout.requests_in_flight=2", "rollout.max_new_tokens=4",
+        "rollout.engine.backend=sglang", f"rollout.engine.sglang.command={OWN_SERVER}",
+        "rollout.engine.sglang.extra_args={compat-version: 0.5.17}", "rollout.engine.device=cpu",
+        "rollout.engine.max_batch_size=16", "rollout.engine.sglang.startup_timeout_s=120",
+        "rollout.engine.sglang.stop_timeout_s=10", "run.step_timeout_s=120", *extra,
+    ])  # fmt: skip
+
+
+def _steps(out: Path) -> list[dict]:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r["kind"] == "step"]
+
+
+def _servers(model_dir: str) -> list[int]:
+    """Pids of meshrl servers (launched by a rollout worker: --model-path) still serving ``model_dir``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmd = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"meshrl.engines.serve" in cmd and b"--model-path" in cmd and model_dir.encode() in cmd:
+                pids.append(int(entry.name))
+    return pids
+
+
+def _wait_gone(model_dir: str, seconds: float = 15.0) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while (left := _servers(model_dir)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def test_staleness_zero_trains_on_policy_through_launched_servers(ray_cluster, tmp_path, tiny_model, capsys):
+    """At max_staleness=0 every sample comes from the version it trains: importance ratios 1 and
+    mismatch KL 0 at every step up to float32 rounding (bounds.py), as with TorchEngine; the
+    servers' logs are kept under the run's output; no server outlives the run."""
+    out = tmp_path / "run"
+    cfg = _config(tiny_model, out, "queue.max_staleness=0", "rollout.num_workers=2")
+    summary = asyncio.run(Pipeline(cfg, task=DigitShareTask()).run())
+    assert summary["steps"] == 3 and summary["version"] == 3
+    started = capsys.readouterr().out
+    assert "sglang: 2 server(s) (launched, logs in" in started and "weights over a gloo group" in started
+    steps = _steps(out)
+    assert [r["step"] for r in steps] == [1, 2, 3] and all(r["samples"] == 8 for r in steps)
+    for r in steps:
+        assert r["staleness_max"] == 0.0
+        assert abs(r["ratio_mean"] - 1) <= ON_POLICY_RATIO_ATOL and abs(r["ratio_max"] - 1) <= ON_POLICY_RATIO_ATOL, r
+        assert 0 <= r["mismatch_kl"] <= ON_POLICY_KL_MAX, r
+        assert r["sync/bytes"] > 0  # every push went through SGLang's group
+    logs = sorted(p.name for p in (out / "sglang").iterdir())
+    assert logs == ["server0.log", "server1.log"]
+    assert "--model-path" in (out / "sglang" / "server0.log").read_text()
+    assert _wait_gone(tiny_model) == []
+
+
+def test_a_push_during_generation_re_issues_the_aborted_samples(ray_cluster, tmp_path, tiny_model):
+    """At max_staleness=1 generation runs while the trainer trains; each push pauses the server in
+    abort mode, ending the samples in flight, which the worker sends again on the new weights: every
+    step still trains exactly samples_per_step whole samples within the bound, none dropped."""
+    out = tmp_path / "run"
+    cfg = _config(tiny_model, out, "queue.max_staleness=1", "run.total_steps=5", "rollout.max_new_tokens=16",
+                  "rollout.ignore_eos=true")  # fmt: skip
+    summary = asyncio.run(Pipeline(cfg, task=DigitShareTask()).run())
+    assert summary["steps"] == 5
+    steps = _steps(out)
+    assert all(r["samples"] == 8 and r["staleness_max"] <= 1 for r in steps)
+    assert all(r["response_tokens_mean"] == 16 for r in steps)  # whole samples, not cut short by an abort
+    last = steps[-1]
+    assert last["queue/dropped_stale"] == 0 and last["queue/kept_stale"] == 0
+    assert "sync/reissued_samples" in last  # how many a push's pause ended and the worker sent again
+    assert _wait_gone(tiny_model) == []
+
+
+def test_a_server_killed_mid_run_fails_the_run_naming_its_log(ray_cluster, tmp_path, tiny_model):
+    out = tmp_path / "run"
+    cfg = _config(tiny_model, out, "queue.max_staleness=1", "run.total_steps=200")
+    pipeline = Pipeline(cfg, task=DigitShareTask())
+
+    async def main() -> BaseException:
+        run = asyncio.ensure_future(pipeline.run())
+        async for record in pipeline.metrics():
+            if record.get("kind") == "step":
+                break
+        pids = _servers(tiny_model)
+        assert len(pids) == 1, pids
+        os.kill(pids[0], signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises(Exception) as info:
+            await asyncio.wait_for(run, 60)
+        return info.value, time.monotonic() - killed
+
+    error, took = asyncio.run(main())
+    text = "".join(str(e) for e in _chain(error))
+    assert "exited with code" in text and str(out / "sglang" / "server0.log") in text, text[-2000:]
+    assert took < 30, took
+    assert _wait_gone(tiny_model) == []
+
+
+def _chain(exc: BaseException | None) -> list[BaseException]:
+    out = []
+    while exc is not None and exc not in out:
+        out.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return out
+
+
+def test_attached_servers_are_used_and_left_running(ray_cluster, tmp_path, tiny_model):
+    from meshrl.mesh.distributed import free_port
+    from serving import wait_healthy
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "meshrl.engines.serve", "--model", tiny_model, "--port",
+                               str(port), "--device", "cpu", "--compat-version", "0.5.17"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        wait_healthy(server, f"http://127.0.0.1:{port}", 120.0)
+        out = tmp_path / "run"
+        cfg = _config(tiny_model, out, "queue.max_staleness=0", "run.total_steps=2",
+                      f'rollout.engine.sglang.urls=["http://127.0.0.1:{port}"]')  # fmt: skip
+        summary = asyncio.run(Pipeline(cfg, task=DigitShareTask()).run())
+        assert summary["steps"] == 2
+        assert not (out / "sglang").exists()  # nothing launched
+        assert server.poll() is None  # and nothing stopped: it is the user's
+        import urllib.request
+
+        info = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/get_model_info", timeout=10).read())
+        assert info["weight_version"] == "2"  # the run's pushes landed on it
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["rollout.engine.sglang.urls=[\"http://127.0.0.1:1\"]", "rollout.num_workers=2"], "rollout.engine.sglang.urls"),
+    (["placement=colocated"], "placement"),
+    (["rollout.engine.kv_cache_bytes=1000000"], "rollout.engine.kv_cache_bytes"),
+    (["rollout.engine.compile=true"], "rollout.engine.compile"),
+])  # fmt: skip
+def test_combinations_that_cannot_work_fail_at_start_naming_the_key(overrides, key):
+    with pytest.raises(ConfigError, match=f"`{key}`"):
+        load_config(PipelineConfig, None, ["rollout.engine.backend=sglang", *overrides]).validate()
+    with pytest.raises((ValueError, ConfigError), match="rollout.engine.sglang.urls"):
+        load_config(PipelineConfig, None, ["rollout.engine.backend=sglang", "rollout.engine.sglang.urls=[\"localhost:1\"]"])
