@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -50,6 +51,9 @@ def test_a_resumed_run_replaces_what_the_earlier_run_logged_past_its_checkpoint(
         first.record("step", **step(n, 0.1 * n))
     first.close()
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][:2]
+    # TensorBoard reads a run's event files in name order, and a name holds its writer's start in
+    # whole seconds: a real resume starts seconds later; this one must not start in the same second
+    time.sleep(1.05)
 
     resumed = RunLog(tmp_path, 4, progress=False, tensorboard=True, resumed_step=2)
     for rec in records:

@@ -88,39 +88,23 @@ def _wait_gone(model_dir: str, seconds: float = 15.0) -> list[int]:
     return left
 
 
-def test_staleness_zero_trains_on_policy_through_launched_servers(ray_cluster, tmp_path, tiny_model, capsys):
-    """At max_staleness=0 every sample comes from the version it trains: importance ratios 1 and
-    mismatch KL 0 at every step up to float32 rounding (bounds.py), as with TorchEngine; the
-    servers' logs are kept under the run's output; no server outlives the run."""
-    out = tmp_path / "run"
-    cfg = _config(tiny_model, out, "queue.max_staleness=0", "rollout.num_workers=2")
-    summary = asyncio.run(Pipeline(cfg, task=DigitShareTask()).run())
-    assert summary["steps"] == 3 and summary["version"] == 3
-    started = capsys.readouterr().out
-    assert "sglang: 2 server(s) (launched, logs in" in started and "weights over a gloo group" in started
-    steps = _steps(out)
-    assert [r["step"] for r in steps] == [1, 2, 3] and all(r["samples"] == 8 for r in steps)
-    for r in steps:
-        assert r["staleness_max"] == 0.0
-        assert abs(r["ratio_mean"] - 1) <= ON_POLICY_RATIO_ATOL and abs(r["ratio_max"] - 1) <= ON_POLICY_RATIO_ATOL, r
-        assert 0 <= r["mismatch_kl"] <= ON_POLICY_KL_MAX, r
-        assert r["sync/bytes"] > 0  # every push went through SGLang's group
-    logs = sorted(p.name for p in (out / "sglang").iterdir())
-    assert logs == ["server0.log", "server1.log"]
-    assert "--model-path" in (out / "sglang" / "server0.log").read_text()
-    assert _wait_gone(tiny_model) == []
-
-
-def test_a_push_during_generation_re_issues_the_aborted_samples(ray_cluster, tmp_path, tiny_model):
-    """At max_staleness=1 generation runs while the trainer trains; each push pauses the server in
-    abort mode, ending the samples in flight, which the worker sends again on the new weights: every
-    step still trains exactly samples_per_step whole samples within the bound, none dropped."""
+def test_launched_servers_take_every_push_and_re_issue_what_a_push_aborts(ray_cluster, tmp_path, tiny_model, capsys):
+    """Two rollout workers, each launching its server (logs under the run's output). At
+    max_staleness=1 generation runs while the trainer trains; each push pauses the servers in abort
+    mode, ending the samples in flight, which the workers send again on the new weights: every step
+    still trains exactly samples_per_step whole samples within the bound, none dropped. No server
+    outlives the run."""
     out = tmp_path / "run"
     cfg = _config(tiny_model, out, "queue.max_staleness=1", "run.total_steps=5", "rollout.max_new_tokens=16",
-                  "rollout.ignore_eos=true")  # fmt: skip
+                  "rollout.ignore_eos=true", "rollout.num_workers=2")  # fmt: skip
     summary = asyncio.run(Pipeline(cfg, task=DigitShareTask()).run())
-    assert summary["steps"] == 5
+    assert summary["steps"] == 5 and summary["version"] == 5
+    started = capsys.readouterr().out
+    assert "sglang: 2 server(s) (launched, logs in" in started and "weights over a gloo group" in started
+    assert sorted(p.name for p in (out / "sglang").iterdir()) == ["server0.log", "server1.log"]
+    assert "--model-path" in (out / "sglang" / "server0.log").read_text()
     steps = _steps(out)
+    assert all(r["sync/bytes"] > 0 for r in steps)  # every push went through SGLang's group
     assert all(r["samples"] == 8 and r["staleness_max"] <= 1 for r in steps)
     assert all(r["response_tokens_mean"] == 16 for r in steps)  # whole samples, not cut short by an abort
     last = steps[-1]
@@ -162,7 +146,10 @@ def _chain(exc: BaseException | None) -> list[BaseException]:
     return out
 
 
-def test_attached_servers_are_used_and_left_running(ray_cluster, tmp_path, tiny_model):
+def test_attached_servers_train_on_policy_at_staleness_zero_and_are_left_running(ray_cluster, tmp_path, tiny_model):
+    """A server the user started: used, not stopped. At max_staleness=0 every sample comes from the
+    version it trains: importance ratios 1 and mismatch KL 0 at every step up to float32 rounding
+    (bounds.py), as with TorchEngine."""
     from meshrl.mesh.distributed import free_port
     from serving import wait_healthy
 
@@ -178,6 +165,12 @@ def test_attached_servers_are_used_and_left_running(ray_cluster, tmp_path, tiny_
         summary = asyncio.run(Pipeline(cfg, task=DigitShareTask()).run())
         assert summary["steps"] == 2
         assert not (out / "sglang").exists()  # nothing launched
+        steps = _steps(out)
+        assert [r["step"] for r in steps] == [1, 2] and all(r["samples"] == 8 for r in steps)
+        for r in steps:
+            assert r["staleness_max"] == 0.0
+            assert abs(r["ratio_mean"] - 1) <= ON_POLICY_RATIO_ATOL and abs(r["ratio_max"] - 1) <= ON_POLICY_RATIO_ATOL, r
+            assert 0 <= r["mismatch_kl"] <= ON_POLICY_KL_MAX, r
         assert server.poll() is None  # and nothing stopped: it is the user's
         import urllib.request
 
