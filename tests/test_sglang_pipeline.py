@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 import ray.cloudpickle
 
@@ -114,8 +115,10 @@ def test_launched_servers_take_every_push_and_re_issue_what_a_push_aborts(ray_cl
 
 
 def test_a_server_killed_mid_run_fails_the_run_naming_its_log(ray_cluster, tmp_path, tiny_model):
+    """Colocated (the server beside the trainer rank, as on one GPU): the run starts and trains; a
+    server killed mid-run fails it within seconds, naming the server's log."""
     out = tmp_path / "run"
-    cfg = _config(tiny_model, out, "queue.max_staleness=1", "run.total_steps=200")
+    cfg = _config(tiny_model, out, "placement=colocated", "queue.max_staleness=1", "run.total_steps=200")
     pipeline = Pipeline(cfg, task=DigitShareTask())
 
     async def main() -> BaseException:
@@ -181,9 +184,25 @@ def test_attached_servers_train_on_policy_at_staleness_zero_and_are_left_running
         server.wait(30)
 
 
+def test_a_colocated_server_takes_what_the_trainer_peak_leaves():
+    from transformers import Qwen2Config
+
+    from meshrl.pipeline.startup import colocated_mem_fraction
+
+    cfg = load_config(PipelineConfig, None, ["placement=colocated", "rollout.engine.backend=sglang"])
+    model = Qwen2Config(vocab_size=151936, hidden_size=896, num_hidden_layers=24)
+    gib = 2**30
+    h200 = colocated_mem_fraction(cfg, 494_000_000, 141 * gib, model)
+    assert 0.5 < h200 < 0.85  # 0.5B: the trainer needs well under half of an H200
+    more_tokens = msgspec.structs.replace(cfg, trainer=msgspec.structs.replace(cfg.trainer, tokens_per_microbatch=4 * cfg.trainer.tokens_per_microbatch))
+    assert colocated_mem_fraction(more_tokens, 494_000_000, 141 * gib, model) < h200
+    assert colocated_mem_fraction(cfg, 7_600_000_000, 141 * gib, model) < h200
+    assert colocated_mem_fraction(cfg, 70_000_000_000, 141 * gib, model) == 0.05  # a floor, never below
+
+
 @pytest.mark.parametrize("overrides, key", [
     (["rollout.engine.sglang.urls=[\"http://127.0.0.1:1\"]", "rollout.num_workers=2"], "rollout.engine.sglang.urls"),
-    (["placement=colocated"], "placement"),
+    (["placement=colocated", "colocated.release_weights=true"], "colocated.release_weights"),
     (["rollout.engine.kv_cache_bytes=1000000"], "rollout.engine.kv_cache_bytes"),
     (["rollout.engine.compile=true"], "rollout.engine.compile"),
 ])  # fmt: skip

@@ -129,10 +129,11 @@ class RolloutWorker(Actor):
             self.tokenizer = AutoTokenizer.from_pretrained(model_path)
 
     @endpoint
-    async def start_sglang(self, log_dir: str, trainer_ip: str) -> str:
+    async def start_sglang(self, log_dir: str, trainer_ip: str, mem_fraction: float | None = None) -> str:
         """``backend=sglang``: launch this worker's server on its GPUs (or attach to its URL in
         ``rollout.engine.sglang.urls``) and wait until it is healthy; returns the server's URL.
-        Its log is ``log_dir/server<rank>.log``."""
+        Its log is ``log_dir/server<rank>.log``; ``mem_fraction`` is its --mem-fraction-static unless
+        rollout.engine.sglang sets one (a server sharing a trainer's GPU)."""
         from meshrl.engines.sglang_engine import SGLangEngine, SGLangEngineConfig
         from meshrl.engines.sglang_server import SGLangServer, server_args
         from meshrl.groups import free_port, routable_ip
@@ -146,7 +147,8 @@ class RolloutWorker(Actor):
             port = free_port()
             args = server_args(cfg, model_path=self.model_path, host=host, port=port, tp_size=self.tp_size,
                                dtype=engine.dtype, seed=engine.seed, context_length=engine.max_seq_len,
-                               max_running_requests=engine.max_batch_size, cuda_graphs=engine.cuda_graphs)  # fmt: skip
+                               max_running_requests=engine.max_batch_size, cuda_graphs=engine.cuda_graphs,
+                               mem_fraction_static=mem_fraction)  # fmt: skip
             if engine.device != "auto":
                 args += ["--device", "cuda" if engine.device.startswith("cuda") else engine.device]
             self.server = await SGLangServer.launch(cfg, args, host=host, port=port,

@@ -123,6 +123,14 @@ class Trainer(Actor):
                             timeout_s=timeout_s, request_timeout_s=request_timeout_s)  # fmt: skip
 
     @endpoint
+    def device_memory(self) -> tuple[int, int]:
+        """(parameters of the policy and critic, this rank's device memory in bytes; 0 on a CPU)."""
+        models = [self.core.policy] + ([self.core.critic] if self.core.critic is not None else [])
+        count = sum(p.numel() for m in models for p in m.parameters())
+        device = self.core.dp.device
+        return count, (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0)
+
+    @endpoint
     def sglang_push(self, version: int) -> PushStats:
         """The current policy into every SGLang server as ``version`` (every rank: a collective)."""
         return self.sglang.push(version)

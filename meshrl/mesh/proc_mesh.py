@@ -55,7 +55,7 @@ def spawn_procs(
     hosts: int = 1,
     *,
     cpus_per_proc: float = 1.0,
-    gpus_per_proc: int | None = None,
+    gpus_per_proc: float | None = None,
     env: dict[str, str] | None = None,
     name: str | None = None,
     namespace: str | None = None,
@@ -63,8 +63,9 @@ def spawn_procs(
 ) -> ProcMesh:
     """Reserve ``hosts`` × ``prod(per_host)`` processes with dims ``per_host`` (e.g. ``{"gpus": 2}``).
 
-    ``env`` is set in every actor spawned on the mesh. Raises ``TimeoutError`` if the cluster
-    cannot place the reservation within ``timeout`` seconds.
+    ``env`` is set in every actor spawned on the mesh. A fraction of a GPU per process shares the
+    GPU with another mesh's processes (a trainer and an SGLang server on one device). Raises
+    ``TimeoutError`` if the cluster cannot place the reservation within ``timeout`` seconds.
     """
     if not per_host:
         raise ValueError('per_host needs at least one dim, e.g. {"gpus": 2} or {"procs": 4}')
@@ -118,7 +119,7 @@ class ProcMesh:
         pg: Any,
         bundle_of: tuple[int, ...],
         cpus_per_proc: float,
-        gpus_per_proc: int,
+        gpus_per_proc: float,
         env: dict[str, str],
         namespace: str | None = None,
     ):

@@ -215,10 +215,9 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
         if urls and len(urls) != n:
             raise ConfigError(f"`rollout.engine.sglang.urls`: {len(urls)} server URL(s) for rollout.num_workers={n}: "
                               "give one per rollout worker")
-        if self.placement == "colocated":
-            raise ConfigError("`placement`: colocated runs a TorchEngine inside each trainer process; with "
-                              "rollout.engine.backend=sglang use placement=disaggregated (the servers take GPUs "
-                              "of their own)")
+        if self.placement == "colocated" and self.colocated.release_weights:
+            raise ConfigError("`colocated.release_weights`: TorchEngine's hand-over; an SGLang server sharing the "
+                              "trainer's GPU keeps its memory (size it with rollout.engine.sglang.mem_fraction_static)")
         if engine.kv_cache_bytes:
             raise ConfigError("`rollout.engine.kv_cache_bytes`: an SGLang server sizes its KV cache itself: set "
                               "rollout.engine.sglang.mem_fraction_static instead")
@@ -255,7 +254,7 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.rollout.num_workers != dp:
             raise ConfigError(f"`rollout.num_workers`: placement=colocated runs one engine per trainer rank; "
                               f"set it to trainer.dp={dp} (got {self.rollout.num_workers})")
-        if self.reshard.transport != "distributed":
+        if self.reshard.transport != "distributed" and self.rollout.engine.backend != "sglang":
             raise ConfigError("`reshard.transport`: placement=colocated hands weights over in place; "
                               "use reshard.transport=distributed (the default)")
         if engine_device != "auto" and engine_device.startswith("cuda") != (self.trainer.device == "cuda"):

@@ -60,7 +60,8 @@ from meshrl.pipeline import evaluation
 from meshrl.pipeline.config import PipelineConfig
 from meshrl.pipeline.metrics import RunLog
 from meshrl.pipeline.rollout_loop import Roles, RolloutDriver, bounded
-from meshrl.pipeline.startup import WORKER_ENV, check_prompts, ensure_ray, settle_devices, sglang_group_backend
+from meshrl.pipeline.startup import (WORKER_ENV, check_prompts, colocated_mem_fraction, ensure_ray, settle_devices,
+                                     sglang_group_backend)
 from meshrl.pipeline.training import TrainLoop
 from meshrl.queues import QueueClosed
 from meshrl.queues.actor import QueueActor
@@ -138,7 +139,7 @@ class Pipeline:
             stop.set()
 
     def _spawn(self, name: str, cls: type, *args: Any, procs: int = 1, dims: dict[str, int] | None = None,
-               gpus_per_proc: int = 0, **kwargs: Any) -> ActorMesh:
+               gpus_per_proc: float = 0, **kwargs: Any) -> ActorMesh:
         mesh = spawn_procs(dims or {"procs": procs}, cpus_per_proc=0.01, gpus_per_proc=gpus_per_proc,
                            env=WORKER_ENV, name=name, namespace=self._namespace)  # fmt: skip
         self._procs.append(mesh)
@@ -146,10 +147,14 @@ class Pipeline:
 
     async def _start_roles(self, model_dir: str) -> Roles:
         cfg, env = self.cfg, self.environment
+        self._model_dir_path = model_dir
         queue = self._spawn("queue", QueueActor, cfg.queue, samples_per_step=cfg.trainer.samples_per_step,
                             steps_per_version=cfg.trainer.sync_interval)  # fmt: skip
         max_new_tokens = cfg.rollout.episode.max_tokens if env else cfg.rollout.max_new_tokens
-        if cfg.placement == "colocated":
+        sglang = cfg.rollout.engine.backend == "sglang"
+        # colocated SGLang: each trainer rank and one server share a GPU (half of it each, for Ray)
+        share = 0.5 if cfg.placement == "colocated" and sglang else 1
+        if cfg.placement == "colocated" and not sglang:
             # one process per trainer rank holds the trainer and an engine replica (meshrl.actors.hybrid);
             # "procs" is the dim the rollout loops slice, and the trainer's dp axis
             rollouts = trainer = self._spawn(
@@ -159,8 +164,8 @@ class Pipeline:
                 **({"environment": env, "episode": cfg.rollout.episode} if env else {}),
             )  # fmt: skip
         else:
-            engine_gpus = int(cfg.rollout.engine.device.startswith("cuda"))  # one GPU per engine rank
-            tp, sglang = cfg.rollout.tp_size, cfg.rollout.engine.backend == "sglang"
+            engine_gpus = int(cfg.rollout.engine.device.startswith("cuda")) * share  # one GPU per engine rank
+            tp = cfg.rollout.tp_size
             # an SGLang server does its own TP: one worker per replica, holding all tp_size of its GPUs
             dims = {"procs": cfg.rollout.num_workers, **({"tp": tp} if tp > 1 and not sglang else {})}
             rollouts = self._spawn("rollout", RolloutWorker, model_dir, cfg.rollout.engine, cfg.rollout.threads,
@@ -173,11 +178,11 @@ class Pipeline:
         # without an environment the task's reward is the default; an environment's rewards stand alone
         reward = self.reward if self.reward is not None else None if env else self.task
         rewards = self._spawn("reward", RewardWorker, reward, model_dir, cfg.reward.timeout_s, procs=cfg.reward.num_workers)
-        if cfg.placement != "colocated":
+        if cfg.placement != "colocated" or sglang:
             trainer = self._spawn(
                 "trainer", Trainer, model_dir, cfg.trainer, cfg.algo, temperature=cfg.rollout.temperature,
                 max_new_tokens=max_new_tokens, total_steps=cfg.run.total_steps, dims={"dp": cfg.trainer.dp},
-                gpus_per_proc=int(cfg.trainer.device == "cuda"),
+                gpus_per_proc=int(cfg.trainer.device == "cuda") * share,
             )  # fmt: skip
         reference = None
         if cfg.algo.kl_coef > 0 and not cfg.trainer.reference_in_trainer:
@@ -207,9 +212,19 @@ class Pipeline:
         servers' weight-update group (meshrl.actors.sglang_sync)."""
         cfg = self.cfg
         s, logs = cfg.rollout.engine.sglang, self.out_dir / "sglang"
-        trainer_ip, _ = await actor_address(trainer.slice(**{d: 0 for d in trainer.sizes})).within(60)
+        first = trainer.slice(**{d: 0 for d in trainer.sizes})
+        trainer_ip, _ = await actor_address(first).within(60)
+        fraction = None
+        if cfg.placement == "colocated" and s.mem_fraction_static is None and cfg.trainer.device == "cuda":
+            from meshrl.engines.weights import load_hf_config
+
+            parameters, device_bytes = await first.device_memory.call_one().within(60)
+            fraction = colocated_mem_fraction(cfg, parameters, device_bytes, load_hf_config(self._model_dir_path))
+            self._echo(f"sglang: each server shares its GPU with a trainer rank: --mem-fraction-static {fraction} "
+                       f"(what the trainer's estimated peak leaves of {device_bytes / 2**30:.0f} GiB; "
+                       "rollout.engine.sglang.mem_fraction_static sets it)")
         # waits for: every server's /health (a first start JIT-compiles kernels); unblocked by: the servers
-        urls = (await rollouts.start_sglang.call(str(logs), trainer_ip).within(s.startup_timeout_s + 60)).values()
+        urls = (await rollouts.start_sglang.call(str(logs), trainer_ip, fraction).within(s.startup_timeout_s + 60)).values()
         where = "attached" if s.urls else f"launched, logs in {logs}"
         backend = sglang_group_backend(cfg)
         self._echo(f"sglang: {len(urls)} server(s) ({where}): {', '.join(urls)}; weights over a {backend} group")

@@ -175,6 +175,30 @@ def _check_gpus(cfg: PipelineConfig, gpus: int, trainer: int) -> None:
                       "the GPUs are (on a GPU machine, or attached to a cluster that has them)")
 
 
+def _check_sglang_device(engine: Any, gpus: int) -> None:
+    launcher = engine.sglang.command[1:] == ("-m", "sglang.launch_server")
+    if launcher and not engine.sglang.urls and not engine.device.startswith("cuda"):
+        raise ConfigError(f"`rollout.engine.device`: {engine.device} (the cluster has {gpus} GPU(s)), but SGLang "
+                          "servers run on GPUs: run where the GPUs are, or give rollout.engine.sglang.urls of "
+                          "running servers")
+
+
+def colocated_mem_fraction(cfg: PipelineConfig, parameters: int, device_bytes: int, model: Any) -> float:
+    """The GPU memory fraction an SGLang server may take beside a trainer rank on its device: what
+    is left after the trainer's peak, estimated from its size, at most 0.85 and at least 0.05.
+
+    The trainer holds fp32 weights, gradients and AdamW's two moments (16 bytes a parameter, over
+    its dp ranks) plus the bf16 weights it gathers (2 bytes), and at the peak of a micro-batch
+    ``tokens_per_microbatch`` tokens' logits (fp32, the log-softmax and their gradients: 12 bytes
+    per vocabulary entry) and layer activations (about 40 bytes per hidden unit per layer); 4 GiB
+    more for CUDA's own and the allocator's slack."""
+    static = parameters * (16 / max(1, cfg.trainer.dp) + 2)
+    tokens = cfg.trainer.tokens_per_microbatch
+    activations = tokens * (12 * int(model.vocab_size) + 40 * int(model.hidden_size) * int(model.num_hidden_layers))
+    left = (device_bytes - static - activations - 4 * 2**30) / device_bytes
+    return round(min(0.85, max(0.05, left)), 3)
+
+
 def sglang_group_backend(cfg: PipelineConfig) -> str:
     """The backend of the trainer's weight-update group with the SGLang servers: nccl between
     distinct GPUs; gloo when a server shares the trainer's GPU (NCCL refuses two ranks on one
@@ -201,9 +225,14 @@ def settle_devices(cfg: PipelineConfig, echo: Callable[[str], None] = print) -> 
     gpus = int(ray.cluster_resources().get("GPU", 0))
     trainer = cfg.trainer.dp if cfg.trainer.device == "cuda" else 0
     _check_gpus(cfg, gpus, trainer)
-    if cfg.placement == "colocated":
-        return cfg
     engine, reshard = cfg.rollout.engine, cfg.reshard
+    if cfg.placement == "colocated":
+        if engine.backend == "sglang":
+            if engine.device == "auto":  # each server shares its trainer rank's device
+                engine = msgspec.structs.replace(engine, device=cfg.trainer.device)
+                cfg = msgspec.structs.replace(cfg, rollout=msgspec.structs.replace(cfg.rollout, engine=engine))
+            _check_sglang_device(engine, gpus)
+        return cfg
     if engine.device == "auto":
         need = cfg.rollout.num_workers * cfg.rollout.tp_size
         device = "cuda" if gpus and gpus >= trainer + need else "cpu"
@@ -213,11 +242,7 @@ def settle_devices(cfg: PipelineConfig, echo: Callable[[str], None] = print) -> 
         engine = msgspec.structs.replace(engine, device=device)
     sides = {cfg.trainer.device, "cuda" if engine.device.startswith("cuda") else "cpu"}
     if engine.backend == "sglang":  # weights travel over SGLang's own group (sglang_group_backend), not reshard
-        launcher = engine.sglang.command[1:] == ("-m", "sglang.launch_server")
-        if launcher and not engine.sglang.urls and not engine.device.startswith("cuda"):
-            raise ConfigError(f"`rollout.engine.device`: {engine.device} (the cluster has {gpus} GPU(s)), but SGLang "
-                              "servers run on GPUs: run where the GPUs are, or give rollout.engine.sglang.urls of "
-                              "running servers")
+        _check_sglang_device(engine, gpus)
     elif reshard.transport == "distributed" and reshard.backend == "auto" and len(sides) > 1:
         if cfg.rollout.tp_size > 1:
             raise ConfigError(f"`reshard.transport`: the trainer is on {cfg.trainer.device} and the tensor-parallel "
