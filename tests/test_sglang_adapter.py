@@ -152,3 +152,33 @@ def test_a_generation_that_never_got_a_slot_says_so():
                 await client.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_samples_a_pause_aborts_are_sent_again_whole(n):
+    """A weight sync's abort-mode pause ends the samples in flight: SGLang answers a single-prompt
+    request with 499 "Request <rid> was aborted" (n = 1, seen on 0.5.17) and a batch with an abort
+    in each output (n > 1). With reissue_aborted each is sent again and comes back whole, from
+    the weights served after the pause, counted once in ``reissued``."""
+    async def main():
+        engine = _engine()
+        async with serving(engine) as url:
+            client = SGLangEngine(url, config=SGLangEngineConfig(request_timeout_s=10.0, reissue_aborted=2))
+            try:
+                sampling = SamplingParams(max_new_tokens=40, temperature=1.0, n=n, ignore_eos=True, seed=3)
+                run = asyncio.ensure_future(client.generate([GenerateRequest(input_ids=[1, 2], sampling=sampling)]))
+                while engine.num_running < n or engine.steps < 3:
+                    await asyncio.sleep(0.01)
+                await client.pause("abort")
+                await asyncio.sleep(0.2)  # the re-issued samples wait for the pause to end
+                assert not run.done()
+                await client.resume()
+                (result,) = await asyncio.wait_for(run, 30)
+                return result, client.reissued
+            finally:
+                await client.close()
+
+    result, reissued = asyncio.run(main())
+    assert [c.finish_reason for c in result.completions] == ["length"] * n
+    assert all(len(c.output_ids) == 40 == len(c.logprobs) for c in result.completions)
+    assert reissued == n

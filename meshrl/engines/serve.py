@@ -317,6 +317,9 @@ class _Server:
             return error_response(503, str(exc))
         if results is None:  # the client went away: its requests were aborted; nobody reads a reply
             return web.Response(status=499, text="client closed the connection; its requests were aborted\n")
+        if single and len(results[0].completions) == 1 and results[0].completions[0].finish_reason == "abort":
+            # SGLang's reply to an aborted single-prompt request (a batch gets its outputs, abort in each)
+            return error_response(499, f"Request {reqs[0].request_id} was aborted")
         latency = time.perf_counter() - t0
         logprob, text = (_per_prompt(body, key, len(reqs)) for key in ("return_logprob", "return_text_in_logprobs"))
         outs = [self._out(res, j, c, r.sampling, lp, tx, latency, keep)

@@ -255,7 +255,11 @@ class SGLangEngine:
             self._in_flight.pop(rid, None)
         if status == 400:
             raise ValueError(f"{self.name} rejected request {rid!r}: {reply}")
-        if status != 200:
+        if status == 499 and n == 1:
+            # SGLang answers an aborted single-prompt request (a pause in abort mode, /abort_request)
+            # with 499 "Request <rid> was aborted" (seen on 0.5.17); a batch gets 200, abort per output
+            reply = {"output_ids": [], "meta_info": {"finish_reason": {"type": "abort"}, "output_token_logprobs": []}}
+        elif status != 200:
             raise RuntimeError(f"{self.name}/generate failed for request {rid!r}: HTTP {status} {reply!r}"[:1000])
         outs = reply if isinstance(reply, list) else [reply]
         if len(outs) != req.sampling.n:

@@ -58,7 +58,13 @@ class OfflineBackend:
         if path in ("/get_model_info", "/model_info"):
             return 200, self.engine.get_model_info() if hasattr(self.engine, "get_model_info") else {}
         if path == "/generate":
-            return 200, await self.engine.async_generate(**body)
+            try:
+                return 200, await self.engine.async_generate(**body)
+            except Exception as exc:  # an aborted single-prompt request raises what the server sends as 499
+                status = getattr(exc, "status_code", None)
+                if not isinstance(status, int):
+                    raise
+                return status, {"error": {"message": str(getattr(exc, "detail", exc))}}
         if path == "/flush_cache":
             out = await self.tm.flush_cache()
             return (200 if getattr(out, "success", True) else 400), {"success": getattr(out, "success", True)}
