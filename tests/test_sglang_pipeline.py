@@ -203,6 +203,7 @@ def test_a_colocated_server_takes_what_the_trainer_peak_leaves():
 @pytest.mark.parametrize("overrides, key", [
     (["rollout.engine.sglang.urls=[\"http://127.0.0.1:1\"]", "rollout.num_workers=2"], "rollout.engine.sglang.urls"),
     (["placement=colocated", "colocated.release_weights=true"], "colocated.release_weights"),
+    (["rollout.engine.sglang.transport=tensor"], "rollout.engine.sglang.transport"),  # needs the trainer's GPU
     (["rollout.engine.kv_cache_bytes=1000000"], "rollout.engine.kv_cache_bytes"),
     (["rollout.engine.compile=true"], "rollout.engine.compile"),
 ])  # fmt: skip

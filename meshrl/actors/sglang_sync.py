@@ -45,14 +45,17 @@ class SGLangSource:
 
     def connect(self, urls: list[str], *, bucket_bytes: int, backend: str, pause_mode: str, timeout_s: float,
                 request_timeout_s: float) -> None:
-        """Rank 0 joins SGLang's group with every server (the others have nothing to join)."""
+        """Rank 0 joins SGLang's group with every server (the others have nothing to join);
+        ``backend`` "tensor": no group, CUDA IPC handles (``SGLangSyncConfig.transport``)."""
         self.close()
         if self.rank != 0:
             return
         from meshrl.engines.sglang_engine import SGLangEngine, SGLangEngineConfig
         from meshrl.reshard.sglang import SGLangSyncConfig, SGLangWeightSender
 
-        sync = SGLangSyncConfig(bucket_bytes=bucket_bytes, backend=backend, pause_mode=pause_mode, timeout_s=timeout_s)
+        transport = "tensor" if backend == "tensor" else "group"
+        sync = SGLangSyncConfig(bucket_bytes=bucket_bytes, backend="gloo" if transport == "tensor" else backend,
+                                transport=transport, pause_mode=pause_mode, timeout_s=timeout_s)  # fmt: skip
         self._engines = [SGLangEngine(url, config=SGLangEngineConfig(request_timeout_s=request_timeout_s)) for url in urls]
         self.sender = SGLangWeightSender(self._engines, sync)
         self._run(self.sender.connect())

@@ -77,6 +77,12 @@ class SGLangServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     group_backend: Literal["auto", "nccl", "gloo"] = "auto"
     """The weight-update group's backend: auto is nccl when the trainer and every server are on
     distinct GPUs, gloo when they share one (NCCL refuses two ranks on one device) or run on CPUs."""
+    transport: Literal["auto", "group", "tensor"] = "auto"
+    """How a push reaches the servers: group is /update_weights_from_distributed over SGLang's
+    weight-update group (group_backend); tensor is /update_weights_from_tensor with CUDA IPC handles
+    of the trainer's gathered tensors (no copy: the server loads from the trainer's memory), for a
+    server on the trainer's own GPU (placement=colocated, trainer.dp=1). auto: tensor where it
+    applies, else group (bench/RESULTS.md has the two measured side by side)."""
     pause_mode: Literal["abort", "retract", "in_place"] = "abort"
     """How generation pauses for a push: abort ends the requests in flight, which the rollout worker
     sends again once the new weights serve (their queue reservations kept)."""

@@ -215,6 +215,12 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
         if urls and len(urls) != n:
             raise ConfigError(f"`rollout.engine.sglang.urls`: {len(urls)} server URL(s) for rollout.num_workers={n}: "
                               "give one per rollout worker")
+        if engine.sglang.transport == "tensor" and (self.placement != "colocated" or self.trainer.dp != 1
+                                                    or self.trainer.device != "cuda"):
+            raise ConfigError("`rollout.engine.sglang.transport`: tensor hands the server CUDA IPC handles of the "
+                              "trainer's memory, so the server must share the trainer's one GPU: placement=colocated, "
+                              f"trainer.dp=1, trainer.device=cuda (got {self.placement}, dp={self.trainer.dp}, "
+                              f"{self.trainer.device}); use transport=group")
         if self.placement == "colocated" and self.colocated.release_weights:
             raise ConfigError("`colocated.release_weights`: TorchEngine's hand-over; an SGLang server sharing the "
                               "trainer's GPU keeps its memory (size it with rollout.engine.sglang.mem_fraction_static)")

@@ -61,7 +61,7 @@ from meshrl.pipeline.config import PipelineConfig
 from meshrl.pipeline.metrics import RunLog
 from meshrl.pipeline.rollout_loop import Roles, RolloutDriver, bounded
 from meshrl.pipeline.startup import (WORKER_ENV, check_prompts, colocated_mem_fraction, ensure_ray, settle_devices,
-                                     sglang_group_backend)
+                                     sglang_transport)
 from meshrl.pipeline.training import TrainLoop
 from meshrl.queues import QueueClosed
 from meshrl.queues.actor import QueueActor
@@ -226,8 +226,9 @@ class Pipeline:
         # waits for: every server's /health (a first start JIT-compiles kernels); unblocked by: the servers
         urls = (await rollouts.start_sglang.call(str(logs), trainer_ip, fraction).within(s.startup_timeout_s + 60)).values()
         where = "attached" if s.urls else f"launched, logs in {logs}"
-        backend = sglang_group_backend(cfg)
-        self._echo(f"sglang: {len(urls)} server(s) ({where}): {', '.join(urls)}; weights over a {backend} group")
+        backend = sglang_transport(cfg)
+        how = "by CUDA IPC (update_weights_from_tensor)" if backend == "tensor" else f"over a {backend} group"
+        self._echo(f"sglang: {len(urls)} server(s) ({where}): {', '.join(urls)}; weights {how}")
         await trainer.sglang_connect.call(list(urls), s.bucket_bytes, backend, s.pause_mode, cfg.reshard.timeout_s,
                                           s.request_timeout_s).within(cfg.reshard.timeout_s + 30)  # fmt: skip
 

@@ -22,7 +22,7 @@ from meshrl.pipeline.config import PipelineConfig
 from meshrl.tasks import Task
 from meshrl.tasks.answers import reference_answer
 
-__all__ = ["WORKER_ENV", "check_prompts", "ensure_ray", "settle_devices", "sglang_group_backend"]
+__all__ = ["WORKER_ENV", "check_prompts", "ensure_ray", "settle_devices", "sglang_transport"]
 
 WORKER_ENV = {
     "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_WARN_BLOCKING_GET_INSIDE_ASYNC": "0",
@@ -199,11 +199,17 @@ def colocated_mem_fraction(cfg: PipelineConfig, parameters: int, device_bytes: i
     return round(min(0.85, max(0.05, left)), 3)
 
 
-def sglang_group_backend(cfg: PipelineConfig) -> str:
-    """The backend of the trainer's weight-update group with the SGLang servers: nccl between
-    distinct GPUs; gloo when a server shares the trainer's GPU (NCCL refuses two ranks on one
-    device) or either side is on a CPU."""
-    chosen = cfg.rollout.engine.sglang.group_backend
+def sglang_transport(cfg: PipelineConfig) -> str:
+    """How the trainer's pushes reach the SGLang servers: "tensor" (CUDA IPC handles through
+    /update_weights_from_tensor: a server on the trainer's one GPU), else the backend of SGLang's
+    weight-update group: nccl between distinct GPUs; gloo when a server shares the trainer's GPU
+    (NCCL refuses two ranks on one device) or either side is on a CPU."""
+    s = cfg.rollout.engine.sglang
+    shared_gpu = (cfg.placement == "colocated" and cfg.trainer.dp == 1 and cfg.trainer.device == "cuda"
+                  and cfg.rollout.engine.device.startswith("cuda"))  # fmt: skip
+    if s.transport == "tensor" or (s.transport == "auto" and shared_gpu):
+        return "tensor"
+    chosen = s.group_backend
     if chosen != "auto":
         return chosen
     cuda = cfg.trainer.device == "cuda" and cfg.rollout.engine.device.startswith("cuda")
@@ -241,7 +247,7 @@ def settle_devices(cfg: PipelineConfig, echo: Callable[[str], None] = print) -> 
                  f"{need}" + (f" besides the trainer's {trainer}" if trainer else "") + ")")
         engine = msgspec.structs.replace(engine, device=device)
     sides = {cfg.trainer.device, "cuda" if engine.device.startswith("cuda") else "cpu"}
-    if engine.backend == "sglang":  # weights travel over SGLang's own group (sglang_group_backend), not reshard
+    if engine.backend == "sglang":  # weights travel over SGLang's own group (sglang_transport), not reshard
         _check_sglang_device(engine, gpus)
     elif reshard.transport == "distributed" and reshard.backend == "auto" and len(sides) > 1:
         if cfg.rollout.tp_size > 1:

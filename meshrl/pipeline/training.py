@@ -225,7 +225,8 @@ class TrainLoop:
             raise
         reissued = sum((await self.roles.rollouts.reissued.call().within(60)).values())
         self.push_phases = {"sync/push_s": time.perf_counter() - start, "sync/bytes": float(stats.bytes),
-                            "sync/reissued_samples": float(reissued)}  # fmt: skip
+                            "sync/reissued_samples": float(reissued),
+                            **{f"sync/{k}": v for k, v in stats.phases.items()}}  # fmt: skip
         self._phases_logged = False
         if publish:
             await self._publish(version)

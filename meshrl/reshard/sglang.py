@@ -80,6 +80,10 @@ class SGLangSyncConfig(msgspec.Struct, frozen=True, kw_only=True):
     flushed while they exist (/flush_cache answers 400 while requests run or wait): the push flushes
     once if it can and goes on (their KV, and SGLang's radix cache, keep entries from the old
     weights; retracted requests recompute theirs with the new ones)."""
+    transport: Literal["group", "tensor"] = "group"
+    """group: /update_weights_from_distributed, tensors broadcast over the group. tensor:
+    /update_weights_from_tensor with CUDA IPC handles of the (CUDA) tensors, for servers on this
+    process's GPU with tp_size 1: they load straight from our memory, no group, no copy."""
     flattened_bucket: bool = False
     """Send each bucket as one uint8 tensor (load_format 'flattened_bucket', SGLang 0.5.10+)."""
     timeout_s: float = 600.0
@@ -132,6 +136,31 @@ def flatten_bucket(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     for t, off in zip(tensors, offsets):
         flat[off: off + t.numel() * t.element_size()].copy_(t.contiguous().view(-1).view(torch.uint8))
     return flat
+
+
+class _CudaHandle:
+    """Pickles as torch's CUDA IPC rebuild of ``tensor``, its device named by UUID (what SGLang's
+    patched ``rebuild_cuda_tensor`` takes, so the server finds the GPU whatever its own numbering)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        rebuild, args = reduce_tensor(self.tensor)
+        device = args[6]  # rebuild_cuda_tensor's storage_device
+        return rebuild, (*args[:6], str(torch.cuda.get_device_properties(device).uuid), *args[7:])
+
+
+def ipc_payload(named: Sequence[tuple[str, torch.Tensor]]) -> str:
+    """``serialized_named_tensors[rank]`` of /update_weights_from_tensor: base64 of the pickled
+    ``[(name, tensor), ...]``, each CUDA tensor as an IPC handle (SGLang's MultiprocessingSerializer
+    reads it with an unpickler that admits torch's rebuild functions)."""
+    import base64
+    import pickle
+
+    return base64.b64encode(pickle.dumps([(name, _CudaHandle(t)) for name, t in named])).decode()
 
 
 def _failure(reply: tuple[int, Any] | BaseException) -> str:
@@ -191,6 +220,13 @@ class SGLangWeightSender:
 
         infos = await self._all("GET", "/get_server_info", [None] * len(self.engines), "version detection")
         self.versions = [parse_version(i.get("version", "0")) for i in infos]
+        if self.config.transport == "tensor":
+            shared = [e.name for e, i in zip(self.engines, infos) if int(i.get("tp_size", 1)) != 1 or int(i.get("dp_size", 1)) != 1]
+            if shared:
+                raise SGLangPushError(f"engines {shared} run tp_size or dp_size > 1: transport=tensor hands one "
+                                      "server on this GPU our CUDA memory; use transport=group")
+            self.group = "ipc"  # nothing to join: each push hands the servers handles to our memory
+            return
         if self.config.flattened_bucket and min(self.versions) < (0, 5, 10):
             raise SGLangPushError(f"flattened_bucket needs SGLang 0.5.10+, engines report {self.versions}")
         sizes = [int(i.get("tp_size", 1)) for i in infos]
@@ -267,21 +303,36 @@ class SGLangWeightSender:
         buckets = _buckets(self._select(named_tensors), 0 if single else cfg.bucket_bytes)
         begin = [i for i, v in enumerate(self.versions) if v >= (0, 5, 21)]
         nbytes, opened = 0, False
+        send = self._send_tensors if cfg.transport == "tensor" else self._send_bucket
+        phases: dict[str, float] = {}
+        mark = time.perf_counter()
+
+        def lap(name: str) -> None:
+            nonlocal mark
+            now = time.perf_counter()
+            phases[name] = phases.get(name, 0.0) + now - mark
+            mark = now
+
         try:
             await self._all("POST", "/pause_generation", [{"mode": cfg.pause_mode} for _ in everyone], "pause")
             if begin:
                 opened = True
                 await self._all("POST", "/begin_weight_update", [{"selector": "all"} for _ in begin], "begin", begin)
+            lap("pause_s")
             # One bucket of lookahead: the last one carries weight_version. Tensors are read lazily,
             # so a trainer may gather them bucket by bucket (FSDP2 full_tensor) as they are sent.
             bucket, b = next(buckets, None), 0
+            lap("gather_s")
             while bucket is not None:
                 following = next(buckets, None)
-                nbytes += await self._send_bucket(bucket, None if following else str(version), b)
+                lap("gather_s")
+                nbytes += await send(bucket, None if following else str(version), b)
+                lap("send_s")
                 bucket, b = following, b + 1
             await self._flush(required=cfg.pause_mode == "abort")  # kept requests refuse a flush
             if begin:
                 await self._all("POST", "/end_weight_update", [{} for _ in begin], "end", begin)
+            lap("flush_s")
         except Exception as exc:
             if opened:  # close the update, or the next push's /begin_weight_update is refused and none recovers
                 with contextlib.suppress(Exception):
@@ -289,7 +340,8 @@ class SGLangWeightSender:
             raise SGLangPushError(f"push of v{version} failed: {exc}; the engines stay paused (SGLang loads in "
                                   "place, so their weights may mix versions): push again") from exc
         await self._all("POST", "/continue_generation", [{} for _ in everyone], "continue")
-        return PushStats(version=version, seconds=time.perf_counter() - start, bytes=nbytes)
+        lap("continue_s")
+        return PushStats(version=version, seconds=time.perf_counter() - start, bytes=nbytes, phases=phases)
 
     @staticmethod
     def _select(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -363,6 +415,21 @@ class SGLangWeightSender:
         await replies
         return sum(t.numel() * t.element_size() for t in tensors)
 
+    async def _send_tensors(self, bucket: list[tuple[str, torch.Tensor]], weight_version: str | None, b: int) -> int:
+        """transport=tensor: one /update_weights_from_tensor per engine with CUDA IPC handles of the
+        bucket's tensors; they stay alive here until every engine has loaded them."""
+        tensors = [t.detach().contiguous() for _, t in bucket]
+        if any(not t.is_cuda for t in tensors):
+            raise SGLangPushError("transport=tensor needs the trainer's tensors on its GPU (trainer.device=cuda)")
+        torch.cuda.current_stream().synchronize()  # the gathers that made them are done before a server reads
+        payload = ipc_payload([(name, t) for (name, _), t in zip(bucket, tensors)])
+        body = {"serialized_named_tensors": [payload], "load_format": None, "flush_cache": False,
+                "abort_all_requests": False, "weight_version": weight_version}
+        await self._all("POST", "/update_weights_from_tensor", [body] * len(self.engines),
+                        f"bucket {b + 1} ({bucket[0][0]}...)")
+        del tensors
+        return sum(t.numel() * t.element_size() for _, t in bucket)
+
     async def _flush(self, required: bool = True) -> None:
         """Flush every engine, retrying while it answers 400; without ``required`` (in_place or retract pause: the
         kept requests refuse it until they end) one attempt, and a refusal is not an error."""
@@ -382,6 +449,9 @@ class SGLangWeightSender:
         import torch.distributed as dist
 
         if self.group is None:
+            return
+        if self.group == "ipc":
+            self.group = None
             return
         newer = [i for i, v in enumerate(self.versions) if v >= (0, 5, 10)]
         try:
