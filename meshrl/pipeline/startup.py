@@ -184,18 +184,23 @@ def _check_sglang_device(engine: Any, gpus: int) -> None:
 
 
 def colocated_mem_fraction(cfg: PipelineConfig, parameters: int, device_bytes: int, model: Any) -> float:
-    """The GPU memory fraction an SGLang server may take beside a trainer rank on its device: what
-    is left after the trainer's peak, estimated from its size, at most 0.85 and at least 0.05.
+    """The GPU memory fraction an SGLang server may take beside a trainer rank on its device
+    (--mem-fraction-static: its weights and KV cache): what is left after the trainer's peak and
+    the server's own working memory, estimated from the sizes, at most 0.85 and at least 0.05.
 
     The trainer holds fp32 weights, gradients and AdamW's two moments (16 bytes a parameter, over
     its dp ranks) plus the bf16 weights it gathers (2 bytes), and at the peak of a micro-batch
-    ``tokens_per_microbatch`` tokens' logits (fp32, the log-softmax and their gradients: 12 bytes
-    per vocabulary entry) and layer activations (about 40 bytes per hidden unit per layer); 4 GiB
-    more for CUDA's own and the allocator's slack."""
+    ``tokens_per_microbatch`` tokens' logits (bf16, their fp32 copy, the log-softmax and the
+    gradients of both: 24 bytes per vocabulary entry) and layer activations (about 40 bytes per
+    hidden unit per layer). The server needs about 8 GiB outside its static pool (CUDA graphs,
+    a decode batch's activations and logits), and CUDA and the allocators 4 GiB of slack.
+    Measured on an H200 (bench/RESULTS.md): at 0.5B and 16,384 tokens per micro-batch the trainer
+    passed 53 GiB, and a server given 0.62 (12 bytes per entry, no server headroom) ran it out
+    of memory; 0.3 ran."""
     static = parameters * (16 / max(1, cfg.trainer.dp) + 2)
     tokens = cfg.trainer.tokens_per_microbatch
-    activations = tokens * (12 * int(model.vocab_size) + 40 * int(model.hidden_size) * int(model.num_hidden_layers))
-    left = (device_bytes - static - activations - 4 * 2**30) / device_bytes
+    activations = tokens * (24 * int(model.vocab_size) + 40 * int(model.hidden_size) * int(model.num_hidden_layers))
+    left = (device_bytes - static - activations - 12 * 2**30) / device_bytes
     return round(min(0.85, max(0.05, left)), 3)
 
 
