@@ -21,9 +21,11 @@ TINY = [
 ]  # fmt: skip
 
 
-def run_example(tmp_path: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def run_example(tmp_path: Path, *args: str, timeout: int = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    extra = env or {}
     env = {**os.environ, "MESHRL_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
+    env.update(extra)
     return subprocess.run([sys.executable, str(ROOT / "examples" / "async_ppo.py"), *args],
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)  # fmt: skip
 

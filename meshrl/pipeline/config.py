@@ -53,6 +53,9 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Longest wait for one train step, one batch or one weight push before the run stops."""
     num_cpus: int | None = None
     """CPUs of the local Ray cluster started when none is running; None: all of this machine's."""
+    ray_address: str | None = None
+    """The Ray cluster to run on (``ray start``'s head address, host:port). None follows Ray's own
+    rules: ``RAY_ADDRESS``, else a cluster ``ray start`` left on this machine, else a new local one."""
     checkpoint_every: int = 0
     """Train steps between checkpoints under output_dir/checkpoints (0: only at the end); a
     multiple of trainer.sync_interval, so a checkpoint always follows a weight push."""

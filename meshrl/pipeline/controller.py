@@ -299,7 +299,8 @@ class Pipeline:
         self._log_ready.set()
         stopped = False
         try:
-            await asyncio.to_thread(ensure_ray, cfg.run.num_cpus)  # seconds: not on the caller's event loop
+            # seconds: not on the caller's event loop
+            self._echo(await asyncio.to_thread(ensure_ray, cfg.run.num_cpus, cfg.run.ray_address))
             self.cfg = cfg = settle_devices(cfg, self._echo)
             roles = await self._start_roles(model_dir)
             self._rollout = rollout = RolloutDriver(cfg, roles, tokenizer, ledger, log, stopping=self._stopping,

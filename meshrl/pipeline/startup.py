@@ -1,7 +1,7 @@
 """What a run settles before its roles start: Ray, the devices and weight transport, the prompts.
 
-``ensure_ray`` starts a local cluster (off the caller's event loop, on a thread that lives as long
-as the process); ``settle_devices`` turns ``rollout.engine.device=auto`` into a device for this
+``ensure_ray`` connects to a Ray cluster or starts a local one (off the caller's event loop, on a
+thread that lives as long as the process); ``settle_devices`` turns ``rollout.engine.device=auto`` into a device for this
 cluster and picks a weight transport both sides can use; ``check_prompts`` refuses prompts and
 answers that could never fit, before the warm start and any actor.
 """
@@ -33,8 +33,15 @@ WORKER_ENV = {
 _ray_init_lock = threading.Lock()
 
 
-def ensure_ray(num_cpus: int | None) -> None:
-    """Start a local Ray cluster unless this process is already connected to one.
+def ensure_ray(num_cpus: int | None, address: str | None = None) -> str:
+    """Connect to a Ray cluster, or start a local one; returns a line saying which (its address,
+    nodes, CPUs and GPUs).
+
+    ``address`` (``run.ray_address``) names a cluster; without it Ray's rules decide: ``RAY_ADDRESS``,
+    else a cluster ``ray start`` left on this machine, else a new local cluster of ``num_cpus``.
+    An existing cluster takes none of a new one's settings (CPUs, system config); what every worker
+    needs travels in the job's runtime_env: meshrl's worker variables, and the directory meshrl is
+    imported from on ``PYTHONPATH`` (for raylets whose environment lacks it).
 
     Thread-safe: the pipeline calls it off its event loop (``ray.init`` takes seconds), and two
     pipelines may at once. Off the main thread, Ray is started on a thread that lives as long as the
@@ -43,38 +50,62 @@ def ensure_ray(num_cpus: int | None) -> None:
     the next run of the program."""
     with _ray_init_lock:
         if ray.is_initialized():
-            return
+            return _cluster_line("connected to")
         if threading.current_thread() is threading.main_thread():
-            _ray_init(num_cpus)
-            return
-        started: list[BaseException | None] = []
+            return _cluster_line(_ray_init(num_cpus, address))
+        started: list[Any] = []
         ready = threading.Event()
 
         def owner() -> None:
             try:
-                _ray_init(num_cpus)
-                started.append(None)
+                started.append(_ray_init(num_cpus, address))
             except BaseException as exc:  # noqa: BLE001 - raised in the caller below
                 started.append(exc)
             ready.set()
-            if started[0] is None:
+            if not isinstance(started[0], BaseException):
                 threading.Event().wait()  # the cluster's processes live while this thread does
 
         threading.Thread(target=owner, name="meshrl-ray", daemon=True).start()
         ready.wait()
-        if started[0] is not None:
+        if isinstance(started[0], BaseException):
             raise started[0]
+        return _cluster_line(started[0])
 
 
-def _ray_init(num_cpus: int | None) -> None:
+def _cluster_line(how: str) -> str:
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    res = ray.cluster_resources()
+    address = ray.get_runtime_context().gcs_address
+    return (f"ray: {how} {address}: {len(nodes)} node(s), {int(res.get('CPU', 0))} CPUs, "
+            f"{int(res.get('GPU', 0))} GPUs")
+
+
+def _ray_init(num_cpus: int | None, address: str | None) -> str:
     os.environ.setdefault("RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "0")
+    common: dict[str, Any] = {"logging_level": logging.WARNING, "runtime_env": {"env_vars": dict(WORKER_ENV)}}
     with _quiet_sigterm_warning():  # off the main thread Ray leaves SIGTERM alone and says so
-        ray.init(
-            num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING,
-            runtime_env={"env_vars": WORKER_ENV},
-            # Batches of small samples stay out of the shared-memory store (about +30% queue speed).
-            _system_config={"max_direct_call_object_size": 1 << 20},
-        )  # fmt: skip
+        if address is None:
+            try:
+                ray.init(
+                    num_cpus=num_cpus, include_dashboard=False, **common,
+                    # Batches of small samples stay out of the shared-memory store (about +30% queue speed).
+                    _system_config={"max_direct_call_object_size": 1 << 20},
+                )  # fmt: skip
+                return "started"
+            except ValueError as exc:  # RAY_ADDRESS or a `ray start` cluster: Ray connects to it
+                if "existing cluster" not in str(exc):
+                    raise
+        common["runtime_env"]["env_vars"]["PYTHONPATH"] = _worker_pythonpath()
+        ray.init(address=address, **common)
+        return "attached to"
+
+
+def _worker_pythonpath() -> str:
+    """The directory meshrl is imported from, then the driver's PYTHONPATH."""
+    import meshrl
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(meshrl.__file__)))
+    return os.pathsep.join([root] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
 
 
 @contextlib.contextmanager

@@ -1,0 +1,49 @@
+"""The main job on a Ray cluster that is already running (issue 26): a head and a second raylet on
+this machine (Ray's own ``cluster_utils.Cluster``: real GCS and raylet processes, stopped by the
+test, not a machine-wide ``ray stop``), and ``RAY_ADDRESS`` pointing at it, as after ``ray start
+--head`` and ``ray start --address``. meshrl used to pass a new cluster's settings to ``ray.init``
+and fail at once with Ray's "When connecting to an existing cluster, _system_config must not be
+provided"."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from test_example_smoke import TINY, run_example
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def two_raylets():
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    try:
+        yield cluster
+    finally:
+        cluster.shutdown()
+
+
+def test_the_main_job_attaches_to_a_running_cluster(tmp_path, two_raylets):
+    address = two_raylets.address
+    proc = run_example(tmp_path, *TINY, "run.total_steps=2", "run.eval_every=0", f"run.output_dir={tmp_path / 'run'}",
+                       "run.num_cpus=1", env={"RAY_ADDRESS": address})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # the cluster's own CPUs (2 + 1), not run.num_cpus: an existing cluster keeps its settings
+    assert f"ray: attached to {address}: 2 node(s), 3 CPUs, 0 GPUs" in proc.stdout, proc.stdout[-2000:]
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in steps if r["kind"] == "step"] == [1, 2]
+    # run.ray_address names the cluster itself (RAY_ADDRESS unset): the same connection
+    code = f"from meshrl.pipeline.startup import ensure_ray; print(ensure_ray(1, {address!r}))"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    named = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert named.returncode == 0, named.stderr[-3000:]
+    assert named.stdout.strip() == f"ray: attached to {address}: 2 node(s), 3 CPUs, 0 GPUs"
