@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import ray
 
 from test_example_smoke import TINY, run_example
 
@@ -26,9 +27,11 @@ def two_raylets():
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
     cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
+    ray.init(address=cluster.address)  # to read the nodes' addresses; the run is another process
     try:
         yield cluster
     finally:
+        ray.shutdown()
         cluster.shutdown()
 
 
@@ -39,6 +42,11 @@ def test_the_main_job_attaches_to_a_running_cluster(tmp_path, two_raylets):
     assert proc.returncode == 0, proc.stderr[-3000:]
     # the cluster's own CPUs (2 + 1), not run.num_cpus: an existing cluster keeps its settings
     assert f"ray: attached to {address}: 2 node(s), 3 CPUs, 0 GPUs" in proc.stdout, proc.stdout[-2000:]
+    placed = next(line for line in proc.stdout.splitlines() if line.startswith("placed (node per rank): "))
+    nodes = {f"{n['NodeManagerAddress']}/{n['NodeID'][:6]}" for n in ray.nodes()}
+    roles = dict(part.split(" ", 1) for part in placed.removeprefix("placed (node per rank): ").split(" | "))
+    assert sorted(roles) == ["queue", "reward", "rollout", "trainer"], placed
+    assert all(set(where.split()) <= nodes for where in roles.values()), (placed, nodes)
     steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in steps if r["kind"] == "step"] == [1, 2]
     # run.ray_address names the cluster itself (RAY_ADDRESS unset): the same connection

@@ -438,3 +438,21 @@ def test_stopping_a_mesh_through_a_view_of_all_its_actors_gives_the_share_back(r
             procs.spawn("third", Counter, 2)
     finally:
         procs.stop()
+
+
+def test_cpu_procs_reserve_no_whole_cores_unless_asked(ray_cluster):
+    """A new user's first script on a 2-core laptop: four processes, and four more beside them while
+    the first mesh lives, place at once (each used to reserve a whole CPU and wait 60 s in vain)."""
+    first = spawn_procs({"procs": 4}, name="laptop-a", timeout=10)
+    try:
+        second = spawn_procs({"procs": 4}, name="laptop-b", timeout=10)
+        try:
+            mesh = second.spawn("counters-b", Counter, 1)
+            assert mesh.incr.call(1).get(timeout=60).values() == [2] * 4
+        finally:
+            second.stop()
+        # asked for, whole cores are reserved: a third mesh of 4 whole CPUs cannot place beside the first
+        with pytest.raises(TimeoutError, match=r"'greedy'.*needs \{'CPU': 4\.0\} on one node, \{'CPU': 2\.\d+\} more"):
+            spawn_procs({"procs": 4}, cpus_per_proc=1.0, name="greedy", timeout=0.5)
+    finally:
+        first.stop()

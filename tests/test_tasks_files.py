@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from meshrl.tasks import FileTask, load_problems
@@ -65,7 +66,7 @@ def test_parquet_float32_and_decimal_answers_read_as_they_were_written(tmp_path)
     pq.write_table(pa.table({"prompt": ["a", "b", "c"], "answer": pa.array([0.1, 3.7, 2.0], type=pa.float32())}),
                    tmp_path / "f32.parquet")  # fmt: skip
     assert [p.answer for p in load_problems(tmp_path / "f32.parquet")] == ["0.1", "3.7", "2"]
-    pq.write_table(pa.table({"prompt": ["a", "b"], "answer": pa.array([0.5, 2.25], type=pa.float16())}), tmp_path / "f16.parquet")
+    pq.write_table(pa.table({"prompt": ["a", "b"], "answer": pa.array(np.array([0.5, 2.25], dtype=np.float16))}), tmp_path / "f16.parquet")
     assert [p.answer for p in load_problems(tmp_path / "f16.parquet")] == ["0.5", "2.25"]
     answers = pa.array([decimal.Decimal("3.50"), decimal.Decimal("100.00")], type=pa.decimal128(6, 2))
     pq.write_table(pa.table({"prompt": ["a", "b"], "answer": answers}), tmp_path / "dec.parquet")

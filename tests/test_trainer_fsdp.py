@@ -94,7 +94,8 @@ def dp2_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp")
     model_dir = tiny_model_dir(root / "model")
     generation = Path(model_dir) / "generation_config.json"  # sampling defaults the export must keep
-    generation.write_text(json.dumps({**json.loads(generation.read_text()), "temperature": 0.7, "eos_token_id": [1, 2]}))
+    generation.write_text(json.dumps({**json.loads(generation.read_text()), "do_sample": True, "temperature": 0.7,
+                                     "eos_token_id": [1, 2]}))  # transformers 5.0 refuses a temperature without do_sample
     run_processes(_rank_main, (free_port(), model_dir, str(root)), 2, timeout_s=300, what="the dp=2 trainer ranks")
     return model_dir, root, torch.load(root / "dp2.pt")
 

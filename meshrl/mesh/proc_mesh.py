@@ -45,6 +45,10 @@ from meshrl.mesh.shape import Shape
 A = TypeVar("A", bound=Actor)
 
 
+_TOKEN_CPU = 0.01
+"""What a process reserves of Ray's CPUs unless told: enough to be scheduled, not a core."""
+
+
 def _ensure_ray() -> None:
     if not ray.is_initialized():
         ray.init()
@@ -54,7 +58,7 @@ def spawn_procs(
     per_host: dict[str, int],
     hosts: int = 1,
     *,
-    cpus_per_proc: float = 1.0,
+    cpus_per_proc: float | None = None,
     gpus_per_proc: float | None = None,
     env: dict[str, str] | None = None,
     name: str | None = None,
@@ -63,10 +67,15 @@ def spawn_procs(
 ) -> ProcMesh:
     """Reserve ``hosts`` × ``prod(per_host)`` processes with dims ``per_host`` (e.g. ``{"gpus": 2}``).
 
-    ``env`` is set in every actor spawned on the mesh. A fraction of a GPU per process shares the
-    GPU with another mesh's processes (a trainer and an SGLang server on one device). Raises
-    ``TimeoutError`` if the cluster cannot place the reservation within ``timeout`` seconds.
+    ``env`` is set in every actor spawned on the mesh. A process reserves ``cpus_per_proc`` of
+    Ray's CPUs only when asked: by default a token (0.01), so a laptop's two cores hold a mesh of
+    four processes, and another beside it, as processes share cores anyway. A fraction of a GPU
+    per process shares the GPU with another mesh's processes (a trainer and an SGLang server on
+    one device). Raises ``TimeoutError`` naming the mesh and what the cluster lacks if it cannot
+    place the reservation within ``timeout`` seconds.
     """
+    if cpus_per_proc is None:
+        cpus_per_proc = _TOKEN_CPU
     if not per_host:
         raise ValueError('per_host needs at least one dim, e.g. {"gpus": 2} or {"procs": 4}')
     if "hosts" in per_host:
@@ -100,10 +109,15 @@ def spawn_procs(
     pg = placement_group(bundles, strategy=strategy, name=f"{mesh_name}-{uid}")
     if not pg.wait(timeout):
         remove_placement_group(pg)
+        free = ray.available_resources()
+        need = {k: sum(b.get(k, 0) for b in bundles) for k in bundles[0]}
+        short = {k: round(v - free.get(k, 0), 3) for k, v in need.items() if v > free.get(k, 0)}
+        where = "on one node" if strategy == "STRICT_PACK" else f"on {hosts} distinct nodes"
         raise TimeoutError(
             f"proc mesh {mesh_name!r} ({dims}, {strategy} bundles of {bundles[0]}) was not placed "
-            f"within {timeout} s; the cluster has {ray.cluster_resources()} "
-            f"({ray.available_resources()} free)"
+            f"within {timeout} s: it needs {need} {where}"
+            + (f", {short} more than the cluster has free" if short else "")
+            + f"; the cluster has {ray.cluster_resources()} ({free} free)"
         )
     return ProcMesh(mesh_name, uid, shape, pg, bundle_of, cpus_per_proc, gpus_per_proc, env or {}, namespace)
 
@@ -154,6 +168,16 @@ class ProcMesh:
 
     def __repr__(self) -> str:
         return f"ProcMesh({self._name!r}, {self._shape.dims})"
+
+    def nodes(self) -> list[str]:
+        """The node each process of this view is reserved on, in rank order: ``address/node id``
+        (its first 6 hex digits: raylets sharing a machine share the address)."""
+        from ray.util import placement_group_table
+
+        table = placement_group_table(self._pg).get("bundles_to_node_id", {})
+        address = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+        nodes = [table.get(self._bundle_of[r], "") for r in self._shape.ranks]
+        return [f"{address.get(n, '?')}/{n[:6]}" for n in nodes]
 
     def slice(self, **dims: int | slice) -> ProcMesh:
         """A view on some of the processes: ``dim=slice(...)`` keeps the dim, ``dim=int`` drops it."""

@@ -145,6 +145,10 @@ class Pipeline:
         self._procs.append(mesh)
         return mesh.spawn(name, cls, *args, **kwargs)
 
+    def _placement_line(self) -> str:
+        """Where each role's processes were reserved: one node address per rank, in rank order."""
+        return "placed (node per rank): " + " | ".join(f"{m.name} {' '.join(m.nodes())}" for m in self._procs)
+
     async def _start_roles(self, model_dir: str) -> Roles:
         cfg, env = self.cfg, self.environment
         self._model_dir_path = model_dir
@@ -303,6 +307,7 @@ class Pipeline:
             self._echo(await asyncio.to_thread(ensure_ray, cfg.run.num_cpus, cfg.run.ray_address))
             self.cfg = cfg = settle_devices(cfg, self._echo)
             roles = await self._start_roles(model_dir)
+            self._echo(await asyncio.to_thread(self._placement_line))
             self._rollout = rollout = RolloutDriver(cfg, roles, tokenizer, ledger, log, stopping=self._stopping,
                                                     environment=self.environment is not None)  # fmt: skip
             self._train = train = TrainLoop(cfg, roles, rollout, log, self.out_dir, evaluate=self._periodic_evaluation)
