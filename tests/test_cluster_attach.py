@@ -13,7 +13,6 @@ import subprocess
 import sys
 
 import pytest
-import ray
 
 from test_example_smoke import TINY, run_example
 
@@ -21,17 +20,21 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def two_raylets():
+def two_raylets(monkeypatch):
+    """Two raylets whose files (and the address a bare ``ray.init()`` would find) live in a temp dir
+    of their own: no other test, in this process or beside it, attaches to them by accident. This
+    process never connects (an earlier test may hold a Ray session of its own here)."""
+    import tempfile
+
     from ray.cluster_utils import Cluster
 
+    monkeypatch.setenv("RAY_TMPDIR", tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # short: socket paths
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
-    cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address)  # to read the nodes' addresses; the run is another process
     try:
+        cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
         yield cluster
     finally:
-        ray.shutdown()
         cluster.shutdown()
 
 
@@ -43,7 +46,7 @@ def test_the_main_job_attaches_to_a_running_cluster(tmp_path, two_raylets):
     # the cluster's own CPUs (2 + 1), not run.num_cpus: an existing cluster keeps its settings
     assert f"ray: attached to {address}: 2 node(s), 3 CPUs, 0 GPUs" in proc.stdout, proc.stdout[-2000:]
     placed = next(line for line in proc.stdout.splitlines() if line.startswith("placed (node per rank): "))
-    nodes = {f"{n['NodeManagerAddress']}/{n['NodeID'][:6]}" for n in ray.nodes()}
+    nodes = {f"{n.node_ip_address}/{n.node_id[:6]}" for n in two_raylets.list_all_nodes()}
     roles = dict(part.split(" ", 1) for part in placed.removeprefix("placed (node per rank): ").split(" | "))
     assert sorted(roles) == ["queue", "reward", "rollout", "trainer"], placed
     assert all(set(where.split()) <= nodes for where in roles.values()), (placed, nodes)
@@ -51,7 +54,7 @@ def test_the_main_job_attaches_to_a_running_cluster(tmp_path, two_raylets):
     assert [r["step"] for r in steps if r["kind"] == "step"] == [1, 2]
     # run.ray_address names the cluster itself (RAY_ADDRESS unset): the same connection
     code = f"from meshrl.pipeline.startup import ensure_ray; print(ensure_ray(1, {address!r}))"
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # RAY_TMPDIR: the cluster's
     named = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert named.returncode == 0, named.stderr[-3000:]
     assert named.stdout.strip() == f"ray: attached to {address}: 2 node(s), 3 CPUs, 0 GPUs"
