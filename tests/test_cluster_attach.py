@@ -58,3 +58,10 @@ def test_the_main_job_attaches_to_a_running_cluster(tmp_path, two_raylets):
     named = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert named.returncode == 0, named.stderr[-3000:]
     assert named.stdout.strip() == f"ray: attached to {address}: 2 node(s), 3 CPUs, 0 GPUs"
+
+
+def test_the_interface_and_nvlink_variables_travel_to_every_worker():
+    from meshrl.pipeline.startup import WORKER_ENV, worker_env
+
+    env = worker_env({"GLOO_SOCKET_IFNAME": "eth1", "NCCL_NVLS_ENABLE": "0", "HOME": "/root"})
+    assert env == {**WORKER_ENV, "GLOO_SOCKET_IFNAME": "eth1", "NCCL_NVLS_ENABLE": "0"}

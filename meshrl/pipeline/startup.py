@@ -82,7 +82,7 @@ def _cluster_line(how: str) -> str:
 
 def _ray_init(num_cpus: int | None, address: str | None) -> str:
     os.environ.setdefault("RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "0")
-    common: dict[str, Any] = {"logging_level": logging.WARNING, "runtime_env": {"env_vars": dict(WORKER_ENV)}}
+    common: dict[str, Any] = {"logging_level": logging.WARNING, "runtime_env": {"env_vars": worker_env()}}
     with _quiet_sigterm_warning():  # off the main thread Ray leaves SIGTERM alone and says so
         if address is None:
             try:
@@ -98,6 +98,18 @@ def _ray_init(num_cpus: int | None, address: str | None) -> str:
         common["runtime_env"]["env_vars"]["PYTHONPATH"] = _worker_pythonpath()
         ray.init(address=address, **common)
         return "attached to"
+
+
+PASSED_THROUGH = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+                  "NVSHMEM_DISABLE_NVLS", "NCCL_CUMEM_ENABLE")
+"""Driver variables every worker gets as they are (a raylet started by ``ray start`` elsewhere has
+an environment of its own): the network interfaces of the process groups and the NVLink switches."""
+
+
+def worker_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The job's ``env_vars``: meshrl's worker variables and the driver's PASSED_THROUGH ones."""
+    environ = os.environ if environ is None else environ
+    return {**WORKER_ENV, **{k: environ[k] for k in PASSED_THROUGH if k in environ}}
 
 
 def _worker_pythonpath() -> str:
