@@ -151,7 +151,6 @@ class Pipeline:
 
     async def _start_roles(self, model_dir: str) -> Roles:
         cfg, env = self.cfg, self.environment
-        self._model_dir_path = model_dir
         queue = self._spawn("queue", QueueActor, cfg.queue, samples_per_step=cfg.trainer.samples_per_step,
                             steps_per_version=cfg.trainer.sync_interval)  # fmt: skip
         max_new_tokens = cfg.rollout.episode.max_tokens if env else cfg.rollout.max_new_tokens
@@ -205,13 +204,13 @@ class Pipeline:
                        "as the engines report")
             rollouts = rollouts.slice(tp=0)
         if self._servers is not None:
-            await self._start_servers(rollouts, trainer)
+            await self._start_servers(rollouts, trainer, model_dir)
         elif cfg.reshard.transport == "distributed" and cfg.placement != "colocated":  # colocated: in-place hand-over
             # once: a process group over every trainer and engine rank, and the cached transfer plan
             await reshard_meshes.connect(trainer, engines, cfg.reshard)
         return Roles(queue, rollouts, rewards, trainer, reference, engines=engines)
 
-    async def _start_servers(self, rollouts: ActorMesh, trainer: ActorMesh) -> None:
+    async def _start_servers(self, rollouts: ActorMesh, trainer: ActorMesh, model_dir: str) -> None:
         """``backend=sglang``: every worker's server up and healthy, and trainer rank 0 in the
         servers' weight-update group (meshrl.actors.sglang_sync)."""
         cfg = self.cfg
@@ -223,7 +222,7 @@ class Pipeline:
             from meshrl.engines.weights import load_hf_config
 
             parameters, device_bytes = await first.device_memory.call_one().within(60)
-            fraction = colocated_mem_fraction(cfg, parameters, device_bytes, load_hf_config(self._model_dir_path))
+            fraction = colocated_mem_fraction(cfg, parameters, device_bytes, load_hf_config(model_dir))
             self._echo(f"sglang: each server shares its GPU with a trainer rank: --mem-fraction-static {fraction} "
                        f"(what the trainer's estimated peak leaves of {device_bytes / 2**30:.0f} GiB; "
                        "rollout.engine.sglang.mem_fraction_static sets it)")
