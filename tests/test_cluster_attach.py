@@ -1,58 +1,167 @@
 """The main job on a Ray cluster that is already running (issue 26): a head and a second raylet on
-this machine (Ray's own ``cluster_utils.Cluster``: real GCS and raylet processes, stopped by the
-test, not a machine-wide ``ray stop``), and ``RAY_ADDRESS`` pointing at it, as after ``ray start
---head`` and ``ray start --address``. meshrl used to pass a new cluster's settings to ``ray.init``
-and fail at once with Ray's "When connecting to an existing cluster, _system_config must not be
-provided"."""
+this machine (Ray's own ``cluster_utils.Cluster``: real GCS, raylet and dashboard processes, stopped
+by the test, not a machine-wide ``ray stop``), each with a custom resource of its own (``node_a``,
+``node_b``) as ``ray start --resources`` gives them, and ``RAY_ADDRESS`` pointing at it, as after
+``ray start --head`` and ``ray start --address``.
+
+meshrl used to pass a new cluster's settings to ``ray.init`` and fail at once with Ray's "When
+connecting to an existing cluster, _system_config must not be provided". Here the roles are pinned
+to one node or the other by those resources, the weights are pushed from the trainer's node to the
+engine's, a checkpoint written on one node is resumed with the trainer on the other, and the job is
+also submitted with ``ray job submit``.
+"""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
 import sys
+import tempfile
+import time
+from pathlib import Path
 
 import pytest
+from ray.util.placement_group import placement_group
 
-from test_example_smoke import TINY, run_example
+from test_example_smoke import ROOT, TINY, run_example
 
 pytestmark = pytest.mark.slow
 
+SHORT = [*TINY, "run.eval_every=0"]
+LABELS = "bundle_label_selector" in inspect.signature(placement_group).parameters
+"""Ray has node labels for placement groups (2.4x on): the second node carries one."""
 
-@pytest.fixture
-def two_raylets(monkeypatch):
+
+def _ray_processes(tmpdir: str) -> list[str]:
+    """This machine's processes started for the cluster whose files live in ``tmpdir`` (each has
+    it in its environment or command line: raylets, GCS, dashboard, workers, job drivers)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # gone, or not ours
+            continue
+        if int(pid) != os.getpid() and (f"RAY_TMPDIR={tmpdir}".encode() in environ or tmpdir in cmdline):
+            found.append(f"{pid} {cmdline[:120]}")
+    return found
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
     """Two raylets whose files (and the address a bare ``ray.init()`` would find) live in a temp dir
     of their own: no other test, in this process or beside it, attaches to them by accident. This
-    process never connects (an earlier test may hold a Ray session of its own here)."""
-    import tempfile
-
+    process never connects (an earlier test may hold a Ray session of its own here). Afterwards no
+    process of the cluster is left."""
     from ray.cluster_utils import Cluster
 
-    monkeypatch.setenv("RAY_TMPDIR", tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # short: socket paths
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
-    try:
-        cluster.add_node(num_cpus=1)
-        cluster.wait_for_nodes()
-        yield cluster
-    finally:
-        cluster.shutdown()
+    tmpdir = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: socket paths
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAY_TMPDIR", tmpdir)
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 2, "resources": {"node_a": 100}, "include_dashboard": True, "dashboard_port": 0})
+        try:
+            cluster.add_node(num_cpus=1, resources={"node_b": 100}, **({"labels": {"meshrl-role": "scorer"}} if LABELS else {}))
+            cluster.wait_for_nodes()
+            yield cluster
+        finally:
+            cluster.shutdown()
+    deadline = time.monotonic() + 30
+    while (left := _ray_processes(tmpdir)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"Ray processes of the test cluster still running: {left}"
 
 
-def test_the_main_job_attaches_to_a_running_cluster(tmp_path, two_raylets):
-    address = two_raylets.address
-    proc = run_example(tmp_path, *TINY, "run.total_steps=2", "run.eval_every=0", f"run.output_dir={tmp_path / 'run'}",
-                       "run.num_cpus=1", env={"RAY_ADDRESS": address})  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """One warm start for the module's runs (the same tiny model)."""
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+def _nodes(cluster) -> dict[str, str]:
+    """'address/node id' (as the placement line writes it) of the node holding each custom resource."""
+    head, other = cluster.list_all_nodes()
+    return {"node_a": f"{head.node_ip_address}/{head.node_id[:6]}", "node_b": f"{other.node_ip_address}/{other.node_id[:6]}"}
+
+
+def _placed(stdout: str) -> dict[str, list[str]]:
+    line = next(line for line in stdout.splitlines() if line.startswith("placed (node per rank): "))
+    roles = dict(part.split(" ", 1) for part in line.removeprefix("placed (node per rank): ").split(" | "))
+    return {role: where.split() for role, where in roles.items()}
+
+
+def test_roles_pinned_to_two_nodes_push_checkpoint_and_resume_across_them(tmp_path, two_nodes, cache):
+    address, nodes, out = two_nodes.address, _nodes(two_nodes), tmp_path / "run"
+    env = {"RAY_ADDRESS": address, "MESHRL_CACHE": cache}
+    pin = ["cluster.trainer.resources={node_b: 0.01}", "cluster.rollout.resources={node_a: 0.01}"]
+    pin += ["cluster.reward.labels={meshrl-role: scorer}"] if LABELS else []
+    first = run_example(tmp_path, *SHORT, "run.total_steps=2", f"run.output_dir={out}", "run.num_cpus=1", *pin, env=env)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
     # the cluster's own CPUs (2 + 1), not run.num_cpus: an existing cluster keeps its settings
-    assert f"ray: attached to {address}: 2 node(s), 3 CPUs, 0 GPUs" in proc.stdout, proc.stdout[-2000:]
-    placed = next(line for line in proc.stdout.splitlines() if line.startswith("placed (node per rank): "))
-    nodes = {f"{n.node_ip_address}/{n.node_id[:6]}" for n in two_raylets.list_all_nodes()}
-    roles = dict(part.split(" ", 1) for part in placed.removeprefix("placed (node per rank): ").split(" | "))
-    assert sorted(roles) == ["queue", "reward", "rollout", "trainer"], placed
-    assert all(set(where.split()) <= nodes for where in roles.values()), (placed, nodes)
-    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in steps if r["kind"] == "step"] == [1, 2]
-    # run.ray_address names the cluster itself (RAY_ADDRESS unset): the same connection
+    assert f"ray: attached to {address}: 2 node(s), 3 CPUs, 0 GPUs" in first.stdout, first.stdout[-2000:]
+    placed = _placed(first.stdout)
+    assert sorted(placed) == ["queue", "reward", "rollout", "trainer"], placed
+    assert placed["trainer"] == [nodes["node_b"]] and placed["rollout"] == [nodes["node_a"]], (placed, nodes)
+    assert not LABELS or placed["reward"] == [nodes["node_b"]], (placed, nodes)
+    assert "storage: 2 nodes see the driver's run.output_dir" in first.stdout, first.stdout[-2000:]
+    assert "actors: role/rank in Ray namespace meshrl-run-" in first.stdout
+    assert (out / "checkpoints" / "step_00000002" / "trainer").is_dir() and (out / "final").is_dir()
+
+    # resume the checkpoint the trainer wrote on node_b with the trainer on node_a and the engine on
+    # node_b, the weights now through the object store
+    swapped = ["cluster.trainer.resources={node_a: 0.01}", "cluster.rollout.resources={node_b: 0.01}"]
+    second = run_example(tmp_path, *SHORT, "run.total_steps=3", f"run.output_dir={out}", "run.resume=latest",
+                         "reshard.transport=object_store", *swapped, env=env)  # fmt: skip
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-3000:]
+    placed = _placed(second.stdout)
+    assert placed["trainer"] == [nodes["node_a"]] and placed["rollout"] == [nodes["node_b"]], (placed, nodes)
+    assert "resumed from" in second.stdout and "at step 2" in second.stdout, second.stdout[-2000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["kind"] == "step"]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+
+    # a pin no node can satisfy fails within cluster.placement_timeout_s, naming the role and the resource
+    started = time.monotonic()
+    bad = run_example(tmp_path, *SHORT, "run.total_steps=1", f"run.output_dir={tmp_path / 'bad'}",
+                      "cluster.trainer.resources={node_c: 0.01}", "cluster.placement_timeout_s=3", env=env)
+    assert bad.returncode != 0
+    assert "proc mesh 'trainer'" in bad.stderr and "no node has 'node_c'" in bad.stderr, bad.stderr[-3000:]
+    assert time.monotonic() - started < 120
+
+
+def test_the_main_job_runs_under_ray_job_submit(tmp_path, two_nodes, cache):
+    """``ray job submit -- python examples/async_ppo.py ...``: the driver runs on the head node in
+    the job's runtime_env (its env_vars, even one meshrl sets too, win over meshrl's); the run's
+    actors are listed by Ray's state API (``ray list actors``) as role/rank in the run's namespace."""
+    from ray.util.state import list_actors
+
+    dashboard = "http://" + two_nodes.head_node.address_info["webui_url"]
+    out = tmp_path / "job"
+    runtime_env = json.dumps({"env_vars": {"MESHRL_CACHE": cache, "OMP_NUM_THREADS": "1"}})
+    cmd = [sys.executable, "-m", "ray.scripts.scripts", "job", "submit", "--address", dashboard,
+           "--runtime-env-json", runtime_env, "--", sys.executable, str(ROOT / "examples" / "async_ppo.py"),
+           *SHORT, "run.total_steps=2", f"run.output_dir={out}", "run.progress=false",
+           "cluster.trainer.resources={node_b: 0.01}"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_AUTH_MODE": "disabled"}
+    job = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env, cwd=tmp_path)
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    assert f"ray: attached to {two_nodes.address}: 2 node(s), 3 CPUs" in job.stdout, job.stdout[-3000:]
+    assert _placed(job.stdout)["trainer"] == [_nodes(two_nodes)["node_b"]]
+    namespace = next(line for line in job.stdout.splitlines() if "actors: role/rank in Ray namespace" in line).split()[-1]
+    actors = {(a.name, a.class_name) for a in list_actors(address=dashboard, filters=[("ray_namespace", "=", namespace)])}
+    assert {("queue/0", "QueueActor"), ("rollout/0", "RolloutWorker"), ("reward/0", "RewardWorker"),
+            ("trainer/0", "Trainer")} <= actors, actors
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
+            if json.loads(line)["kind"] == "step"] == [1, 2]  # fmt: skip
+
+
+def test_run_ray_address_names_the_cluster(two_nodes):
+    """``run.ray_address`` (RAY_ADDRESS unset) connects to the same cluster."""
+    address = two_nodes.address
     code = f"from meshrl.pipeline.startup import ensure_ray; print(ensure_ray(1, {address!r}))"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # RAY_TMPDIR: the cluster's
     named = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)

@@ -117,6 +117,10 @@ def test_yaml_syntax_errors_and_repeated_keys_are_one_line_naming_the_line(tmp_p
     (["run.eval_every=-3"], "`run.eval_every`: must be >= 0"),
     (["run.num_cpus=0"], "`run.num_cpus`: must be >= 1"),
     (["run.eval_max_new_tokens=0"], "`run.eval_max_new_tokens`: must be >= 1"),
+    (["cluster.placement_timeout_s=0"], "`cluster.placement_timeout_s`: must be a finite number of seconds > 0"),
+    (["cluster.trainer.resources={GPU: 1}"], "`cluster.trainer.resources`: {'GPU': 1.0}: give Ray resource names"),
+    (["cluster.reward.resources={cpu_node: 0}"], "`cluster.reward.resources`: {'cpu_node': 0.0}"),
+    (["cluster.rollout.pack=maybe"], "`cluster.rollout.pack`: Expected `bool`"),
 ])
 def test_validate_refuses_run_values_that_would_fail_mid_run(overrides, message):
     with pytest.raises(ConfigError) as info:
@@ -274,3 +278,11 @@ def test_a_section_with_every_key_commented_out_changes_nothing(tmp_path):
     assert cfg.run == PipelineConfig().run and cfg.queue.max_staleness == 2
     with pytest.raises(ConfigError, match="`run`: Expected `object`, got `null`"):
         load_config(PipelineConfig, None, ["run=null"])
+
+
+def test_each_role_has_its_placement_and_reward_workers_spread():
+    cfg = load_config(PipelineConfig, None, ["cluster.trainer.resources={trainer_node: 0.01}",
+                                             "cluster.rollout.labels={accelerator: H200}"]).validate()
+    assert cfg.cluster.trainer.resources == {"trainer_node": 0.01} and cfg.cluster.role("hybrid") is cfg.cluster.trainer
+    assert cfg.cluster.rollout.labels == {"accelerator": "H200"} and cfg.cluster.rollout.pack
+    assert not cfg.cluster.reward.pack and cfg.cluster.role("reward_model") is cfg.cluster.reward

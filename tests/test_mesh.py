@@ -452,7 +452,39 @@ def test_cpu_procs_reserve_no_whole_cores_unless_asked(ray_cluster):
         finally:
             second.stop()
         # asked for, whole cores are reserved: a third mesh of 4 whole CPUs cannot place beside the first
-        with pytest.raises(TimeoutError, match=r"'greedy'.*needs \{'CPU': 4\.0\} on one node, \{'CPU': 2\.\d+\} more"):
+        with pytest.raises(TimeoutError, match=r"'greedy'.*needs \{'CPU': 4\.0\} on one node, and the cluster has \{'CPU': 2\.\d+\} less free"):
             spawn_procs({"procs": 4}, cpus_per_proc=1.0, name="greedy", timeout=0.5)
     finally:
         first.stop()
+
+
+def test_a_mesh_is_pinned_by_a_resource_and_packed_by_groups(ray_cluster):
+    """``resources=`` pins a mesh to the nodes that have them (one it never finds times out naming
+    it, and how to give it); ``pack=dim`` reserves one bundle per group (a bundle never spans
+    nodes), ``pack=False`` one per process that Ray may spread; ``resources={"CPU": 1}`` asks for
+    whole cores."""
+    node = f"node:{ray_cluster.util.get_node_ip_address()}"
+    groups = spawn_procs({"replica": 2, "tp": 2}, resources={node: 0.01}, pack="tp", name="pack-tp", timeout=10)
+    loose = spawn_procs({"procs": 3}, pack=False, name="pack-none", timeout=10)
+    try:
+        assert groups._bundle_of == (0, 0, 1, 1) and loose._bundle_of == (0, 1, 2)
+        table = ray_cluster.util.placement_group_table(groups._pg)
+        assert table["strategy"] == "PACK" and [b[node] for b in table["bundles"].values()] == [0.02, 0.02]
+        mesh = groups.spawn("pack-counters", Counter, 0)
+        assert mesh.incr.call(1).get(timeout=60).values() == [1] * 4
+        assert set(groups.nodes()) == set(loose.nodes()) and len(set(groups.nodes())) == 1
+    finally:
+        groups.stop()
+        loose.stop()
+    with pytest.raises(TimeoutError, match=r"'pinned'.*no node has 'trainer_node' \(give it with ray start "
+                                           r"--resources='\{\"trainer_node\": N\}'\)"):
+        spawn_procs({"procs": 1}, resources={"trainer_node": 0.01}, name="pinned", timeout=0.5)
+    with pytest.raises(ValueError, match=r"resources\['CPU'\] and cpus_per_proc"):
+        spawn_procs({"procs": 1}, cpus_per_proc=1, resources={"CPU": 1})
+    with pytest.raises(ValueError, match=r"pack='tp' names no dim"):
+        spawn_procs({"procs": 2}, pack="tp")
+    cores = spawn_procs({"procs": 1}, resources={"CPU": 1}, name="one-core", timeout=10)
+    try:
+        assert ray_cluster.util.placement_group_table(cores._pg)["bundles"][0]["CPU"] == 1
+    finally:
+        cores.stop()

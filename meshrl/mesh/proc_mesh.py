@@ -29,6 +29,7 @@ Ray is started (``ray.init()``) on first use when this process is not connected 
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import uuid
 from typing import Any, Callable, TypeVar, cast
@@ -60,6 +61,9 @@ def spawn_procs(
     *,
     cpus_per_proc: float | None = None,
     gpus_per_proc: float | None = None,
+    resources: dict[str, float] | None = None,
+    labels: dict[str, str] | None = None,
+    pack: bool | str = True,
     env: dict[str, str] | None = None,
     name: str | None = None,
     namespace: str | None = None,
@@ -71,11 +75,30 @@ def spawn_procs(
     Ray's CPUs only when asked: by default a token (0.01), so a laptop's two cores hold a mesh of
     four processes, and another beside it, as processes share cores anyway. A fraction of a GPU
     per process shares the GPU with another mesh's processes (a trainer and an SGLang server on
-    one device). Raises ``TimeoutError`` naming the mesh and what the cluster lacks if it cannot
-    place the reservation within ``timeout`` seconds.
+    one device).
+
+    Where the processes go (``hosts == 1``):
+
+    - ``resources``: further Ray resources each process reserves, e.g. ``{"trainer_node": 0.01}``
+      (a custom resource ``ray start --resources`` gave some nodes: the mesh goes only there),
+      ``{"node:10.0.0.2": 0.01}`` (one node, by its address) or ``{"CPU": 1}`` (a whole core).
+    - ``labels``: node labels every process's node must carry (``ray start --labels``; Ray's label
+      selectors, on a Ray that has them).
+    - ``pack``: True puts the whole mesh on one node; False lets Ray place each process where it
+      fits (packed where it can); a dim's name puts each group of processes that differ only in
+      that dim and the dims after it on one node (``{"replica": 4, "tp": 2}`` with ``pack="tp"``:
+      each replica's two ranks together, the replicas wherever they fit).
+
+    Raises ``TimeoutError`` naming the mesh and what the cluster lacks if it cannot place the
+    reservation within ``timeout`` seconds.
     """
-    if cpus_per_proc is None:
-        cpus_per_proc = _TOKEN_CPU
+    resources = dict(resources or {})
+    for key, amount in (("CPU", cpus_per_proc), ("GPU", gpus_per_proc)):
+        if key in resources and amount is not None:
+            raise ValueError(f"resources[{key!r}] and {key.lower()}s_per_proc both say how many {key}s a process "
+                             "reserves: give one")
+    cpus_per_proc = resources.pop("CPU", _TOKEN_CPU if cpus_per_proc is None else cpus_per_proc)
+    gpus_per_proc = resources.pop("GPU", gpus_per_proc)
     if not per_host:
         raise ValueError('per_host needs at least one dim, e.g. {"gpus": 2} or {"procs": 4}')
     if "hosts" in per_host:
@@ -86,40 +109,73 @@ def spawn_procs(
         gpus_per_proc = 1 if "gpus" in per_host else 0
     if cpus_per_proc < 0 or gpus_per_proc < 0:
         raise ValueError(f"cpus_per_proc and gpus_per_proc must be >= 0, got {cpus_per_proc}, {gpus_per_proc}")
-    if cpus_per_proc == 0 and gpus_per_proc == 0:
+    if cpus_per_proc == 0 and gpus_per_proc == 0 and not resources:
         raise ValueError("cpus_per_proc and gpus_per_proc are both 0: a process must reserve something")
+    bad = {k: v for k, v in resources.items() if not k or not isinstance(v, (int, float)) or not v > 0}
+    if bad:
+        raise ValueError(f"resources must map Ray resource names to amounts > 0, got {bad}")
+    if isinstance(pack, str) and pack not in per_host:
+        raise ValueError(f"pack={pack!r} names no dim of {dict(per_host)}: give a dim, True (one node) or False")
+    if hosts > 1 and pack is not True:
+        raise ValueError("pack applies to a mesh of one host; hosts > 1 puts each host's processes on a node of its own")
     dims = ({"hosts": hosts} if hosts > 1 else {}) | dict(per_host)
     shape = Shape.from_dims(dims)  # validates sizes
     _ensure_ray()
 
-    procs_per_host = math.prod(per_host.values())
     per_proc: dict[str, float] = {"CPU": cpus_per_proc} if cpus_per_proc else {}
     if gpus_per_proc:
         per_proc["GPU"] = gpus_per_proc
-    if hosts == 1:
-        bundles = [dict(per_proc) for _ in range(procs_per_host)]
-        bundle_of = tuple(range(procs_per_host))
-        strategy = "STRICT_PACK"
+    per_proc.update(resources)
+    if hosts > 1:  # a bundle per host, each on a node of its own
+        group, strategy = math.prod(per_host.values()), "STRICT_SPREAD"
+    elif isinstance(pack, str):  # a bundle per group: a bundle never spans nodes
+        dim_names = list(per_host)
+        group, strategy = math.prod(list(per_host.values())[dim_names.index(pack):]), "PACK"
     else:
-        bundles = [{k: v * procs_per_host for k, v in per_proc.items()} for _ in range(hosts)]
-        bundle_of = tuple(r // procs_per_host for r in range(len(shape)))
-        strategy = "STRICT_SPREAD"
+        group, strategy = 1, "STRICT_PACK" if pack else "PACK"
+    bundles = [{k: v * group for k, v in per_proc.items()} for _ in range(len(shape) // group)]
+    bundle_of = tuple(r // group for r in range(len(shape)))
     uid = uuid.uuid4().hex[:12]
     mesh_name = name or "procs"
-    pg = placement_group(bundles, strategy=strategy, name=f"{mesh_name}-{uid}")
+    options: dict[str, Any] = {}
+    if labels:
+        if "bundle_label_selector" not in inspect.signature(placement_group).parameters:
+            raise ValueError(f"labels={labels}: this Ray ({ray.__version__}) has no label selectors for placement "
+                             "groups: pin the mesh by a custom resource (resources=) instead, or upgrade Ray")
+        options["bundle_label_selector"] = [dict(labels) for _ in bundles]
+    pg = placement_group(bundles, strategy=strategy, name=f"{mesh_name}-{uid}", **options)
     if not pg.wait(timeout):
         remove_placement_group(pg)
-        free = ray.available_resources()
-        need = {k: sum(b.get(k, 0) for b in bundles) for k in bundles[0]}
-        short = {k: round(v - free.get(k, 0), 3) for k, v in need.items() if v > free.get(k, 0)}
-        where = "on one node" if strategy == "STRICT_PACK" else f"on {hosts} distinct nodes"
-        raise TimeoutError(
-            f"proc mesh {mesh_name!r} ({dims}, {strategy} bundles of {bundles[0]}) was not placed "
-            f"within {timeout} s: it needs {need} {where}"
-            + (f", {short} more than the cluster has free" if short else "")
-            + f"; the cluster has {ray.cluster_resources()} ({free} free)"
-        )
+        raise TimeoutError(_unplaced(mesh_name, dims, strategy, bundles, labels or {}, timeout))
     return ProcMesh(mesh_name, uid, shape, pg, bundle_of, cpus_per_proc, gpus_per_proc, env or {}, namespace)
+
+
+def _unplaced(name: str, dims: dict[str, int], strategy: str, bundles: list[dict[str, float]],
+              labels: dict[str, str], timeout: float) -> str:
+    """Why a proc mesh was not placed: what it needs, and what the cluster's nodes lack of it."""
+    need = {k: round(sum(b.get(k, 0) for b in bundles), 3) for k in bundles[0]}
+    where = {"STRICT_PACK": "on one node", "STRICT_SPREAD": f"on {len(bundles)} distinct nodes",
+             "PACK": f"in {len(bundles)} group(s) of {bundles[0]}, each on one node"}[strategy]
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    fits = [n for n in nodes if all(n.get("Labels", {}).get(k) == v for k, v in labels.items())]
+    lacking = sorted(k for k in need if not any(k in n["Resources"] for n in fits))
+    free = ray.available_resources()
+    short = {k: round(v - free.get(k, 0), 3) for k, v in need.items() if v > free.get(k, 0) + 1e-9}
+    why = []
+    if labels and not fits:
+        why.append(f"no node carries the labels {labels} (ray start --labels=...)")
+    elif lacking:
+        names = ", ".join(repr(k) for k in lacking)
+        why.append(f"no node{' with the labels ' + str(labels) if labels else ''} has {names} "
+                   f"(give it with ray start --resources='{{\"{lacking[0]}\": N}}')")
+    elif short:
+        why.append(f"the cluster has {short} less free than that")
+    else:
+        why.append("no single node has that much free")
+    per_node = "; ".join(f"{n['NodeManagerAddress']}/{n['NodeID'][:6]}: "
+                         + str({k: v for k, v in n["Resources"].items() if k in need}) for n in nodes)
+    return (f"proc mesh {name!r} ({dims}) was not placed within {timeout:g} s: it needs {need} {where}, and "
+            f"{why[0]}; the nodes have {per_node or 'nothing (no node is alive)'}")
 
 
 class ProcMesh:

@@ -23,7 +23,7 @@ from meshrl.queues import QueueConfig
 from meshrl.reshard import ReshardConfig
 from meshrl.tasks import TaskConfig
 
-__all__ = ["ModelConfig", "RunConfig", "PipelineConfig"]
+__all__ = ["ClusterConfig", "ModelConfig", "RolePlacement", "RunConfig", "PipelineConfig"]
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -72,6 +72,52 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True):
     if there is none); a path: that checkpoint directory; null: start fresh."""
 
 
+class RolePlacement(msgspec.Struct, frozen=True, kw_only=True):
+    """Where one role's processes go on a Ray cluster (their GPUs come from the device settings)."""
+
+    resources: dict[str, float] = {}
+    """Ray resources each process reserves besides its GPUs: a custom resource that ``ray start
+    --resources='{"trainer_node": 8}'`` gave some nodes pins the role to them ({trainer_node: 0.01});
+    {"node:10.0.0.2": 0.01} pins it to one node by address; {CPU: 1} reserves a core per process
+    (unset: a token, as processes share cores anyway)."""
+    labels: dict[str, str] = {}
+    """Node labels the role's nodes must carry (``ray start --labels``; Ray's label selectors)."""
+    pack: bool = True
+    """trainer: its dp ranks (one FSDP group) on one node; rollout: each tensor-parallel group on one
+    node (the replicas go wherever they fit); queue, reward, reference: all their processes on one
+    node. False lets Ray spread them."""
+
+
+class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """How the roles are placed on the Ray cluster's nodes."""
+
+    placement_timeout_s: float = 60.0
+    """Longest wait for a role's processes to be placed; then the run fails, naming the role and
+    what the cluster lacks (an autoscaling cluster may need minutes to add a node)."""
+    queue: RolePlacement = RolePlacement()
+    rollout: RolePlacement = RolePlacement()
+    reward: RolePlacement = RolePlacement(pack=False)
+    """Reward workers (and a MeshReward's mesh): spread where they fit."""
+    trainer: RolePlacement = RolePlacement()
+    """The trainer's dp ranks; with placement=colocated, the workers that hold trainer and engine."""
+    reference: RolePlacement = RolePlacement()
+
+    def role(self, name: str) -> RolePlacement:
+        """The placement of the mesh called ``name`` (hybrid: the trainer's; another: a reward mesh)."""
+        name = {"hybrid": "trainer"}.get(name, name)
+        return getattr(self, name) if name in ("queue", "rollout", "trainer", "reference") else self.reward
+
+    def validate(self) -> None:
+        if not 0 < self.placement_timeout_s < math.inf:
+            raise ConfigError(f"`cluster.placement_timeout_s`: must be a finite number of seconds > 0, got "
+                              f"{self.placement_timeout_s}")
+        for role in ("queue", "rollout", "reward", "trainer", "reference"):
+            bad = {k: v for k, v in getattr(self, role).resources.items() if k == "GPU" or not k or not v > 0}
+            if bad:
+                raise ConfigError(f"`cluster.{role}.resources`: {bad}: give Ray resource names and amounts > 0 "
+                                  "(a role's GPUs come from its device settings, not from here)")
+
+
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -110,6 +156,8 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
     handed over by in-place copies)."""
     colocated: ColocatedConfig = ColocatedConfig()
     """The switch between the two modes (placement=colocated only)."""
+    cluster: ClusterConfig = ClusterConfig()
+    """Where the roles go on the Ray cluster's nodes: pins, packing, how long placement may take."""
 
     def model_positions(self) -> int:
         """The longest sequence the engine serves by default: the model's positions, at most 4096
@@ -151,6 +199,7 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.trainer.reference_in_trainer and self.algo.kl_coef == 0:
             raise ConfigError("`trainer.reference_in_trainer`: needs algo.kl_coef > 0 (no KL term, no reference)")
         self._validate_placement()
+        self.cluster.validate()
         if self.task.kind == "file" and not (self.task.train_file and self.task.test_file):
             raise ConfigError("`task.train_file`: task.kind=file needs task.train_file and task.test_file")
         if self.task.kind != "file" and (self.task.train_file or self.task.test_file):

@@ -62,6 +62,7 @@ from meshrl.pipeline.metrics import RunLog
 from meshrl.pipeline.rollout_loop import Roles, RolloutDriver, bounded
 from meshrl.pipeline.startup import (WORKER_ENV, check_prompts, colocated_mem_fraction, ensure_ray, settle_devices,
                                      sglang_transport)
+from meshrl.pipeline.storage import check_storage
 from meshrl.pipeline.training import TrainLoop
 from meshrl.queues import QueueClosed
 from meshrl.queues.actor import QueueActor
@@ -71,6 +72,11 @@ from meshrl.tasks import NamedFunction, Task, build_task, load_reward_function, 
 __all__ = ["Pipeline"]
 
 logger = logging.getLogger(__name__)
+
+def _run_name(out_dir: Path) -> str:
+    """The output directory's name, as a Ray namespace may hold it."""
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in out_dir.name)[:40] or "run"
+
 
 class Pipeline:
     """An asynchronous RL run: ``summary = await Pipeline(cfg).run()`` (docs/embedding.md).
@@ -104,9 +110,10 @@ class Pipeline:
         self._procs: list[ProcMesh] = []
         self._servers: ActorMesh | None = None
         """backend=sglang: the rollout workers whose servers must be stopped when the run ends."""
-        # the run's actors live in a Ray namespace of their own: a second Pipeline in this program (or
-        # another program on the same cluster) has meshes called "queue", "trainer", ... as well
-        self._namespace = f"meshrl-{uuid.uuid4().hex[:12]}"
+        # the run's actors live in a Ray namespace of their own, named after the run (its output
+        # directory): a second Pipeline in this program (or another program on the same cluster) has
+        # meshes called "queue", "trainer", ... as well, and `ray list actors` tells the runs apart
+        self._namespace = f"meshrl-{_run_name(self.out_dir)}-{uuid.uuid4().hex[:6]}"
         self.log: RunLog | None = None
         self._rollout: RolloutDriver | None = None
         self._train: TrainLoop | None = None
@@ -140,14 +147,22 @@ class Pipeline:
 
     def _spawn(self, name: str, cls: type, *args: Any, procs: int = 1, dims: dict[str, int] | None = None,
                gpus_per_proc: float = 0, **kwargs: Any) -> ActorMesh:
-        mesh = spawn_procs(dims or {"procs": procs}, cpus_per_proc=0.01, gpus_per_proc=gpus_per_proc,
-                           env=WORKER_ENV, name=name, namespace=self._namespace)  # fmt: skip
+        """Reserve the role's processes where ``cluster.<role>`` says, and start ``cls`` on them."""
+        where = self.cfg.cluster.role(name)
+        dims = dims or {"procs": procs}
+        # rollout: each TP group on one node, replicas wherever they fit; others: all on one node
+        pack: bool | str = where.pack and ("tp" if "tp" in dims else name != "rollout")
+        mesh = spawn_procs(dims, gpus_per_proc=gpus_per_proc, resources=where.resources, labels=where.labels,
+                           pack=pack, env=WORKER_ENV, name=name, namespace=self._namespace,
+                           timeout=self.cfg.cluster.placement_timeout_s)  # fmt: skip
         self._procs.append(mesh)
         return mesh.spawn(name, cls, *args, **kwargs)
 
     def _placement_line(self) -> str:
-        """Where each role's processes were reserved: one node address per rank, in rank order."""
-        return "placed (node per rank): " + " | ".join(f"{m.name} {' '.join(m.nodes())}" for m in self._procs)
+        """Where each role's processes were reserved: one node address per rank, in rank order; and
+        the Ray namespace of the run's actors (named role/rank in it)."""
+        return ("placed (node per rank): " + " | ".join(f"{m.name} {' '.join(m.nodes())}" for m in self._procs)
+                + f"\nactors: role/rank in Ray namespace {self._namespace}")
 
     async def _start_roles(self, model_dir: str) -> Roles:
         cfg, env = self.cfg, self.environment
@@ -209,6 +224,19 @@ class Pipeline:
             # once: a process group over every trainer and engine rank, and the cached transfer plan
             await reshard_meshes.connect(trainer, engines, cfg.reshard)
         return Roles(queue, rollouts, rewards, trainer, reference, engines=engines)
+
+    async def _check_storage(self, roles: Roles, model_dir: str) -> None:
+        """Every node that writes under run.output_dir (the trainer's; the rollout workers' when they
+        launch SGLang servers, whose logs go there) sees the driver's directory, and every node that
+        loads the model sees the driver's model directory (meshrl.pipeline.storage)."""
+        launched = self._servers is not None and not self.cfg.rollout.engine.sglang.urls
+        meshes = [("trainer", roles.trainer, True)]
+        if roles.engines is not roles.trainer:
+            meshes.append(("rollout", roles.engines, launched))
+        meshes += [("reward", roles.rewards, False)] + ([("reference", roles.reference, False)] if roles.reference else [])
+        nodes = await check_storage(self.out_dir, model_dir, meshes, self.cfg.run.step_timeout_s)
+        if nodes > 1:
+            self._echo(f"storage: {nodes} nodes see the driver's run.output_dir ({self.out_dir}) and model directory")
 
     async def _start_servers(self, rollouts: ActorMesh, trainer: ActorMesh, model_dir: str) -> None:
         """``backend=sglang``: every worker's server up and healthy, and trainer rank 0 in the
@@ -307,6 +335,7 @@ class Pipeline:
             self.cfg = cfg = settle_devices(cfg, self._echo)
             roles = await self._start_roles(model_dir)
             self._echo(await asyncio.to_thread(self._placement_line))
+            await self._check_storage(roles, model_dir)
             self._rollout = rollout = RolloutDriver(cfg, roles, tokenizer, ledger, log, stopping=self._stopping,
                                                     environment=self.environment is not None)  # fmt: skip
             self._train = train = TrainLoop(cfg, roles, rollout, log, self.out_dir, evaluate=self._periodic_evaluation)

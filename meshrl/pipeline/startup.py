@@ -82,7 +82,10 @@ def _cluster_line(how: str) -> str:
 
 def _ray_init(num_cpus: int | None, address: str | None) -> str:
     os.environ.setdefault("RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "0")
-    common: dict[str, Any] = {"logging_level": logging.WARNING, "runtime_env": {"env_vars": worker_env()}}
+    env = worker_env()
+    for key in _job_env_vars():  # `ray job submit --runtime-env-json`: the job's own settings win
+        env.pop(key, None)
+    common: dict[str, Any] = {"logging_level": logging.WARNING, "runtime_env": {"env_vars": env}}
     with _quiet_sigterm_warning():  # off the main thread Ray leaves SIGTERM alone and says so
         if address is None:
             try:
@@ -95,9 +98,22 @@ def _ray_init(num_cpus: int | None, address: str | None) -> str:
             except ValueError as exc:  # RAY_ADDRESS or a `ray start` cluster: Ray connects to it
                 if "existing cluster" not in str(exc):
                     raise
-        common["runtime_env"]["env_vars"]["PYTHONPATH"] = _worker_pythonpath()
+        if "PYTHONPATH" not in _job_env_vars():
+            env["PYTHONPATH"] = _worker_pythonpath()
         ray.init(address=address, **common)
         return "attached to"
+
+
+def _job_env_vars() -> dict[str, str]:
+    """The env_vars of the runtime_env a job was submitted with (``ray job submit`` puts the job's
+    config in the driver's environment; Ray refuses a ``ray.init`` runtime_env that sets one of
+    the same variables)."""
+    import json
+
+    raw = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    if not raw:
+        return {}
+    return dict((json.loads(raw).get("runtime_env") or {}).get("env_vars") or {})
 
 
 PASSED_THROUGH = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
