@@ -13,6 +13,7 @@ also submitted with ``ray job submit``.
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import json
 import os
@@ -29,9 +30,12 @@ from test_example_smoke import ROOT, TINY, run_example
 
 pytestmark = pytest.mark.slow
 
-SHORT = [*TINY, "run.eval_every=0"]
+SHORT = [*TINY, "run.eval_every=0", "model.embedded.num_key_value_heads=2"]  # heads split over tp_size=2
 LABELS = "bundle_label_selector" in inspect.signature(placement_group).parameters
 """Ray has node labels for placement groups (2.4x on): the second node carries one."""
+DASHBOARD = importlib.util.find_spec("aiohttp_cors") is not None and importlib.util.find_spec("opencensus") is not None
+"""ray[default] is installed: the head runs a dashboard, which `ray job submit` and `ray list` need
+(not in the dev set: its agents add about 1.5 s to every Ray start of the suite)."""
 
 
 def _ray_processes(tmpdir: str) -> list[str]:
@@ -63,9 +67,9 @@ def two_nodes():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RAY_TMPDIR", tmpdir)
         cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 2, "resources": {"node_a": 100}, "include_dashboard": True, "dashboard_port": 0})
+            "num_cpus": 2, "resources": {"node_a": 100}, "include_dashboard": DASHBOARD, "dashboard_port": 0})
         try:
-            cluster.add_node(num_cpus=1, resources={"node_b": 100}, **({"labels": {"meshrl-role": "scorer"}} if LABELS else {}))
+            cluster.add_node(num_cpus=2, resources={"node_b": 100}, **({"labels": {"meshrl-role": "scorer"}} if LABELS else {}))
             cluster.wait_for_nodes()
             yield cluster
         finally:
@@ -97,25 +101,32 @@ def _placed(stdout: str) -> dict[str, list[str]]:
 def test_roles_pinned_to_two_nodes_push_checkpoint_and_resume_across_them(tmp_path, two_nodes, cache):
     address, nodes, out = two_nodes.address, _nodes(two_nodes), tmp_path / "run"
     env = {"RAY_ADDRESS": address, "MESHRL_CACHE": cache}
-    pin = ["cluster.trainer.resources={node_b: 0.01}", "cluster.rollout.resources={node_a: 0.01}"]
+    # the trainer on node_b; the engine's two tensor-parallel ranks unpacked, and each taking 1.5 of
+    # a node's 2 CPUs: one rank on each node, so the TP schedule and the push cross nodes
+    pin = ["cluster.trainer.resources={node_b: 0.01}", "rollout.tp_size=2", "cluster.rollout.pack=false",
+           "cluster.rollout.resources={CPU: 1.5}"]
     pin += ["cluster.reward.labels={meshrl-role: scorer}"] if LABELS else []
     first = run_example(tmp_path, *SHORT, "run.total_steps=2", f"run.output_dir={out}", "run.num_cpus=1", *pin, env=env)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
-    # the cluster's own CPUs (2 + 1), not run.num_cpus: an existing cluster keeps its settings
-    assert f"ray: attached to {address}: 2 node(s), 3 CPUs, 0 GPUs" in first.stdout, first.stdout[-2000:]
+    # the cluster's own CPUs (2 + 2), not run.num_cpus: an existing cluster keeps its settings
+    assert f"ray: attached to {address}: 2 node(s), 4 CPUs, 0 GPUs" in first.stdout, first.stdout[-2000:]
     placed = _placed(first.stdout)
     assert sorted(placed) == ["queue", "reward", "rollout", "trainer"], placed
-    assert placed["trainer"] == [nodes["node_b"]] and placed["rollout"] == [nodes["node_a"]], (placed, nodes)
+    assert placed["trainer"] == [nodes["node_b"]] and sorted(placed["rollout"]) == sorted(nodes.values()), placed
+    assert "engines: 1 replica(s) x 2 tensor-parallel ranks" in first.stdout
     assert not LABELS or placed["reward"] == [nodes["node_b"]], (placed, nodes)
     assert "storage: 2 nodes see the driver's run.output_dir" in first.stdout, first.stdout[-2000:]
     assert "actors: role/rank in Ray namespace meshrl-run-" in first.stdout
     assert (out / "checkpoints" / "step_00000002" / "trainer").is_dir() and (out / "final").is_dir()
 
-    # resume the checkpoint the trainer wrote on node_b with the trainer on node_a and the engine on
-    # node_b, the weights now through the object store
+    # resume the checkpoint the trainer wrote on node_b with the trainer on node_a and one engine
+    # rank on node_b, the weights now through the object store; started as `ray job submit` starts a
+    # driver (the job's config in RAY_JOB_CONFIG_JSON_ENV_VAR: Ray refuses a ray.init runtime_env
+    # that sets one of the job's env_vars again, here OMP_NUM_THREADS, which meshrl sets too)
+    job = json.dumps({"runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1", "MESHRL_CACHE": cache}}, "metadata": {}})
     swapped = ["cluster.trainer.resources={node_a: 0.01}", "cluster.rollout.resources={node_b: 0.01}"]
     second = run_example(tmp_path, *SHORT, "run.total_steps=3", f"run.output_dir={out}", "run.resume=latest",
-                         "reshard.transport=object_store", *swapped, env=env)  # fmt: skip
+                         "reshard.transport=object_store", *swapped, env={**env, "RAY_JOB_CONFIG_JSON_ENV_VAR": job})
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-3000:]
     placed = _placed(second.stdout)
     assert placed["trainer"] == [nodes["node_a"]] and placed["rollout"] == [nodes["node_b"]], (placed, nodes)
@@ -124,15 +135,8 @@ def test_roles_pinned_to_two_nodes_push_checkpoint_and_resume_across_them(tmp_pa
     steps = [r for r in records if r["kind"] == "step"]
     assert [r["step"] for r in steps] == [1, 2, 3]
 
-    # a pin no node can satisfy fails within cluster.placement_timeout_s, naming the role and the resource
-    started = time.monotonic()
-    bad = run_example(tmp_path, *SHORT, "run.total_steps=1", f"run.output_dir={tmp_path / 'bad'}",
-                      "cluster.trainer.resources={node_c: 0.01}", "cluster.placement_timeout_s=3", env=env)
-    assert bad.returncode != 0
-    assert "proc mesh 'trainer'" in bad.stderr and "no node has 'node_c'" in bad.stderr, bad.stderr[-3000:]
-    assert time.monotonic() - started < 120
 
-
+@pytest.mark.skipif(not DASHBOARD, reason="ray job submit needs ray[default] (pip install 'ray[default]')")
 def test_the_main_job_runs_under_ray_job_submit(tmp_path, two_nodes, cache):
     """``ray job submit -- python examples/async_ppo.py ...``: the driver runs on the head node in
     the job's runtime_env (its env_vars, even one meshrl sets too, win over meshrl's); the run's
@@ -147,9 +151,13 @@ def test_the_main_job_runs_under_ray_job_submit(tmp_path, two_nodes, cache):
            *SHORT, "run.total_steps=2", f"run.output_dir={out}", "run.progress=false",
            "cluster.trainer.resources={node_b: 0.01}"]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_AUTH_MODE": "disabled"}
-    job = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env, cwd=tmp_path)
+    for _ in range(10):  # the head's agent takes a while after the node is up, longer on a loaded machine
+        job = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env, cwd=tmp_path)
+        if "No available agent to submit job" not in job.stderr + job.stdout:
+            break
+        time.sleep(3)
     assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
-    assert f"ray: attached to {two_nodes.address}: 2 node(s), 3 CPUs" in job.stdout, job.stdout[-3000:]
+    assert f"ray: attached to {two_nodes.address}: 2 node(s), 4 CPUs" in job.stdout, job.stdout[-3000:]
     assert _placed(job.stdout)["trainer"] == [_nodes(two_nodes)["node_b"]]
     namespace = next(line for line in job.stdout.splitlines() if "actors: role/rank in Ray namespace" in line).split()[-1]
     actors = {(a.name, a.class_name) for a in list_actors(address=dashboard, filters=[("ray_namespace", "=", namespace)])}
@@ -166,7 +174,7 @@ def test_run_ray_address_names_the_cluster(two_nodes):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # RAY_TMPDIR: the cluster's
     named = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert named.returncode == 0, named.stderr[-3000:]
-    assert named.stdout.strip() == f"ray: attached to {address}: 2 node(s), 3 CPUs, 0 GPUs"
+    assert named.stdout.strip() == f"ray: attached to {address}: 2 node(s), 4 CPUs, 0 GPUs"
 
 
 def test_the_interface_and_nvlink_variables_travel_to_every_worker():
