@@ -90,3 +90,53 @@ def test_timeout_through_the_actor_names_what_it_waited_for(ray_cluster):
         QueueConfig(max_staleness=0), samples_per_step=STEP)
     assert [o.id for o in ray.get(fresh.restore.remote(blob))] == [r.id]
     ray.kill(fresh)
+
+
+def test_samples_go_by_reference_from_their_producer_to_each_consumer(ray_cluster):
+    """put_ref / get_batch_refs (meshrl.queues.parcels): a producer actor keeps its blobs in its
+    object store and the queue holds only their refs; every consumer fetches the batch itself, in
+    the queue's order (parcels of two blobs and a group put encoded, mixed); a snapshot fetches the
+    queued blobs and restores them as plain samples."""
+    import ray
+
+    from meshrl.queues.parcels import Batch, fetch_batch
+    from meshrl.queues.wire import encoded_metas
+
+    def sample(i: int, version: int) -> Sample:
+        return Sample(prompt_id=i, group_id=i // GROUP, group_size=GROUP, prompt_ids=[1, 2, 3], response_ids=[4] * (i + 1),
+                      behavior_logprobs=[-0.5] * (i + 1), behavior_version=version, reward=float(i))  # fmt: skip
+
+    class Producer:
+        def put(self, queue, lo: int, hi: int, rid: int, version: int):
+            blob = encode_samples([sample(i, version) for i in range(lo, hi)])
+            return ray.get(queue.put_ref.remote([ray.put(blob)], encoded_metas(blob), rid, timeout=30))
+
+    queue = ray.remote(SampleQueue).options(num_cpus=0).remote(QueueConfig(max_staleness=1), samples_per_step=3 * GROUP)
+    producer = ray.remote(Producer).options(num_cpus=0).remote()
+    r = ray.get(queue.reserve.remote(3 * GROUP, timeout=30))
+    ray.get(producer.put.remote(queue, 0, GROUP, r.id, r.min_version))
+    ray.get(queue.put_encoded.remote(encode_samples([sample(i, 0) for i in range(GROUP, 2 * GROUP)]), r.id))
+    ray.get(producer.put.remote(queue, 2 * GROUP, 3 * GROUP, r.id, r.min_version))
+    expected = [sample(i, 0) for i in range(3 * GROUP)]
+
+    blob = ray.get(queue.snapshot.remote())
+    fresh = ray.remote(SampleQueue).options(num_cpus=0).remote(QueueConfig(max_staleness=1), samples_per_step=3 * GROUP)
+    ray.get(fresh.restore.remote(blob))
+    restored = decode_samples(ray.get(fresh.get_batch_encoded.remote(3 * GROUP, 0, timeout=30)))
+    assert sorted(restored, key=lambda s: s.prompt_id) == expected
+
+    batch = ray.get(queue.get_batch_refs.remote(3 * GROUP, 0, timeout=30))
+    assert isinstance(batch, Batch) and len(batch) == 3 * GROUP and len(batch.parts) == 3
+    assert all(isinstance(part[0], ray.ObjectRef) for part in batch.parts)
+
+    @ray.remote(num_cpus=0)
+    def consume(b: Batch) -> list[Sample]:
+        return fetch_batch(b, timeout_s=30)
+
+    ranks = ray.get([consume.remote(batch), consume.remote(batch)], timeout=60)
+    assert ranks[0] == ranks[1] and sorted(ranks[0], key=lambda s: s.prompt_id) == expected
+    assert sorted(fetch_batch(batch, timeout_s=30), key=lambda s: s.prompt_id) == expected
+    m = ray.get(queue.metrics.remote())
+    assert m["samples_consumed"] == 3 * GROUP and m["depth_samples"] == 0
+    for actor in (queue, fresh, producer):
+        ray.kill(actor)

@@ -6,6 +6,8 @@ computed the same way as the trainer's (``log_softmax(logits / temperature)``).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from meshrl.actors.train_step import split_by_tokens
@@ -25,7 +27,14 @@ class ReferenceWorker(Actor):
 
     @endpoint
     @torch.no_grad()
-    def annotate(self, encoded_samples: bytes) -> bytes:
+    def annotate(self, encoded_samples: bytes | list[Any]) -> bytes | list[Any]:
+        """The samples with ``ref_logprobs``: a blob in, a blob out; ``[ObjectRef]`` of a blob in
+        Ray's object store (meshrl.queues.parcels) in, ``[ObjectRef]`` of the annotated blob out
+        (fetched from, and put into, the object store here: the caller moves refs only)."""
+        if isinstance(encoded_samples, list):
+            import ray
+
+            return [ray.put(self.annotate(ray.get(encoded_samples[0])))]
         samples = decode_samples(encoded_samples)
         lengths = [s.num_tokens for s in samples]
         for rows in split_by_tokens(range(len(samples)), lengths, self.tokens_per_microbatch):

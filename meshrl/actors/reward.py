@@ -26,6 +26,7 @@ from meshrl.envs.reward_models import MeshReward
 from meshrl.envs.rewards import FunctionReward, HTTPReward, to_reward_output
 from meshrl.mesh import Actor, endpoint
 from meshrl.queues import Sample, encode_samples
+from meshrl.queues.wire import SampleMeta, encoded_metas
 from meshrl.tasks import Problem, RewardOutput, Task
 
 __all__ = ["RewardConfig", "RewardWorker", "RolloutJob", "Scored", "call_reward", "score_job", "score_job_with",
@@ -63,13 +64,28 @@ class RolloutJob(msgspec.Struct, kw_only=True):
 
 class Scored(msgspec.Struct, kw_only=True):
     encoded: bytes
-    """The samples in the queue's wire format."""
+    """The samples in the queue's wire format (empty when they went to the object store: ``ref``)."""
     rewards: list[float]
     info: dict[str, float]
     """Means of the reward functions' metrics over the job."""
     failures: int
     completion_tokens: int
     """Tokens the policy generated (environment text excluded)."""
+    ref: list[Any] = []
+    """``score(by_ref=True)``: ``[ObjectRef]`` of the encoded samples in Ray's object store, which
+    the queue takes by reference (meshrl.queues.parcels)."""
+    metas: list[SampleMeta] = []
+    """``score(by_ref=True)``: what the queue schedules each sample by, in order."""
+    received: float = 0.0
+    """When the worker had the job's generations (``time.time()``): where generation ended, for
+    a caller that passed them by reference."""
+
+    def by_ref(self) -> "Scored":
+        """The samples moved into Ray's object store (owned by this process): only their ref and
+        ``SampleMeta``s travel on with the scores."""
+        import ray
+
+        return msgspec.structs.replace(self, encoded=b"", ref=[ray.put(self.encoded)], metas=encoded_metas(self.encoded))
 
 
 def call_reward(task: Task, problem: Problem, completion: str) -> tuple[RewardOutput, bool]:
@@ -213,8 +229,20 @@ class RewardWorker(Actor):
         self.timeout_s = timeout_s
 
     @endpoint
-    async def score(self, job: RolloutJob, within_s: float | None = None) -> Scored:
-        """``within_s``: how long the caller waits (its timeout); the job answers within it, marking
-        the samples a slow reward has not scored by then, so a slow reward never ends the run."""
-        return await score_job_with(self.reward, self.tokenizer, job, self.timeout_s, within_s=within_s)
+    async def score(self, job: RolloutJob, within_s: float | None = None, by_ref: bool = False,
+                    results: list[GenerateResult] | None = None, episodes: list[list[Episode]] | None = None) -> Scored:
+        """``within_s``: how long the caller waits for the scoring (its timeout); the job answers
+        within it, marking the samples a slow reward has not scored by then, so a slow reward never
+        ends the run. ``by_ref``: the samples stay in this node's object store (``Scored.by_ref``).
+        ``results`` / ``episodes``: the job's generations, when the caller passes the generate
+        call's ref (``Future.ref``): Ray fetches them from the rollout worker's node for this call,
+        so they never pass through the caller."""
+        received = time.time()
+        if results is not None:
+            job.results = results
+        if episodes is not None:
+            job.episodes, job.prompt_ids = episodes, [group[0].prompt_ids for group in episodes]
+        scored = await score_job_with(self.reward, self.tokenizer, job, self.timeout_s, within_s=within_s)
+        scored.received = received
+        return scored.by_ref() if by_ref else scored
 

@@ -35,7 +35,7 @@ from meshrl.actors.policy_trainer import NonFiniteStepsError, PolicyTrainer, Tra
 from meshrl.actors.sglang_sync import SGLangSource
 from meshrl.actors.trainer_checkpoint import load_trainer_state, save_trainer_state
 from meshrl.mesh import Actor, current_rank, current_size, endpoint, init_torch_distributed
-from meshrl.queues import decode_samples
+from meshrl.queues.parcels import Batch, fetch_batch
 from meshrl.reshard import DestLayout, GroupRanks, PushStats, ReshardConfig, SourceLayout
 from meshrl.reshard.meshes import SourceSide
 
@@ -73,10 +73,11 @@ class Trainer(Actor):
         self.sglang = SGLangSource(self.core.export_parameters, dp.rank)
 
     @endpoint
-    def train_step(self, encoded_samples: bytes, version: int) -> dict[str, float]:
-        """One optimisation step at policy ``version`` on a batch in the queue's wire format."""
+    def train_step(self, batch: Batch | bytes, version: int) -> dict[str, float]:
+        """One optimisation step at policy ``version`` on a batch: by reference (the queue's
+        ``get_batch_refs``: this rank fetches the blobs itself) or in the queue's wire format."""
         self._staged = None  # staged weights are stale once the policy changes
-        return self.core.train_step(decode_samples(encoded_samples), version)
+        return self.core.train_step(fetch_batch(batch, self.core.cfg.collective_timeout_s), version)
 
     @endpoint
     def gather_weights(self) -> int:

@@ -136,6 +136,17 @@ class Future(Generic[R]):
         except Exception:
             pass
 
+    def ref(self) -> Any:
+        """The answer's ``ObjectRef`` (a call of one actor: ``call_one``, ``choose``), to pass as a
+        top-level argument of another call: Ray hands the value to that actor straight from the
+        node that holds it, without this process fetching it (the data plane; an error of this
+        call surfaces in that one). The future is spent: its load counts until the call ends."""
+        if len(self._refs) != 1:
+            raise ValueError(f"`{self._method}` on mesh {self._mesh!r} called {len(self._refs)} actors: ref() is "
+                             "for a call of one (call_one, choose)")
+        self._release(finished=False)
+        return self._refs[0]
+
     def get(self, timeout: float | None = None) -> R:
         """Block until the answer is in (synchronous code only), at most ``timeout`` seconds."""
         _refuse_on_loop(f"`.get()` on `{self._method}`")

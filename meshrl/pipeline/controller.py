@@ -6,14 +6,14 @@
                                    unblocked by: train loop set_version after a push     │
               rollout.generate     (engine: continuous batching, per-token versions)     │
               or run_episodes      (environment episodes, loss mask 0 on its text)       │
-              reward.score         (samples built and encoded on the reward worker)      │
+              reward.score         (samples built, kept in the worker's object store)    │
               reference.annotate   (only with a KL term)                                 │
-              queue.put_encoded    waits for: room under queue.capacity_tokens            │
-                                   unblocked by: train loop get_batch                     ▼
- train loop:  queue.get_batch      waits for: samples_per_step samples (whole groups)    SampleQueue
+              queue.put_ref        waits for: room under queue.capacity_tokens           │
+                                   unblocked by: train loop get_batch_refs               ▼
+ train loop:  queue.get_batch_refs waits for: samples_per_step samples (whole groups) SampleQueue
                                    within max_staleness of the current version
-                                   unblocked by: rollout loop put_encoded
-              trainer.train_step   (every dp rank, the same batch; each trains its share)
+                                   unblocked by: rollout loop put_ref
+              trainer.train_step   (every dp rank fetches the batch's blobs by their refs)
               every sync_interval steps: version += 1; trainer.gather_weights (dp > 1: full
               tensors onto rank 0) → reshard.push_weights → engines
               every checkpoint_every steps and at the end: checkpoint (trainer state, queue

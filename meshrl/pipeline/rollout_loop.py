@@ -8,8 +8,8 @@ rollout loop (× workers × requests_in_flight), until the run stops:
   or rollout.run_episodes   with an environment: n episodes per prompt (meshrl.envs.episode)
   reward.score              samples built and encoded on the reward worker
   reference.annotate        (only with a KL term)
-  queue.put_encoded         waits for: room under queue.capacity_tokens
-                            unblocked by: train loop get_batch
+  queue.put_ref             waits for: room under queue.capacity_tokens
+                            unblocked by: train loop get_batch_refs
 ```
 
 Every request is recorded in the ``PromptLedger`` until its samples are in the queue, so a
@@ -116,6 +116,21 @@ class RolloutDriver:
         results = await bounded(adverb(requests), timeout, what)
         return RolloutJob(problems=problems, prompt_ids=prompt_ids, results=results, group_ids=gids)
 
+    def start_play(self, worker: ActorMesh, problems: list[Problem], *, n: int,
+                   group_ids: list[int]) -> tuple[Any, RolloutJob, str]:  # fmt: skip
+        """Start a training request's generation (or episodes) on ``worker`` without waiting: its
+        future, the job to score (its generations to come by reference) and the keyword that
+        ``RewardWorker.score`` takes them by."""
+        call = worker.run_episodes if self.environment else worker.generate
+        adverb = call.call_one if len(worker) == 1 else call.choose
+        if self.environment:
+            reqs = [EpisodeRequest(problem=p, n=n, sampling=self._sampling(greedy=False, n=1, seed=self._seed(group_ids, i)))
+                    for i, p in enumerate(problems)]  # fmt: skip
+            return adverb(reqs), RolloutJob(problems=problems, prompt_ids=[], results=[], group_ids=group_ids), "episodes"
+        prompt_ids, requests = self.requests(problems, greedy=False, n=n, group_ids=group_ids)
+        job = RolloutJob(problems=problems, prompt_ids=prompt_ids, results=[], group_ids=group_ids)
+        return adverb(requests), job, "results"
+
     async def next_job(self) -> tuple[ckpt.InFlight, list[Problem]] | None:
         """A restored request to generate again, or a new reservation with the next prompts;
         None once the run is stopping."""
@@ -145,20 +160,26 @@ class RolloutDriver:
             job, problems = taken
             try:
                 group_ids = list(range(job.first_group, job.first_group + job.count))
-                t0 = self.log.now()
-                job_in = await self.play(worker, problems, greedy=False, n=n, group_ids=group_ids,
-                                         what=f"rollout worker {worker_index} to generate")  # fmt: skip
-                t1 = self.log.now()
+                t0, wall0 = self.log.now(), time.time()
+                # data plane: the generations go from the rollout worker to the reward worker by ref,
+                # the samples stay in the reward (or reference) worker's object store, and each
+                # trainer rank fetches them itself: this process moves ids, metas and refs only. The
+                # reward worker answers within `timeout` of getting them, marking what a slow reward
+                # has not scored by then.
+                generating, job_in, kind = self.start_play(worker, problems, n=n, group_ids=group_ids)
+                scored = await bounded(self.roles.rewards.score.choose(job_in, within_s=timeout, by_ref=True,
+                                                                       **{kind: generating.ref()}),
+                                       2 * timeout, f"rollout worker {worker_index} to generate and a reward worker "
+                                       "to score")  # fmt: skip
+                t1 = t0 + max(0.0, scored.received - wall0)  # when the generations reached the reward worker
                 self.log.span("rollout", "generate", t0, t1, worker=worker_index)
-                # the reward worker answers within `timeout`, marking what a slow reward has not scored by then
-                scored = await bounded(self.roles.rewards.score.choose(job_in, within_s=timeout), timeout, "a reward worker")
-                encoded = scored.encoded
+                ref = scored.ref
                 if self.roles.reference is not None:
-                    encoded = await bounded(self.roles.reference.annotate.choose(encoded), timeout, "the reference worker")
+                    ref = await bounded(self.roles.reference.annotate.choose(ref), timeout, "the reference worker")
                 self.log.span("reward", "score", t1, self.log.now(), worker=worker_index)
-                # waits for: room under capacity_tokens; unblocked by: train loop get_batch
-                await bounded(queue.put_encoded.call_one(encoded, job.reservation_id), self.cfg.queue.put_timeout_s + 30,
-                              "the queue to accept samples")  # fmt: skip
+                # waits for: room under capacity_tokens; unblocked by: train loop get_batch_refs
+                await bounded(queue.put_ref.call_one(ref, scored.metas, job.reservation_id),
+                              self.cfg.queue.put_timeout_s + 30, "the queue to accept samples")  # fmt: skip
                 self.generated_tokens += scored.completion_tokens
             except BaseException:
                 if not self.stopping.is_set():

@@ -4,7 +4,7 @@
 train loop, until run.total_steps or the run stops:
   queue.get_batch      waits for: samples_per_step samples (whole groups) within max_staleness
                                   of the current version
-                       unblocked by: rollout loop put_encoded (or queue.close when stopping)
+                       unblocked by: rollout loop put_ref (or queue.close when stopping)
   trainer.train_step   (every dp rank, the same batch; each trains its share)
   every sync_interval steps: version += 1 and a push to every engine. distributed transport:
   the engines' receives are armed while the step computes the version (reshard.meshes.arm), the
@@ -95,14 +95,15 @@ class TrainLoop:
         while self.step < cfg.run.total_steps and not self.rollout.stopping.is_set():
             t0 = self.log.now()
             # waits for: samples_per_step samples within max_staleness of `version`;
-            # unblocked by: rollout loop put_encoded (or queue.close when the run stops)
-            encoded = await bounded(queue.get_batch_encoded.call_one(cfg.trainer.samples_per_step, self.version, timeout=timeout),
-                                    timeout + 30, "a batch from the queue")  # fmt: skip
+            # unblocked by: rollout loop put_ref (or queue.close when the run stops)
+            # by reference: the blobs' refs, which every trainer rank fetches from the producers' nodes
+            batch = await bounded(queue.get_batch_refs.call_one(cfg.trainer.samples_per_step, self.version, timeout=timeout),
+                                  timeout + 30, "a batch from the queue")  # fmt: skip
             t1 = self.log.now()
             if self._arms and self._pushes_after(self.step + 1):
                 self._armed = asyncio.create_task(self._arm(self.version + 1))
             # every dp rank trains its share of the same batch; the metrics are global (rank 0's)
-            metrics = (await self.roles.trainer.train_step.call(encoded, self.version).within(timeout)).values()[0]
+            metrics = (await self.roles.trainer.train_step.call(batch, self.version).within(timeout)).values()[0]
             t2 = self.log.now()
             self.log.span("trainer", "train_step", t1, t2)
             if "colocated/switch_to_train_s" in metrics:  # placement=colocated: the step began by freeing the KV cache

@@ -14,7 +14,7 @@ from meshrl.queues.sample_queue import SampleQueue
 __all__ = ["QueueActor"]
 
 _ENDPOINTS = (
-    "reserve", "put", "put_encoded", "cancel", "get_batch", "get_batch_encoded", "set_version",
+    "reserve", "put", "put_encoded", "put_ref", "cancel", "get_batch", "get_batch_encoded", "get_batch_refs", "set_version",
     "close", "metrics", "snapshot", "restore",
 )  # fmt: skip
 

@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from typing import Any
 
-import msgspec
-
-from meshrl.queues.sample import Sample
 from meshrl.queues.wire import SampleMeta
 
 __all__ = ["Group", "GroupStore"]
@@ -28,8 +26,9 @@ class Group:
     group_id: int
     group_size: int
     reservation_id: int
-    items: list[Sample | msgspec.Raw] = field(default_factory=list)
-    """Members in arrival order: ``Sample``s from ``put``, raw msgpack slices from ``put_encoded``."""
+    items: list[Any] = field(default_factory=list)
+    """Members in arrival order: ``Sample``s from ``put``, raw msgpack slices from ``put_encoded``,
+    ``Parcel``s (a ref into a producer's blob) from ``put_ref``."""
     versions: list[int] = field(default_factory=list)
     """Each member's behaviour version."""
     t_generated: list[float] = field(default_factory=list)
@@ -55,7 +54,7 @@ class GroupStore:
         self.num_tokens = 0
         self.ready_samples = 0
 
-    def add(self, reservation_id: int, items: list[Sample | msgspec.Raw], metas: list[SampleMeta]) -> None:
+    def add(self, reservation_id: int, items: list[Any], metas: list[SampleMeta]) -> None:
         """Append samples (already validated by the queue) to their groups."""
         g: Group | None = None
         for item, m in zip(items, metas):

@@ -22,13 +22,14 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 import msgspec
 
 from meshrl.queues.admission import Admission
 from meshrl.queues.config import QueueConfig
 from meshrl.queues.groups import Group, GroupStore
+from meshrl.queues.parcels import Batch, Parcel, materialize, to_batch
 from meshrl.queues.reservations import Reservation, ReservationState, check_put
 from meshrl.queues.sample import Sample
 from meshrl.queues.snapshot import FORMAT as SNAPSHOT_FORMAT
@@ -139,7 +140,17 @@ class SampleQueue:
         items, metas = split_encoded(blob)
         await self._put(items, metas, reservation_id, timeout)
 
-    async def _put(self, items: list[Sample | msgspec.Raw], metas: list[SampleMeta], rid: int,
+    async def put_ref(self, blob: list[Any], metas: list[SampleMeta], reservation_id: int, *,
+                      timeout: float | None = None) -> None:
+        """``put`` by reference (parcels.py): ``blob = [ref]`` of an ``encode_samples`` blob in
+        Ray's object store, and each of its samples' ``SampleMeta`` in order; the queue keeps the
+        ref, never the bytes."""
+        if len(blob) != 1:
+            raise ValueError(f"put_ref: blob must be [ObjectRef] (one ref in a list), got {len(blob)} items")
+        metas = [m if isinstance(m, SampleMeta) else SampleMeta(*m) for m in metas]
+        await self._put([Parcel(blob[0], i) for i in range(len(metas))], metas, reservation_id, timeout)
+
+    async def _put(self, items: list[Sample | msgspec.Raw | Parcel], metas: list[SampleMeta], rid: int,
                    timeout: float | None) -> None:
         if self._closed:
             raise QueueClosed(f"put({len(items)} samples) to reservation {rid}: the queue is closed; "
@@ -215,7 +226,7 @@ class SampleQueue:
         out = []
         for g in groups:
             try:
-                out.extend(decode_one(item) for item in g.items)
+                out.extend(decode_one(item) for item in await materialize(g.items))
             except msgspec.MsgspecError as exc:  # only put_encoded's blobs get here undecoded
                 raise ValueError(f"get_batch: a sample of group {g.group_id} (reservation {g.reservation_id}) is not a "
                                  f"valid Sample ({exc}); put_encoded checks a blob's headers only, so its producer "
@@ -225,7 +236,13 @@ class SampleQueue:
     async def get_batch_encoded(self, n: int, current_version: int, *, timeout: float | None = None) -> bytes:
         """``get_batch`` as one ``encode_samples`` blob; encoded puts pass through undecoded."""
         groups = await self._get_groups(n, current_version, timeout)
-        return encode_samples([item for g in groups for item in g.items])
+        return encode_samples(await materialize([item for g in groups for item in g.items]))
+
+    async def get_batch_refs(self, n: int, current_version: int, *, timeout: float | None = None) -> Batch:
+        """``get_batch`` by reference (parcels.py): the blobs' refs and indices, for each trainer
+        rank to fetch itself."""
+        groups = await self._get_groups(n, current_version, timeout)
+        return to_batch([item for g in groups for item in g.items])
 
     async def _get_groups(self, n: int, current_version: int, timeout: float | None) -> list[Group]:
         if n < 1 or current_version < 0:
@@ -304,7 +321,7 @@ class SampleQueue:
             reservations=[SnapshotReservation(reservation=r.info, filled=r.filled)
                           for r in self._res.values()],
             # Raw members encode verbatim, so the snapshot decodes as plain Samples.
-            groups=[SnapshotGroup(reservation_id=g.reservation_id, samples=g.items) for g in groups],
+            groups=[SnapshotGroup(reservation_id=g.reservation_id, samples=await materialize(g.items)) for g in groups],
         )
         return msgspec.msgpack.encode(snap)
 

@@ -20,7 +20,7 @@ import msgspec
 
 from meshrl.queues.sample import Sample
 
-__all__ = ["SampleMeta", "decode_samples", "encode_samples", "meta_of", "split_encoded"]
+__all__ = ["SampleMeta", "decode_samples", "encode_samples", "encoded_metas", "meta_of", "split_encoded"]
 
 # Built once: constructing an encoder/decoder costs more than encoding a small batch.
 _encoder = msgspec.msgpack.Encoder()
@@ -103,17 +103,21 @@ def split_encoded(blob: bytes) -> tuple[list[msgspec.Raw], list[SampleMeta]]:
 
     Raises ``ValueError`` naming the problem when the blob is not a list of samples.
     """
+    metas = encoded_metas(blob)
+    # A Raw slice keeps its whole source blob alive; copies let a straggling group hold
+    # only its own bytes (capacity_tokens would not see the rest).
+    return [r.copy() for r in _raw_list_decoder.decode(blob)], metas
+
+
+def encoded_metas(blob: bytes) -> list[SampleMeta]:
+    """The ``SampleMeta`` of each sample of an ``encode_samples`` blob (its arrays stay undecoded)."""
     try:
         views = _views_decoder.decode(blob)
-        # A Raw slice keeps its whole source blob alive; copies let a straggling group hold
-        # only its own bytes (capacity_tokens would not see the rest).
-        raws = [r.copy() for r in _raw_list_decoder.decode(blob)]
     except msgspec.MsgspecError as e:
         raise ValueError(f"put_encoded: the blob is not a msgpack list of Sample: {e}") from None
-    metas = [SampleMeta(v.group_id, v.group_size, v.behavior_version,
-                        _array_len(v.prompt_ids) + _array_len(v.response_ids), v.t_generated)
-             for v in views]
-    return raws, metas
+    return [SampleMeta(v.group_id, v.group_size, v.behavior_version,
+                       _array_len(v.prompt_ids) + _array_len(v.response_ids), v.t_generated)
+            for v in views]  # fmt: skip
 
 
 _u8 = struct.Struct(">B").unpack_from

@@ -1,0 +1,108 @@
+"""Samples by reference: the queue's data plane through Ray's object store.
+
+A producer (the reward worker, or the reference worker after it) puts its ``encode_samples`` blob
+into Ray's object store once and sends the queue only the blob's ``ObjectRef`` and each sample's
+``SampleMeta`` (what admission schedules by). The queue holds one ``Parcel`` per sample (the ref
+and the sample's index in the blob) and hands a batch out as a ``Batch``: the refs, in batch
+order, with the indices each one contributes. Every trainer rank then fetches those blobs from
+the producers' nodes itself, and the process that drives the run (and the queue actor) move
+ids, counts and refs, never a sample's tokens: what they carry per step does not grow with the
+tokens.
+
+Ray's distributed reference counting keeps a blob alive while any parcel, batch or fetch holds
+its ref (the producer owns it: a producer that dies takes its unconsumed blobs with it, which
+fails the step that needed them, naming the object). A snapshot for exact resume fetches the
+blobs of the queued parcels and stores their samples verbatim, as for ``put_encoded``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Sequence
+
+import msgspec
+
+from meshrl.queues.sample import Sample
+from meshrl.queues.wire import decode_samples, encode_samples, split_encoded
+
+__all__ = ["Batch", "Parcel", "fetch_batch", "materialize", "to_batch"]
+
+
+class Parcel:
+    """One sample inside a producer's blob in Ray's object store."""
+
+    __slots__ = ("ref", "index")
+
+    def __init__(self, ref: Any, index: int) -> None:
+        self.ref, self.index = ref, index
+
+    def __repr__(self) -> str:
+        return f"Parcel({self.ref!r}, {self.index})"
+
+
+class Batch(msgspec.Struct, frozen=True):
+    """A batch by reference: ``parts[i] = [ref]`` holds the samples ``indices[i]`` of that blob, in
+    order (a ref in a list: Ray hands a nested ref over as a ref and resolves only top-level ones)."""
+
+    parts: list[list[Any]]
+    indices: list[list[int]]
+
+    def __len__(self) -> int:
+        return sum(len(i) for i in self.indices)
+
+
+def to_batch(items: Sequence[Any]) -> Batch:
+    """A ``Batch`` of queued items in their order: runs of parcels of one blob become one part;
+    samples held in the queue itself (put whole or encoded, or restored from a snapshot) are put
+    into the object store as one blob per run."""
+    import ray
+
+    parts: list[list[Any]] = []
+    indices: list[list[int]] = []
+    local: list[Any] = []
+
+    def flush_local() -> None:
+        if local:
+            parts.append([ray.put(encode_samples(list(local)))])
+            indices.append(list(range(len(local))))
+            local.clear()
+
+    for item in items:
+        if isinstance(item, Parcel):
+            flush_local()
+            if parts and parts[-1][0] == item.ref:
+                indices[-1].append(item.index)
+            else:
+                parts.append([item.ref])
+                indices.append([item.index])
+        else:
+            local.append(item)
+    flush_local()
+    return Batch(parts, indices)
+
+
+def fetch_batch(batch: Batch | bytes, timeout_s: float | None = None) -> list[Sample]:
+    """The samples of ``batch`` in order (an encoded blob decodes as it is): each blob is fetched
+    once, straight from the node that holds it. Raises ``TimeoutError`` naming what it waited for."""
+    if isinstance(batch, (bytes, bytearray, memoryview)):
+        return decode_samples(bytes(batch))
+    import ray
+
+    refs = [part[0] for part in batch.parts]
+    try:
+        blobs = ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise TimeoutError(f"gave up after {timeout_s:g}s fetching a batch's {len(refs)} sample blob(s) from the "
+                           "object store (their producers' nodes)") from None
+    out: list[Sample] = []
+    for blob, wanted in zip(blobs, batch.indices):
+        samples = decode_samples(blob)
+        out.extend(samples[i] for i in wanted)
+    return out
+
+
+async def materialize(items: Sequence[Any]) -> list[Any]:
+    """``items`` with every parcel replaced by its raw sample (a snapshot stores the bytes)."""
+    refs = list(dict.fromkeys(p.ref for p in items if isinstance(p, Parcel)))
+    raws = {ref: split_encoded(blob)[0] for ref, blob in zip(refs, await asyncio.gather(*refs))} if refs else {}
+    return [raws[item.ref][item.index] if isinstance(item, Parcel) else item for item in items]
