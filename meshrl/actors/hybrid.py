@@ -266,18 +266,10 @@ class HybridWorker(Actor):
     async def version(self) -> int:
         return self.rollout.engine.version
 
-    @endpoint
-    async def pause(self, mode: str = "keep") -> None:
-        await self.rollout.pause(mode)
-
-    @endpoint
-    async def resume(self) -> None:
-        await self.rollout.resume()
-
     # ---- train side -----------------------------------------------------------------------------
 
     @endpoint
-    async def train_step(self, encoded_samples: bytes, version: int) -> dict[str, float]:
+    async def train_step(self, batch: Any, version: int) -> dict[str, float]:
         """Switch to training, run one step; switch back now unless a push follows (module docstring)."""
         async with self._switch:
             if self.colo.mode == "rollout":
@@ -288,7 +280,7 @@ class HybridWorker(Actor):
                     self._gate.open.set()  # still in rollout mode: let generation go on
                     raise
             try:
-                metrics = await self._on_trainer(self.trainer.train_step, encoded_samples, version)
+                metrics = await self._on_trainer(self.trainer.train_step, batch, version)
             except BaseException:
                 self.colo.to_rollout(None)  # (if this fails too, the gate stays closed: see reshard_receive)
                 self._gate.open.set()

@@ -236,14 +236,6 @@ class RolloutWorker(Actor):
         return self.engine.version
 
     @endpoint
-    async def pause(self, mode: str = "keep") -> None:
-        await self._calling(self.engine.pause(mode))
-
-    @endpoint
-    async def resume(self) -> None:
-        await self._calling(self.engine.resume())
-
-    @endpoint
     async def reissued(self) -> int:
         """Samples an SGLang server aborted for a push and this worker sent again (0 with TorchEngine)."""
         return getattr(self.engine, "reissued", 0)

@@ -124,7 +124,7 @@ async def _apply(engine: Any, event: list, loop: asyncio.AbstractEventLoop) -> N
         req = GenerateRequest(input_ids=ids, sampling=msgspec.convert(sampling, SamplingParams), request_id=rid)
         engine._enqueue(req, rid, seed, loop.create_future())  # nobody awaits it: rank 0 answers the caller
     elif kind == "abort":
-        engine._abort(event[1], "aborted on rank 0")
+        engine._abort(event[1])  # aborted on rank 0
     elif kind == "pause":
         engine._paused = True  # (the aborts of pause(mode="abort") come as events of their own)
     elif kind == "resume":

@@ -245,13 +245,13 @@ class TorchEngine(WeightUpdates, MemoryRelease):
         except asyncio.TimeoutError:
             left = [p.rid for p in pending if self._requests.get(p.rid) is p]  # (futures got cancelled)
             for rid in left:
-                self._abort(rid, "generate timed out")
+                self._abort(rid)  # generate timed out
             raise TimeoutError(f"generate: {len(left)} of {len(pending)} requests unfinished after "
                                f"{self.config.generate_timeout_s}s ({self._state_line()}); they were aborted") from None
         except asyncio.CancelledError:
             for p in pending:
                 if self._requests.get(p.rid) is p:
-                    self._abort(p.rid, "generate was cancelled")
+                    self._abort(p.rid)  # generate was cancelled
             raise
 
     def generate_stream(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
@@ -268,7 +268,7 @@ class TorchEngine(WeightUpdates, MemoryRelease):
         def close() -> None:
             self._streams.close(p)
             if self._requests.get(p.rid) is p:
-                self._abort(p.rid, "generate_stream was closed")
+                self._abort(p.rid)  # generate_stream was closed
 
         return DeltaStream(self._deltas(p, self._streams.open(p, request.sampling.n)), close)
 
@@ -292,7 +292,7 @@ class TorchEngine(WeightUpdates, MemoryRelease):
         finally:
             self._streams.close(p)
             if self._requests.get(p.rid) is p:
-                self._abort(p.rid, "generate_stream was left early")
+                self._abort(p.rid)  # generate_stream was left early
 
     def _state_line(self) -> str:
         return f"paused={self._paused}, running={self._batch.size}, waiting={len(self._waiting)}"
@@ -418,7 +418,7 @@ class TorchEngine(WeightUpdates, MemoryRelease):
 
     # ---- control ----------------------------------------------------------------------------
 
-    def _abort(self, rid: str, message: str) -> bool:
+    def _abort(self, rid: str) -> bool:
         p = self._requests.get(rid)
         if p is None:
             return False
@@ -446,11 +446,11 @@ class TorchEngine(WeightUpdates, MemoryRelease):
     async def abort(self, request_id: str) -> None:
         """End one request now; its result holds the tokens so far, ``finish_reason="abort"``."""
         self._leader_only("abort")
-        self._abort(request_id, "aborted by request")
+        self._abort(request_id)
 
     def abort_all(self) -> None:
         for rid in list(self._requests):
-            self._abort(rid, "aborted")
+            self._abort(rid)
 
     async def pause(self, mode: PauseMode = "abort") -> None:
         """Stop stepping. ``"abort"`` ends all requests in flight; ``"keep"`` keeps them for resume."""

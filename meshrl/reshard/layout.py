@@ -29,10 +29,6 @@ Box = tuple[tuple[int, int], ...]
 """Half-open ``[start, stop)`` per dim."""
 
 
-def full_box(shape: Sequence[int]) -> Box:
-    return tuple((0, int(n)) for n in shape)
-
-
 def box_shape(box: Box) -> tuple[int, ...]:
     return tuple(b - a for a, b in box)
 
