@@ -173,10 +173,10 @@ def test_a_users_cancelled_evaluate_does_not_end_the_run(ray_cluster, tmp_path, 
             if record["kind"] == "step":
                 break
         train = pipeline._train
-        assert train._detach  # the pushes this is about: detached (distributed, staged, η >= 1)
+        assert train.sync.detached  # the pushes this is about: detached (distributed, staged, η >= 1)
         cancelled = 0
         while not run.done():
-            flipping = train._flipping
+            flipping = train.sync._flipping
             if flipping is not None and not flipping.done():  # a push landing: what evaluate() waits for
                 with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
                     await asyncio.wait_for(train.settle(), 0.001)  # evaluate()'s first wait, given up

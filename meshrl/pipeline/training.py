@@ -5,8 +5,8 @@ train loop, until run.total_steps or the run stops:
   queue.get_batch      waits for: samples_per_step samples (whole groups) within max_staleness
                                   of the current version
                        unblocked by: rollout loop put_ref (or queue.close when stopping)
-  trainer.train_step   (every dp rank, the same batch; each trains its share)
-  every sync_interval steps: version += 1 and a push to every engine. distributed transport:
+  trainer.train_step   (every dp rank fetches the batch by its refs; each trains its share)
+  every sync_interval steps: version += 1 and a push to every engine (meshrl.pipeline.weight_sync). distributed:
   the engines' receives are armed while the step computes the version (reshard.meshes.arm), the
   trainer sends after it; at max_staleness ≥ 1 (staged apply, separate engines) the train loop
   goes on once the trainer has sent, and the engines flip on their own time (awaited before the
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import shutil
 import time
 from pathlib import Path
@@ -36,8 +35,7 @@ from meshrl.pipeline import checkpoint as ckpt
 from meshrl.pipeline.config import PipelineConfig
 from meshrl.pipeline.metrics import RunLog
 from meshrl.pipeline.rollout_loop import Roles, RolloutDriver, bounded
-from meshrl.reshard import meshes as reshard_meshes
-from meshrl.reshard import PushStats, push_weights
+from meshrl.pipeline.weight_sync import weight_sync
 
 __all__ = ["TrainLoop"]
 
@@ -59,33 +57,15 @@ class TrainLoop:
         self.accuracy_before: float | None = None
         self.evals: list[asyncio.Task] = []
         """Held-out evaluations started every run.eval_every steps."""
-        self.push_phases: dict[str, float] = {}
-        self._phases_logged = True
-        """The last finished distributed push's parts (sync/send_s, sync/transfer_s, ...), logged with
-        the step that finished it."""
-        reshard = cfg.reshard
-        self._sglang = cfg.rollout.engine.backend == "sglang"
-        """Pushes go from the trainer into the SGLang servers (Trainer.sglang_push), not through reshard."""
-        self._arms = (reshard.transport == "distributed" and reshard.apply == "staged" and cfg.placement != "colocated"
-                      and not self._sglang)  # fmt: skip
-        """The engines' receives are posted during the step (reshard.meshes.arm)."""
-        self._detach = self._arms and cfg.queue.max_staleness >= 1
-        """The loop goes on once the trainer has sent; the engines flip within the staleness bound."""
-        self._armed: asyncio.Task | None = None
-        self._flipping: asyncio.Task | None = None
-        """A detached push whose engines may not all serve its version yet."""
-        self._flip_error: BaseException | None = None
-        """A detached push's failure, raised by every later ``settle``."""
+        self.sync = weight_sync(cfg, roles, self._publish)
+        """How the weights reach the engines: arm, push, settle (meshrl.pipeline.weight_sync)."""
 
     async def run(self) -> None:
         """Train until ``run.total_steps`` or until the rollout side's ``stopping`` is set."""
         try:
             await self._run()
         finally:
-            if self._armed is not None:  # a step failed between arming and its push
-                self._armed.cancel()
-                with contextlib.suppress(Exception):
-                    await self.roles.engines.reshard_disarm.call().within(10)
+            await self.sync.close()  # a step failed between arming and its push
 
     async def _run(self) -> None:
         cfg, timeout, queue = self.cfg, self.cfg.run.step_timeout_s, self.roles.queue
@@ -100,8 +80,8 @@ class TrainLoop:
             batch = await bounded(queue.get_batch_refs.call_one(cfg.trainer.samples_per_step, self.version, timeout=timeout),
                                   timeout + 30, "a batch from the queue")  # fmt: skip
             t1 = self.log.now()
-            if self._arms and self._pushes_after(self.step + 1):
-                self._armed = asyncio.create_task(self._arm(self.version + 1))
+            if self._pushes_after(self.step + 1):
+                self.sync.arm(self.version + 1)  # the engines post their receives while the step computes
             # every dp rank trains its share of the same batch; the metrics are global (rank 0's)
             metrics = (await self.roles.trainer.train_step.call(batch, self.version).within(timeout)).values()[0]
             t2 = self.log.now()
@@ -123,7 +103,7 @@ class TrainLoop:
             self.log.step({
                 "step": self.step, "version": self.version, **metrics,
                 "step_time_s": now - last_end, "batch_wait_s": t1 - t0, "sync_time_s": sync_s,
-                **self._unlogged_phases(),
+                **self.sync.phases(),
                 "tokens_per_s": (generated - window[0][1]) / max(now - window[0][0], 1e-9), "generated_tokens": generated,
                 **{f"queue/{k}": v for k, v in queue_m.items() if isinstance(v, (int, float))},
             })  # fmt: skip
@@ -147,97 +127,20 @@ class TrainLoop:
             await self.settle()
             self.log.span("sync", "push_weights", t0, self.log.now(), version=self.version)
 
-    def _unlogged_phases(self) -> dict[str, float]:
-        """The last finished push's parts, once: with the step that finished it (a detached push
-        finishes during a later step, which need not push itself)."""
-        if self._phases_logged:
-            return {}
-        self._phases_logged = True
-        return self.push_phases
-
     def _pushes_after(self, step: int) -> bool:
         """Every trainer.sync_interval steps: the queue's admission counts on that cadence (a push
         off it, checkpointed, would put a resumed run's admission a version out of step)."""
         return step % self.cfg.trainer.sync_interval == 0
 
-    async def _arm(self, version: int) -> None:
-        await self.settle()  # the engines take one version at a time
-        await reshard_meshes.arm(self.roles.engines, version,
-                                 timeout_s=self.cfg.run.step_timeout_s + self.cfg.reshard.timeout_s)
-
     async def settle(self) -> None:
-        """Until every engine serves the newest pushed version and the queue has it (a detached
-        push's second half); a failed one raises here."""
-        if self._flip_error is not None:  # every caller hears of a failed flip, not only the first
-            raise self._flip_error
-        if self._flipping is not None:
-            flipping = self._flipping
-            try:
-                # shielded: a caller that gives up (a user's evaluate() under wait_for) must not cancel
-                # the push itself, whose CancelledError the train loop would then take for the run's end
-                stats = await asyncio.shield(flipping)
-            except BaseException as exc:
-                if not isinstance(exc, asyncio.CancelledError) or flipping.cancelled():
-                    self._flip_error = exc
-                raise
-            finally:
-                if self._flipping is flipping and flipping.done():  # (a cancelled caller leaves it to the next)
-                    self._flipping = None
-            self.push_phases, self._phases_logged = {f"sync/{k}": v for k, v in stats.phases.items()}, False
+        """Until every engine serves the newest pushed version and the queue has it; a failed
+        push raises here."""
+        await self.sync.settle()
 
     async def push(self, version: int, *, publish: bool = False) -> int:
         """Send the trainer's weights to every engine as ``version``; returns it. ``publish``: then
-        tell the queue (``set_version``), once every engine serves it: admission assumes that new
-        reservations generate on ``version`` or later, so publishing before a detached flip lands
-        would let a batch start on ``version - 1`` and miss the staleness bound by one."""
-        timeout, trainer, rollouts = self.cfg.run.step_timeout_s, self.roles.trainer, self.roles.engines
-        if self._sglang:
-            return await self._push_sglang(version, publish)
-        if self.cfg.reshard.transport == "distributed":
-            if self._armed is not None:
-                armed, self._armed = self._armed, None
-                await armed  # long done: it ran during the train step
-            # every trainer rank sends its own shards, every engine receives and flips atomically
-            push = reshard_meshes.Push(trainer, rollouts, version, timeout_s=timeout)
-            if self._detach:
-                await push.sent()
-                self._flipping = asyncio.ensure_future(self._flip(push, publish))
-                return version
-            stats = await self._flip(push, publish)
-            self.push_phases, self._phases_logged = {f"sync/{k}": v for k, v in stats.phases.items()}, False
-            return stats.version
-        if self.cfg.trainer.dp > 1 or self.cfg.trainer.device == "cuda":
-            # a collective over the dp ranks: rank 0 then holds the full tensors push_weights exports
-            await trainer.gather_weights.call().within(timeout)
-        pushed = await push_weights(trainer, rollouts, version, timeout_s=timeout)
-        if publish:
-            await self._publish(pushed.version)
-        return pushed.version
-
-    async def _push_sglang(self, version: int, publish: bool) -> int:
-        """Every trainer rank gathers, rank 0 sends into every server (pause in abort mode, buckets,
-        flush, continue); the servers serve ``version`` when it returns. A failure names the log of
-        a server that died, if one did (a dead server is the cause, not the connection it broke)."""
-        timeout, start = self.cfg.run.step_timeout_s, time.perf_counter()
-        try:
-            stats = (await self.roles.trainer.sglang_push.call(version).within(timeout)).values()[0]
-        except Exception:
-            await self.roles.engines.check_engine.call().within(60)
-            raise
-        reissued = sum((await self.roles.rollouts.reissued.call().within(60)).values())
-        self.push_phases = {"sync/push_s": time.perf_counter() - start, "sync/bytes": float(stats.bytes),
-                            "sync/reissued_samples": float(reissued),
-                            **{f"sync/{k}": v for k, v in stats.phases.items()}}  # fmt: skip
-        self._phases_logged = False
-        if publish:
-            await self._publish(version)
-        return version
-
-    async def _flip(self, push: reshard_meshes.Push, publish: bool) -> PushStats:
-        stats = await push.finish()
-        if publish:
-            await self._publish(stats.version)
-        return stats
+        tell the queue (``set_version``), once every engine serves it."""
+        return await self.sync.push(version, publish=publish)
 
     async def _publish(self, version: int) -> None:
         await bounded(self.roles.queue.set_version.call_one(version), self.cfg.run.step_timeout_s,
