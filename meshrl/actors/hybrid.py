@@ -35,9 +35,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Callable
 
 import msgspec
 import torch
@@ -47,9 +48,8 @@ from meshrl.actors.policy_trainer import PolicyTrainer, TrainerConfig
 from meshrl.actors.rollout import RolloutWorker
 from meshrl.actors.trainer import Trainer
 from meshrl.actors.trainer_checkpoint import init_optimizer_state
-from meshrl.engines import GenerateRequest, GenerateResult
 from meshrl.engines.torch_engine import TorchEngine, TorchEngineConfig
-from meshrl.envs import EnvFactory, Episode, EpisodeConfig, EpisodeRequest
+from meshrl.envs import EnvFactory, EpisodeConfig
 from meshrl.mesh import Actor, endpoint
 from meshrl.reshard import PushStats, ReshardConfig
 from meshrl.reshard.colocated import LocalHandover
@@ -250,21 +250,7 @@ class HybridWorker(Actor):
     async def _on_trainer(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    # ---- rollout side ---------------------------------------------------------------------------
-
-    @endpoint
-    async def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
-        async with self._gate.rollout("generate"):
-            return await self.rollout.generate(requests)
-
-    @endpoint
-    async def run_episodes(self, requests: Sequence[EpisodeRequest]) -> list[list[Episode]]:
-        async with self._gate.rollout("run_episodes"):
-            return await self.rollout.run_episodes(requests)
-
-    @endpoint
-    async def version(self) -> int:
-        return self.rollout.engine.version
+    # ---- rollout side: RolloutWorker's generate, run_episodes and version (composed below) -----
 
     # ---- train side -----------------------------------------------------------------------------
 
@@ -314,21 +300,7 @@ class HybridWorker(Actor):
             self._gate.open.set()
             return stats
 
-    @endpoint
-    async def gather_weights(self) -> int:
-        return await self._on_trainer(self.trainer.gather_weights)
-
-    @endpoint
-    async def export_weights(self) -> dict[str, torch.Tensor]:
-        return await self._on_trainer(self.trainer.export_weights)
-
-    @endpoint
-    async def save_hf(self, path: str) -> str:
-        return await self._on_trainer(self.trainer.save_hf, path)
-
-    @endpoint
-    async def save_checkpoint(self, path: str) -> str:
-        return await self._on_trainer(self.trainer.save_checkpoint, path)
+    # gather_weights, export_weights, save_hf, save_checkpoint: Trainer's, on the trainer thread (below)
 
     @endpoint
     async def load_checkpoint(self, path: str) -> int:
@@ -342,3 +314,37 @@ class HybridWorker(Actor):
         return {"mode": self.colo.mode, "switches": self.colo.switches, "in_flight": self._gate.in_flight,
                 "kv_released": self.rollout.engine.memory_released, "graph_recaptures": self.rollout.engine.graph_recaptures,
                 "version": self.rollout.engine.version}  # fmt: skip
+
+
+def _on_trainer_thread(method: Callable[..., Any]) -> Any:
+    """``Trainer``'s endpoint ``method`` as HybridWorker's: the same call, on the trainer thread."""
+
+    @functools.wraps(method)
+    async def call(self: HybridWorker, *args: Any) -> Any:
+        return await self._on_trainer(functools.partial(method, self.trainer), *args)
+
+    return endpoint(call)
+
+
+def _gated(method: Callable[..., Any]) -> Any:
+    """``RolloutWorker``'s endpoint ``method`` as HybridWorker's: the same call, in rollout mode only
+    (it waits while the process trains; ``_Gate``)."""
+
+    @functools.wraps(method)
+    async def call(self: HybridWorker, *args: Any) -> Any:
+        async with self._gate.rollout(method.__name__):
+            return await method(self.rollout, *args)
+
+    return endpoint(call)
+
+
+async def _version(self: HybridWorker) -> int:
+    """The policy version the engine serves."""
+    return self.rollout.engine.version
+
+
+for _name in ("gather_weights", "export_weights", "save_hf", "save_checkpoint"):
+    setattr(HybridWorker, _name, _on_trainer_thread(getattr(Trainer, _name)))
+for _name in ("generate", "run_episodes"):
+    setattr(HybridWorker, _name, _gated(getattr(RolloutWorker, _name)))
+HybridWorker.version = endpoint(_version)
