@@ -51,7 +51,7 @@ def _actor_classes() -> tuple[type, type]:
         logprobs = [-0.1234567 - (i % 97) * 1e-3 for i in range(response)]
         return [Sample(prompt_id=(first + i) // REQUEST, group_id=(first + i) // REQUEST, group_size=REQUEST,
                        prompt_ids=prompt_ids, response_ids=response_ids, behavior_logprobs=logprobs,
-                       behavior_version=version, reward=float(i % 2)) for i in range(REQUEST)]  # fmt: skip
+                       behavior_version=version, reward=float(i % 2)) for i in range(REQUEST)]
 
     class Producer:
         """The reward worker's end of the flow: a request's samples, encoded."""
@@ -104,7 +104,7 @@ def test_dataplane(benchmark, cluster, path, samples, tokens):
     from meshrl.queues.sample_queue import SampleQueue
 
     cfg = QueueConfig(max_staleness=0, capacity_tokens=samples * tokens * 2, reserve_timeout_s=600, put_timeout_s=600,
-                      get_timeout_s=600)  # fmt: skip
+                      get_timeout_s=600)
     queue = ray.remote(SampleQueue).options(num_cpus=0).remote(cfg, samples_per_step=samples)
     Producer, Rank = _actor_classes()
     producer = ray.remote(Producer).options(num_cpus=0).remote(tokens)

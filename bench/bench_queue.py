@@ -227,7 +227,7 @@ def test_reference_train_step(benchmark, model_dir):
     torch.set_num_threads(1)
     algo = ALGOS["grpo"]
     trainer = PolicyTrainer(model_dir, TrainerConfig(samples_per_step=STEP_SAMPLES), algo, dp=DataParallel(None),
-                            temperature=1.0, max_new_tokens=8, total_steps=5)  # fmt: skip
+                            temperature=1.0, max_new_tokens=8, total_steps=5)
     batches = iter([trainer_batch(s, algo.samples_per_prompt) for s in range(4)])
     metrics = benchmark.pedantic(lambda: trainer.train_step(next(batches), 0), rounds=3, warmup_rounds=1)
     assert metrics["skipped_updates"] == 0

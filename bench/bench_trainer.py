@@ -62,7 +62,7 @@ def batch(step: int, group: int) -> list[Sample]:
         out.append(Sample(prompt_id=i // group, group_id=step * SAMPLES + i // group, group_size=group,
                           prompt_ids=[3] + [rng.randrange(4, 20) for _ in range(6)], response_ids=response,
                           behavior_logprobs=[-rng.uniform(0.1, 3.0) for _ in response], behavior_version=0,
-                          reward=float(rng.random() < 0.5)))  # fmt: skip
+                          reward=float(rng.random() < 0.5)))
     return out
 
 
@@ -71,7 +71,7 @@ def test_train_step_cpu(benchmark, model_dir, algo):
     torch.set_num_threads(1)
     cfg = ALGOS[algo]
     trainer = PolicyTrainer(model_dir, TrainerConfig(), cfg, dp=DataParallel(None), temperature=1.0,
-                            max_new_tokens=8, total_steps=ROUNDS + 1)  # fmt: skip
+                            max_new_tokens=8, total_steps=ROUNDS + 1)
     batches = iter([batch(s, cfg.samples_per_prompt) for s in range(ROUNDS + 1)])
     cpu0 = time.process_time()
     metrics = benchmark.pedantic(lambda: trainer.train_step(next(batches), 0), rounds=ROUNDS, warmup_rounds=1)
@@ -80,4 +80,4 @@ def test_train_step_cpu(benchmark, model_dir, algo):
     benchmark.extra_info["ms_per_step"] = round(benchmark.stats.stats.median * 1e3, 1)
     benchmark.extra_info["cpu_ms_per_step"] = round(cpu_ms, 1)
     print(f"\n{algo}: {benchmark.stats.stats.median * 1e3:.0f} ms per step of {SAMPLES} samples "
-          f"({cpu_ms:.0f} ms process CPU)")  # fmt: skip
+          f"({cpu_ms:.0f} ms process CPU)")

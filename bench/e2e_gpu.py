@@ -74,7 +74,7 @@ SHAPES = {  # Qwen2.5 config.json values; "tiny" for the CPU check
                  num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True),
     "tiny": dict(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
-}  # fmt: skip
+}
 # Per model: samples per step, prompt and response tokens, so that T_train is about 1.2-1.4 x T_gen
 # on an H200 (estimates from bench/RESULTS.md: TorchEngine ~1.2 ms per decode step at 0.5B, ~1.5 ms
 # at 1.5B; the FSDP2 trainer ~66k tokens/s at 0.5B, ~3x slower at 1.5B): close enough for a large
@@ -118,7 +118,7 @@ def write_model(path: Path, shape: str, max_len: int, *, bf16: bool) -> None:
 
     tok = build_char_tokenizer(SHAPES[shape]["vocab_size"])
     cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=max(4096, max_len), rope_theta=1e6, rms_norm_eps=1e-6,
-                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)  # fmt: skip
+                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # HF's init is seconds on a GPU, long on a CPU at 1.5B
     with torch.device(device):
@@ -135,7 +135,7 @@ def overrides(args: argparse.Namespace, shape: str, eta: int, model_dir: Path, r
     n, rif = args.samples_per_prompt, args.requests_in_flight
     if s["samples_per_step"] % (n * rif):
         sys.exit(f"--samples-per-step {s['samples_per_step']} must be a multiple of --samples-per-prompt × "
-                 f"--requests-in-flight = {n * rif}")  # fmt: skip
+                 f"--requests-in-flight = {n * rif}")
     device = "cpu" if args.tiny else "cuda"
     return [
         f"model.path={model_dir}", f"run.output_dir={run_dir}", f"run.total_steps={args.warmup + args.steps}",
@@ -150,13 +150,13 @@ def overrides(args: argparse.Namespace, shape: str, eta: int, model_dir: Path, r
         f"rollout.engine.device={device}", f"rollout.engine.max_batch_size={s['samples_per_step']}",
         f"rollout.engine.max_seq_len={s['prompt_len'] + s['response_len'] + 8}",
         f"rollout.threads={1 if args.tiny else 4}", "reshard.transport=distributed",
-    ] + list(args.overrides)  # fmt: skip
+    ] + list(args.overrides)
 
 
 def run_one(args: argparse.Namespace, shape: str, eta: int, model_dir: Path, run_dir: Path, task: SyntheticTask) -> dict:
     cfg = load_config(PipelineConfig, None, overrides(args, shape, eta, model_dir, run_dir))
     print(f"\n=== {shape} η={eta}: {cfg.trainer.samples_per_step} samples/step × ({args_len(args, shape)}) tokens, "
-          f"{args.warmup} + {args.steps} steps -> {run_dir}", flush=True)  # fmt: skip
+          f"{args.warmup} + {args.steps} steps -> {run_dir}", flush=True)
     t0 = time.perf_counter()
     try:
         import uvloop
@@ -173,7 +173,7 @@ def run_one(args: argparse.Namespace, shape: str, eta: int, model_dir: Path, run
           f"T_train {s['t_train_s']:.3f}s (T_gen/T_train {balance:.2f}"
           + (": within 10%, the busier role is a coin toss; change --samples-per-step or --response-len" if eta == 0 and
              0.9 < balance < 1.1 else "") + f"), push {s['t_sync_s'] * 1e3:.1f} ms, idle "
-          + ", ".join(f"{k} {v:.1%}" for k, v in s["idle"].items()) + f"; run wall {wall:.0f}s", flush=True)  # fmt: skip
+          + ", ".join(f"{k} {v:.1%}" for k, v in s["idle"].items()) + f"; run wall {wall:.0f}s", flush=True)
     steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"kind": "step"' in x]
     measured = steps[-s["steps"] :]
     # the push's parts (meshrl.reshard PushStats.phases, logged as sync/*), mean over the measured steps
@@ -191,7 +191,7 @@ def run_one(args: argparse.Namespace, shape: str, eta: int, model_dir: Path, run
         "response_tokens_mean": sum(r["response_tokens_mean"] for r in measured) / len(measured),
         "trainer_train_time_s": sum(r["train_time_s"] for r in measured) / len(measured),
         **{k: v for k, v in s.items() if k != "steps"}, "sync_phases": sync_phases,
-    }  # fmt: skip
+    }
 
 
 def args_len(args: argparse.Namespace, shape: str) -> str:
@@ -229,11 +229,11 @@ def table(model: dict) -> list[str]:
             f"{model['config']['response_len']}) tokens, {model['config']['measured_steps']} measured steps after "
             f"{model['config']['warmup_steps']}): sync T_gen {ev.get('t_gen_s', float('nan')):.3f} s, "
             f"T_train {ev.get('t_train_s', float('nan')):.3f} s, ideal speedup {ev.get('ideal_speedup', float('nan')):.2f}x, "
-            f"busier role: {ev.get('busier', '?')}")  # fmt: skip
+            f"busier role: {ev.get('busier', '?')}")
     lines = [head, "",
              "| η | samples/s | tokens/s | step s | T_gen s | T_train s | speedup | ideal | ratio | idle rollout | idle trainer "
              "| idle reward | push ms | push % train | staleness | accepted |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in model["runs"]:
         ok = r.get("accepted")
         if ok is None or model["model"] == "tiny":  # the CPU check of the script: its numbers mean nothing
@@ -246,7 +246,7 @@ def table(model: dict) -> list[str]:
             f"{r.get('ratio_to_ideal', float('nan')):.2f} | {r.get('idle_rollout', float('nan')):.1%} | "
             f"{r.get('idle_trainer', float('nan')):.1%} | {r.get('idle_reward', float('nan')):.1%} | {r['t_sync_s'] * 1e3:.1f} | "
             f"{r.get('sync_share_of_train', float('nan')):.1%} | {r.get('staleness_mean', float('nan')):.2f} | {verdict} |"
-        )  # fmt: skip
+        )
     return lines
 
 
@@ -271,7 +271,7 @@ def plot_overlap(model_dir_out: Path, runs: list[dict], warmup: int) -> Path | N
         label = "synchronous (η=0)" if r["eta"] == 0 else f"asynchronous η={r['eta']}"
         draw_timeline(ax, shifted, warmup_steps=warmup, xlim=(-0.05 * span_s, span_s),
                       title=f"{label}: {r['samples_per_s']:.1f} samples/s, step {r['t_step_s']:.2f}s"
-                      + (f", {r['speedup']:.2f}x sync" if "speedup" in r else ""))  # fmt: skip
+                      + (f", {r['speedup']:.2f}x sync" if "speedup" in r else ""))
         ax.set_xlabel("seconds since the steady-state window opened")
     fig.tight_layout()
     out = model_dir_out / "timelines.png"
@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
             d = {**DEFAULTS[shape], **{k: v for k, v in vars(args).items() if k in DEFAULTS[shape] and v is not None}}
             model = {"model": shape, "config": {**d, "samples_per_prompt": args.samples_per_prompt,
                                                 "measured_steps": args.steps, "warmup_steps": args.warmup},
-                     "runs": []}  # fmt: skip
+                     "runs": []}
             result["models"].append(model)
             model_dir = Path(tmp) / shape
             t0 = time.perf_counter()
@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.budget_s is not None and elapsed + estimate > args.budget_s:
                     skipped.append(f"{shape} η={eta}")
                     print(f"skipping {shape} η={eta}: {elapsed:.0f}s used, the next run would take about {estimate:.0f}s, "
-                          f"--budget-s {args.budget_s:.0f}", flush=True)  # fmt: skip
+                          f"--budget-s {args.budget_s:.0f}", flush=True)
                     continue
                 t0 = time.perf_counter()
                 try:

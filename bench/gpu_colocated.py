@@ -83,7 +83,7 @@ def requests(args: argparse.Namespace, vocab: int, seed: int):
     rng = random.Random(seed)
     sp = SamplingParams(max_new_tokens=args.response_len, temperature=1.0, ignore_eos=True, seed=seed)
     return [GenerateRequest(input_ids=[rng.randrange(vocab) for _ in range(args.prompt_len)], sampling=sp)
-            for _ in range(args.samples)]  # fmt: skip
+            for _ in range(args.samples)]
 
 
 class Bench:
@@ -96,10 +96,10 @@ class Bench:
         self.vocab = SHAPES[args.model_shape]["vocab_size"]
         self.trainer_cfg = TrainerConfig(samples_per_step=args.samples, tokens_per_microbatch=args.tokens_per_microbatch,
                                          lr=1e-6, device=device.type, activation_checkpointing=args.activation_checkpointing,
-                                         max_skipped_steps=0)  # fmt: skip
+                                         max_skipped_steps=0)
         self.algo = AlgoConfig(advantage="grpo", samples_per_prompt=8)
         self.engine_cfg = TorchEngineConfig(device=str(device), max_batch_size=args.samples,
-                                            max_seq_len=args.prompt_len + args.response_len)  # fmt: skip
+                                            max_seq_len=args.prompt_len + args.response_len)
         self.loop = asyncio.new_event_loop()
 
     # -- helpers ------------------------------------------------------------------------------
@@ -130,7 +130,7 @@ class Bench:
         else:
             dp = DataParallel(None, "cpu")
         return PolicyTrainer(self.model_dir, self.trainer_cfg, self.algo, dp=dp, temperature=1.0,
-                             max_new_tokens=self.args.response_len, total_steps=100)  # fmt: skip
+                             max_new_tokens=self.args.response_len, total_steps=100)
 
     def engine(self, contiguous_weights: bool = False):
         import msgspec
@@ -183,7 +183,7 @@ class Bench:
         seconds = [self.generate(engine, seed) for seed in range(2)]
         out = {"peak_gib": self.peak_gib(), "generate_s": seconds[-1],
                "weights_gib": sum(p.numel() * p.element_size() for p in engine.model.params.values()) / _GIB,
-               "kv_gib": engine.cache.nbytes / _GIB}  # fmt: skip
+               "kv_gib": engine.cache.nbytes / _GIB}
         # the floor: the parameters copied on the same GPU, bf16 to bf16, one foreach launch
         dst = list(engine.model.params.values())
         src = [p.clone() for p in dst]
@@ -230,7 +230,7 @@ class Bench:
                "switch_to_rollout_s": statistics.median(to_rollout), "switch_to_rollout_max_s": max(to_rollout),
                "handover_copy_s": copy_s, "peak_gib": max(peaks), "train_phase_peak_gib": max(peaks[0::2]),
                "rollout_phase_peak_gib": max(peaks[1::2]), "trainer_resident_gib": trainer_resident,
-               "graph_recaptures": engine.graph_recaptures, "handover_bytes": colo.handover.nbytes}  # fmt: skip
+               "graph_recaptures": engine.graph_recaptures, "handover_bytes": colo.handover.nbytes}
         self.loop.run_until_complete(engine.shutdown())
         del colo, engine, trainer
         self.fresh()
@@ -271,7 +271,7 @@ def report(args: argparse.Namespace, results: list[dict], device: torch.device) 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"\nColocated trainer + TorchEngine on one {name}: {args.samples} samples x ({args.prompt_len} + "
           f"{args.response_len}) tokens per cycle, tokens_per_microbatch={args.tokens_per_microbatch}, "
-          f"{args.cycles} cycles (medians; max in brackets)\n")  # fmt: skip
+          f"{args.cycles} cycles (medians; max in brackets)\n")
     print("| model | release weights | rollout→train ms | train→rollout ms (incl. hand-over) | hand-over copy ms | "
           "param copy floor ms | ratio (≤ 2) | peak GiB train alone | rollout alone | colocated | ratio (≤ 1.1) | "
           "re-captures |")
@@ -291,7 +291,7 @@ def report(args: argparse.Namespace, results: list[dict], device: torch.device) 
                   f"{c['handover_copy_s'] * 1e3:.2f} | {floor * 1e3:.2f} | {c['switch_to_rollout_s'] / floor:.2f} | "
                   f"{r['train']['peak_gib']:.2f} | {r['rollout']['peak_gib']:.2f} | {c['peak_gib']:.2f} "
                   f"(train {c['train_phase_peak_gib']:.2f}, rollout {c['rollout_phase_peak_gib']:.2f}) | {ratio_mem} | "
-                  f"{c['graph_recaptures']} |")  # fmt: skip
+                  f"{c['graph_recaptures']} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
 
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
             port = s.getsockname()[1]
         # FSDP2 at dp = 1 (the trainer's CUDA layout: bf16 compute, fp32 master weights) needs a group of one
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                                timeout=datetime.timedelta(seconds=600), device_id=device)  # fmt: skip
+                                timeout=datetime.timedelta(seconds=600), device_id=device)
     torch.set_num_threads(1 if device.type == "cpu" else 8)
     with tempfile.TemporaryDirectory(prefix="meshrl_colocated_") as work:
         results = [run_shape(args, shape, device, Path(work)) for shape in args.model.split(",")]

@@ -95,7 +95,7 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, work: str) -> None
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("gloo" if args.cpu else "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=args.dp, timeout=datetime.timedelta(seconds=600), device_id=None if args.cpu else device)  # fmt: skip
+                            world_size=args.dp, timeout=datetime.timedelta(seconds=600), device_id=None if args.cpu else device)
     try:
         model_dir = Path(work) / "model"
         if rank == 0:
@@ -105,11 +105,11 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, work: str) -> None
         cfg = TrainerConfig(samples_per_step=args.samples, tokens_per_microbatch=args.tokens_per_microbatch, lr=1e-6,
                             dp=args.dp, device=device.type, mixed_precision=not args.no_mixed_precision,
                             activation_checkpointing=args.activation_checkpointing, max_skipped_steps=0,
-                            lora=LoRAConfig(rank=args.lora_rank))  # fmt: skip
+                            lora=LoRAConfig(rank=args.lora_rank))
         algo = AlgoConfig(advantage="gae") if args.algo == "ppo" else AlgoConfig(advantage="grpo", samples_per_prompt=8)
         t0 = time.perf_counter()
         trainer = PolicyTrainer(str(model_dir), cfg, algo, dp=dp, temperature=1.0, max_new_tokens=args.response_len,
-                                total_steps=args.warmup + args.steps)  # fmt: skip
+                                total_steps=args.warmup + args.steps)
         setup_s = time.perf_counter() - t0
         vocab = trainer.policy.config.vocab_size
         times, losses, tokens = [], [], 0.0
@@ -148,7 +148,7 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, work: str) -> None
                "tokens_per_s": tokens / statistics.median(times), "peak_mem_gib": peak_memory_gib(device),
                "checkpoint_s": ckpt_s, "hf_export_s": export_s, "losses": losses, "push_list_s": merge_s,
                "merge_diff": merge_diff,
-               "trained_params": sum(p.numel() for p in trainer.policy.parameters() if p.requires_grad)}  # fmt: skip
+               "trained_params": sum(p.numel() for p in trainer.policy.parameters() if p.requires_grad)}
         rows: list = [None] * args.dp
         dist.all_gather_object(rows, row)
         if rank == 0:
@@ -162,7 +162,7 @@ def report(args: argparse.Namespace, rows: list[dict], params: int) -> None:
           f"shape, algo={args.algo}, {args.samples} samples x ({args.prompt_len} + {args.response_len}) tokens per step, "
           f"tokens_per_microbatch={args.tokens_per_microbatch}, mixed precision={not args.no_mixed_precision and not args.cpu}, "
           f"activation checkpointing={args.activation_checkpointing}, LoRA rank {args.lora_rank or '-'}; policy "
-          f"parameters {params:,}, trained {rows[0]['trained_params']:,}\n")  # fmt: skip
+          f"parameters {params:,}, trained {rows[0]['trained_params']:,}\n")
     mem = "peak GiB allocated" if not args.cpu else "peak RSS GiB"
     print(f"| rank | device | step s (median) | tokens/s (all ranks, prompt + response) | {mem} | setup s | checkpoint s | HF export s | push list s |")
     print("|---|---|---|---|---|---|---|---|---|")

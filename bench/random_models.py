@@ -21,7 +21,7 @@ SHAPES = {  # the config.json of each Qwen2.5 model, and a tiny one for the CPU 
                num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False, rope_theta=1e6),
     "tiny": dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
-}  # fmt: skip
+}
 
 
 def write_model(path: Path, shape: str) -> None:
@@ -31,7 +31,7 @@ def write_model(path: Path, shape: str) -> None:
     from meshrl.embedded import build_char_tokenizer
 
     cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=32768, rms_norm_eps=1e-6, pad_token_id=0,
-                      bos_token_id=None, eos_token_id=None)  # fmt: skip
+                      bos_token_id=None, eos_token_id=None)
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # random init on the GPU: seconds, not minutes
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
@@ -55,4 +55,4 @@ def make_batch(step: int, args: argparse.Namespace, vocab: int):
                behavior_logprobs=[uniform + rng.uniform(-0.1, 0.1) for _ in range(args.response_len)],
                behavior_version=step, reward=float(rng.random() < 0.5))
         for i in range(args.samples)
-    ]  # fmt: skip
+    ]

@@ -100,7 +100,7 @@ async def sweep(etas: list[int], steps: int, out: Path, overrides: list[str]) ->
         cfg = load_config(
             PipelineConfig, ROOT / "examples" / "async_ppo.yaml",
             [*overrides, f"queue.max_staleness={eta}", f"run.total_steps={steps}", f"run.output_dir={run_dir}", "run.progress=false"],
-        )  # fmt: skip
+        )
         print(f"== max_staleness={eta} ==", flush=True)
         await Pipeline(cfg).run()
         run_dirs[eta] = run_dir

@@ -69,7 +69,7 @@ class WarmStart(msgspec.Struct, frozen=True, kw_only=True):
 
 
 MODEL = EmbeddedModelConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                            intermediate_size=256, max_position_embeddings=64)  # fmt: skip
+                            intermediate_size=256, max_position_embeddings=64)
 
 
 def transcript(tok, problem: meshrl.Problem, use_tool: bool) -> tuple[list[int], list[int]]:
@@ -85,7 +85,7 @@ def transcript(tok, problem: meshrl.Problem, use_tool: bool) -> tuple[list[int],
 def warm_start(task: MultiplyTask, cfg: WarmStart, log=print) -> Path:
     """Train (or reuse from the cache) the starting policy; returns its HF checkpoint folder."""
     key = hashlib.sha256(json.dumps([msgspec.to_builtins(MODEL), msgspec.to_builtins(cfg), RESULT_FORMAT,
-                                     len(task.split("train"))]).encode()).hexdigest()[:16]  # fmt: skip
+                                     len(task.split("train"))]).encode()).hexdigest()[:16]
     out = default_cache_dir() / "agent_tools" / key
     if (out / "config.json").is_file():
         log(f"warm start: reusing {out}")
@@ -101,7 +101,7 @@ def warm_start(task: MultiplyTask, cfg: WarmStart, log=print) -> Path:
         batch = [train[rng.randrange(len(train))] for _ in range(cfg.batch_size)]
         parts = [transcript(tok, p, rng.random() < cfg.tool_share) for p in batch]
         packed = pack([tok.encode(p.prompt) for p in batch], [ids for ids, _ in parts], pad_id=tok.pad_token_id,
-                      loss_masks=[mask for _, mask in parts])  # fmt: skip
+                      loss_masks=[mask for _, mask in parts])
         logits = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask).logits
         loss = -(response_logprobs(logits, packed) * packed.response_mask).sum() / packed.response_mask.sum()
         opt.zero_grad(set_to_none=True)
@@ -122,7 +122,7 @@ def config(overrides: list[str]) -> meshrl.PipelineConfig:
         "algo.samples_per_prompt=8", "trainer.samples_per_step=128", "trainer.lr=1e-3", "queue.max_staleness=1",
         "rollout.prompts_per_request=8", "rollout.requests_in_flight=2", "rollout.max_new_tokens=20",
         "rollout.episode.max_turns=3", "rollout.episode.max_tokens=48",
-    ]  # fmt: skip
+    ]
     return meshrl.load_config(meshrl.PipelineConfig, None, base + overrides)
 
 
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
           f"  before RL: {rates(evals[0])}\n  after  RL: {rates(evals[-1])}\n"
           f"sampled tool-call rate in training: {sampled[0]:.1%} (first steps) -> {sampled[1]:.1%} (last steps)\n"
           f"{summary['steps']} RL steps; {(time.perf_counter() - started) / 60:.1f} min in all, warm start included\n"
-          f"checkpoint: {summary['checkpoint']}")  # fmt: skip
+          f"checkpoint: {summary['checkpoint']}")
     return 0
 
 

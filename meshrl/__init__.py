@@ -28,7 +28,7 @@ _LAZY = {
     "Reward": "meshrl.envs", "FunctionReward": "meshrl.envs", "batched_reward": "meshrl.envs",
     "HTTPReward": "meshrl.envs", "MeshReward": "meshrl.envs", "RewardModel": "meshrl.envs",
     "Sample": "meshrl.queues",
-}  # fmt: skip
+}
 
 __all__ = sorted(_LAZY)
 

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 
 async def in_thread(fn: Callable, *args: Any, timeout_s: float, what: str,
-                    late: Callable[[Any], None] | None = None) -> Any:  # fmt: skip
+                    late: Callable[[Any], None] | None = None) -> Any:
     """``fn(*args)`` on a daemon thread of its own, awaited at most ``timeout_s`` from the call's
     start; past it ``TimeoutError(what)``, and the thread is abandoned (a sync function cannot be
     interrupted). Not the loop's default executor (``asyncio.to_thread``): a hung call would hold
@@ -50,7 +50,7 @@ class CallThread:
         self._thread: threading.Thread | None = None
 
     async def call(self, fn: Callable, *args: Any, timeout_s: float, what: str,
-                   late: Callable[[Any], None] | None = None) -> Any:  # fmt: skip
+                   late: Callable[[Any], None] | None = None) -> Any:
         job = _Call(asyncio.get_running_loop(), fn, args, late)
         if self._thread is None:
             self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
@@ -97,7 +97,7 @@ class _Call:
                 self.late(value)
             except Exception:
                 log.warning("cleaning up after an abandoned call of %s failed:\n%s",
-                            getattr(self.fn, "__qualname__", self.fn), traceback.format_exc())  # fmt: skip
+                            getattr(self.fn, "__qualname__", self.fn), traceback.format_exc())
 
     def _settle(self, value: Any, error: BaseException | None) -> None:
         if not self.done.done():

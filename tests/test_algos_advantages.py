@@ -122,7 +122,7 @@ def test_constant_group_is_exactly_zero_in_float32_too(dtype, value, n):
     divided by std + 1e-6 that was a same-sign advantage of 0.056 on every sample of the group."""
     rewards, groups = torch.full((n,), value, dtype=dtype), torch.zeros(n, dtype=torch.long)
     for adv in (grpo_advantages(rewards, groups), grpo_advantages(rewards, groups, scale_by_std=False),
-                rloo_advantages(rewards, groups)):  # fmt: skip
+                rloo_advantages(rewards, groups)):
         assert adv.dtype == dtype and torch.equal(adv, torch.zeros(n, dtype=dtype))
     token_rewards = torch.zeros(n, 3, dtype=dtype)
     token_rewards[:, -1] = value  # REINFORCE++: the same return on every valid token of the batch

@@ -74,7 +74,7 @@ def losses(params: torch.Tensor, batch: dict, rows: torch.Tensor, agg) -> list:
         ),
         kl_loss(lp, behavior, mask, aggregate=agg, estimator=kl_k2),
         (agg(entropy, mask), {"num_tokens": mask.sum().to(F64)}),
-    ]  # fmt: skip
+    ]
 
 
 @settings(max_examples=12, deadline=None)

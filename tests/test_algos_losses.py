@@ -161,7 +161,7 @@ def test_ppo_with_truncated_is_and_mismatch_kl():
     loss, m = ppo_policy_loss(
         logprobs, target, t([1.0]), mask, aggregate=TokenMean(4), behavior_logprobs=behavior,
         importance_sampling=make_importance_sampling("truncated_token", is_cap=2.0),
-    )  # fmt: skip
+    )
     loss.backward()
     close(loss, -1.25)  # −(0.5 + 1 + 2 + 1.5) / 4 with [B] advantages broadcast
     close(logprobs.grad, [[-0.125, -0.25, -0.5, -0.375]])
@@ -177,7 +177,7 @@ def test_decoupled_ppo_hand_computed():
     loss, m = decoupled_ppo_loss(
         logprobs, proximal, behavior, t([[1.0, 1.0]]), torch.ones(1, 2), aggregate=TokenMean(2),
         clip_low=0.2, clip_high=0.2, is_cap=4.0,
-    )  # fmt: skip
+    )
     loss.backward()
     # Token 0: max(−1.5, −1.2)·0.5 = −0.6 (clipped); token 1: −0.9·3 = −2.7.
     close(loss, -1.65)
@@ -197,7 +197,7 @@ def test_gspo_hand_computed():
     loss, m = gspo_policy_loss(
         logprobs, old, t([2.0, -1.0]), mask, aggregate=SeqMeanTokenMean(2), clip_low=0.2,
         clip_high=0.2,
-    )  # fmt: skip
+    )
     loss.backward()
     # Row 0: s = e^0.1 = 1.1051709, −2s unclipped. Row 1: s = e^−0.5 < 0.8, A < 0 → 0.8 (clipped).
     close(loss, (-2 * 1.1051709 + 0.8) / 2)
@@ -239,7 +239,7 @@ def test_make_policy_loss_binds_the_same_functions():
                 behavior_logprobs=behavior, importance_sampling=tis,
             ),
         ),
-    ]  # fmt: skip
+    ]
     for bound, (expected_loss, expected_metrics) in pairs:
         loss, metrics = bound(lp, target, behavior, adv, mask, aggregate=agg)
         assert torch.equal(loss, expected_loss), bound
@@ -340,18 +340,18 @@ def all_losses(lp, old, behav, adv, mask, agg, values=None):
     out["ppo"] = ppo_policy_loss(
         lps["ppo"], old, adv, mask, aggregate=agg, clip_high=0.28, dual_clip=3.0,
         behavior_logprobs=behav,
-    )  # fmt: skip
+    )
     out["ppo_tis"] = ppo_policy_loss(
         lps["ppo_tis"], old, adv, mask, aggregate=agg, behavior_logprobs=behav,
         importance_sampling=MaskedSeqIS(0.5, 2.0),
-    )  # fmt: skip
+    )
     out["decoupled"] = decoupled_ppo_loss(
         lps["decoupled"], old, behav, adv, mask, aggregate=agg, is_cap=5.0
     )
     out["gspo"] = gspo_policy_loss(
         lps["gspo"], old, adv, mask, aggregate=agg, behavior_logprobs=behav,
         importance_sampling=TruncatedSeqIS(2.0),
-    )  # fmt: skip
+    )
     out["value"] = value_loss(
         lps["value"], old if values is None else values, adv, mask, aggregate=agg, clip=0.5
     )
@@ -449,7 +449,7 @@ def test_bad_inputs_name_the_argument():
         decoupled_ppo_loss(
             lp, lp, lp, lp, mask, aggregate=agg, is_cap=2.0,
             importance_sampling=TruncatedTokenIS(2),
-        )  # fmt: skip
+        )
     with pytest.raises(ValueError, match="`clip_low`"):
         ppo_policy_loss(lp, lp, lp, mask, aggregate=agg, clip_low=1.0)
     with pytest.raises(ValueError, match="`dual_clip`"):

@@ -27,7 +27,7 @@ PROBLEMS = [Problem(id=i, prompt=f"{i}+1=", answer=str(i + 1)) for i in range(10
 
 def _samples(group_ids: list[int], version: int = 0) -> list[Sample]:
     return [Sample(prompt_id=g, group_id=g, group_size=1, prompt_ids=[1, 2], response_ids=[3], behavior_logprobs=[-1.0],
-                   behavior_version=version) for g in group_ids]  # fmt: skip
+                   behavior_version=version) for g in group_ids]
 
 
 async def _save_and_restore(tmp_path):
@@ -41,7 +41,7 @@ async def _save_and_restore(tmp_path):
     ledger.done(r1.id)
     state = RunState(step=1, version=0, prompt_position=ledger.stream.position, next_group=ledger.next_group,
                      generated_tokens=7, accuracy_before=0.25, in_flight=list(ledger.in_flight.values()),
-                     queue_snapshot=await queue.snapshot())  # fmt: skip
+                     queue_snapshot=await queue.snapshot())
     partial = partial_dir(tmp_path, 1)
     write_checkpoint_files(partial, state, None)
     final = commit(partial, keep=2)
@@ -77,7 +77,7 @@ def test_in_flight_requests_are_reissued_and_unknown_reservations_cancelled(tmp_
 
 def test_latest_skips_partial_checkpoints_and_keep_prunes(tmp_path):
     state = RunState(step=0, version=0, prompt_position=0, next_group=0, generated_tokens=0, accuracy_before=None,
-                     in_flight=[], queue_snapshot=b"")  # fmt: skip
+                     in_flight=[], queue_snapshot=b"")
     assert latest_checkpoint(tmp_path) is None and resolve_resume("latest", tmp_path) is None
     for step in (2, 4, 6):
         write_checkpoint_files(partial_dir(tmp_path, step), state, None)
@@ -110,7 +110,7 @@ def test_a_request_done_since_the_last_take_is_still_recorded():
 def _commit_step(root, step: int, *, keep: int, generated_tokens: int):
     """A complete checkpoint of ``step``; ``generated_tokens`` tells the runs that wrote them apart."""
     state = RunState(step=step, version=step, prompt_position=0, next_group=0, generated_tokens=generated_tokens,
-                     accuracy_before=None, in_flight=[], queue_snapshot=b"")  # fmt: skip
+                     accuracy_before=None, in_flight=[], queue_snapshot=b"")
     write_checkpoint_files(partial_dir(root, step), state, None)
     return commit(partial_dir(root, step), keep=keep)
 
@@ -124,7 +124,7 @@ def test_a_run_resumed_from_an_earlier_step_keeps_and_skips_the_later_checkpoint
     ours = _commit_step(tmp_path, 5, keep=1, generated_tokens=2)  # resumed from 4, stopped at step 5
     assert ours.is_dir() and resolve_resume("latest", tmp_path) == ours
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == [
-        "step_00000005", "step_00000006", "step_00000008"]  # fmt: skip
+        "step_00000005", "step_00000006", "step_00000008"]
     assert later_checkpoints(tmp_path, 5) == [tmp_path / "checkpoints" / n for n in ("step_00000006", "step_00000008")]
     # Reaching step 6 again replaces the first run's step 6, and step 5 goes (keep=1); step 8 stays.
     _commit_step(tmp_path, 6, keep=1, generated_tokens=2)
@@ -189,7 +189,7 @@ def test_resume_refuses_a_checkpoint_of_another_model_task_or_group_shape(tmp_pa
 
     ppo = load_config(PipelineConfig, None, ["algo=ppo"])
     state = RunState(step=4, version=4, prompt_position=0, next_group=0, generated_tokens=0, accuracy_before=None,
-                     in_flight=[], queue_snapshot=b"", fingerprint=run_fingerprint(ppo))  # fmt: skip
+                     in_flight=[], queue_snapshot=b"", fingerprint=run_fingerprint(ppo))
     write_checkpoint_files(tmp_path / "ck", state, None)
     state = read_run_state(tmp_path / "ck")
     check_fingerprint(tmp_path / "ck", state, load_config(PipelineConfig, None, ["algo=ppo", "trainer.lr=1e-5",
@@ -223,7 +223,7 @@ def test_a_file_task_is_fingerprinted_by_its_problems_not_its_path(tmp_path, mon
 
     def cfg(train: str, *extra: str) -> PipelineConfig:
         return load_config(PipelineConfig, None, ["task.kind=file", f"task.train_file={train}",
-                                                  f"task.test_file={tmp_path / 'train.jsonl'}", *extra])  # fmt: skip
+                                                  f"task.test_file={tmp_path / 'train.jsonl'}", *extra])
 
     monkeypatch.chdir(tmp_path)
     write(100)
@@ -305,7 +305,7 @@ def test_a_refused_resume_leaves_the_runs_config_file_alone(tmp_path):
     out = tmp_path / "run"
     first = load_config(PipelineConfig, None, [f"run.output_dir={out}"])
     state = RunState(step=2, version=2, prompt_position=0, next_group=0, generated_tokens=0, accuracy_before=None,
-                     in_flight=[], queue_snapshot=b"", fingerprint=run_fingerprint(first))  # fmt: skip
+                     in_flight=[], queue_snapshot=b"", fingerprint=run_fingerprint(first))
     write_checkpoint_files(partial_dir(out, 2), state, None)
     commit(partial_dir(out, 2), keep=0)
     (out / "config.yaml").write_text(to_yaml(first))

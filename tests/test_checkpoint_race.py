@@ -68,7 +68,7 @@ class SlowSnapshotReply(QueueActor):
 def _samples(job: InFlight) -> list[Sample]:
     return [Sample(prompt_id=g, group_id=g, group_size=N, prompt_ids=[1, 2], response_ids=[3] * RESPONSE_TOKENS,
                    behavior_logprobs=[-1.0] * RESPONSE_TOKENS, behavior_version=0)
-            for g in range(job.first_group, job.first_group + job.count) for _ in range(N)]  # fmt: skip
+            for g in range(job.first_group, job.first_group + job.count) for _ in range(N)]
 
 
 async def _put(rollout: RolloutDriver, job: InFlight) -> None:
@@ -86,7 +86,7 @@ async def _controller(out: Path, queue_cls: type) -> AsyncIterator[TrainLoop]:
         f"run.output_dir={out}", "run.keep_checkpoints=0", "run.step_timeout_s=60", "run.progress=false",
         f"trainer.samples_per_step={STEP}", f"algo.samples_per_prompt={N}", f"rollout.prompts_per_request={PROMPTS}",
         f"queue.max_staleness={ETA}", "queue.stale_policy=keep",
-    ])  # fmt: skip
+    ])
     procs = [spawn_procs({"procs": 1}, cpus_per_proc=0.01, name=name) for name in ("queue", "trainer")]
     queue = procs[0].spawn("queue", queue_cls, cfg.queue, samples_per_step=STEP)
     trainer = procs[1].spawn("trainer", CheckpointDir)
@@ -95,7 +95,7 @@ async def _controller(out: Path, queue_cls: type) -> AsyncIterator[TrainLoop]:
         await asyncio.gather(queue.ready().within(60), trainer.ready().within(60))
         roles = Roles(queue=queue, rollouts=None, rewards=None, trainer=trainer, reference=None)
         rollout = RolloutDriver(cfg, roles, None, PromptLedger(PROBLEMS, seed=3), log, stopping=asyncio.Event(),
-                                environment=False)  # fmt: skip
+                                environment=False)
         yield TrainLoop(cfg, roles, rollout, log, out, evaluate=None)
     finally:
         log.close()

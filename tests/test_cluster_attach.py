@@ -149,7 +149,7 @@ def test_the_main_job_runs_under_ray_job_submit(tmp_path, two_nodes, cache):
     cmd = [sys.executable, "-m", "ray.scripts.scripts", "job", "submit", "--address", dashboard,
            "--runtime-env-json", runtime_env, "--", sys.executable, str(ROOT / "examples" / "async_ppo.py"),
            *SHORT, "run.total_steps=2", f"run.output_dir={out}", "run.progress=false",
-           "cluster.trainer.resources={node_b: 0.01}"]  # fmt: skip
+           "cluster.trainer.resources={node_b: 0.01}"]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_AUTH_MODE": "disabled"}
     for _ in range(10):  # the head's agent takes a while after the node is up, longer on a loaded machine
         job = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env, cwd=tmp_path)
@@ -164,7 +164,7 @@ def test_the_main_job_runs_under_ray_job_submit(tmp_path, two_nodes, cache):
     assert {("queue/0", "QueueActor"), ("rollout/0", "RolloutWorker"), ("reward/0", "RewardWorker"),
             ("trainer/0", "Trainer")} <= actors, actors
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
-            if json.loads(line)["kind"] == "step"] == [1, 2]  # fmt: skip
+            if json.loads(line)["kind"] == "step"] == [1, 2]
 
 
 def test_run_ray_address_names_the_cluster(two_nodes):

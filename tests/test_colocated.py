@@ -31,13 +31,13 @@ OVERRIDES = [
     "task.digits=1", "task.num_test=16", "trainer.samples_per_step=16",
     "rollout.prompts_per_request=4", "rollout.requests_in_flight=2", "rollout.max_new_tokens=4",
     "run.total_steps=3", "run.eval_every=0", "run.progress=false", "trainer.lr=1e-3",
-]  # fmt: skip
+]
 SGD = ["trainer.optimizer=sgd", "trainer.lr=0.1", "trainer.critic_lr=0.1"]  # the invariant's runs (bounds.py: why)
 
 
 def _run(tmp_path: Path, name: str, *extra: str) -> tuple[list[dict], Path]:
     cfg = load_config(PipelineConfig, None, [*OVERRIDES, f"warmstart.cache_dir={tmp_path / 'cache'}",
-                                             f"run.output_dir={tmp_path / name}", *extra])  # fmt: skip
+                                             f"run.output_dir={tmp_path / name}", *extra])
     summary = asyncio.run(Pipeline(cfg).run())
     records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     return [r for r in records if r["kind"] == "step"], Path(summary["checkpoint"])
@@ -65,7 +65,7 @@ def test_colocated_at_staleness_zero_equals_disaggregated(ray_cluster, tmp_path)
 @pytest.mark.slow
 def test_colocated_one_step_overlap_with_released_weights_trains(ray_cluster, tmp_path):
     steps, final = _run(tmp_path, "overlap", "queue.max_staleness=1", "placement=colocated",
-                        "colocated.release_weights=true", "run.total_steps=4")  # fmt: skip
+                        "colocated.release_weights=true", "run.total_steps=4")
     assert [r["step"] for r in steps] == [1, 2, 3, 4] and [r["version"] for r in steps] == [1, 2, 3, 4]
     assert max(r["staleness_max"] for r in steps) <= 1
     assert all(r["loss"] == r["loss"] and r["grad_norm"] > 0 for r in steps)
@@ -88,7 +88,7 @@ def _requests(n: int, tokens: int, seed: int) -> list[GenerateRequest]:
 def test_engine_release_and_restore_memory_keeps_generation_identical(tmp_path):
     model_dir = _tiny_model_dir(tmp_path / "m")
     engine = TorchEngine.from_pretrained(model_dir, TorchEngineConfig(device="cpu", max_batch_size=4, max_seq_len=32,
-                                                                       contiguous_weights=True))  # fmt: skip
+                                                                       contiguous_weights=True))
     from meshrl.reshard.colocated import LocalHandover
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir)
@@ -106,7 +106,7 @@ def test_engine_release_and_restore_memory_keeps_generation_identical(tmp_path):
         assert a == pytest.approx(b, abs=1e-6)
     with pytest.raises(RuntimeError, match="contiguous_weights"):
         TorchEngine.from_pretrained(model_dir, TorchEngineConfig(device="cpu", max_batch_size=2, max_seq_len=16)
-                                    ).release_memory(weights=True)  # fmt: skip
+                                    ).release_memory(weights=True)
 
 
 def test_mode_gate_orders_generation_train_steps_and_the_hand_over(ray_cluster, tmp_path):
@@ -121,7 +121,7 @@ def test_mode_gate_orders_generation_train_steps_and_the_hand_over(ray_cluster, 
     try:
         w = procs.spawn("hybrid", HybridWorker, model_dir, TrainerConfig(samples_per_step=4), AlgoConfig(samples_per_prompt=4),
                         TorchEngineConfig(device="cpu", max_batch_size=8, max_seq_len=512), ColocatedConfig(switch_timeout_s=60),
-                        temperature=1.0, max_new_tokens=4, total_steps=10)  # fmt: skip
+                        temperature=1.0, max_new_tokens=4, total_steps=10)
         one = w.slice(procs=0)
 
         async def scenario():
@@ -131,7 +131,7 @@ def test_mode_gate_orders_generation_train_steps_and_the_hand_over(ray_cluster, 
             reqs = [GenerateRequest(input_ids=tok.encode("1+2="), sampling=SamplingParams(max_new_tokens=4, n=4, seed=3))]
             results = await one.generate.call_one(reqs).within(60)
             batch = score_job(task, tok, RolloutJob(problems=problems, prompt_ids=[reqs[0].input_ids], results=results,
-                                                    group_ids=[0])).encoded  # fmt: skip
+                                                    group_ids=[0])).encoded
             # a long generate is in flight: the train step waits for it, then frees the KV cache
             long = asyncio.ensure_future(one.generate.call_one(_requests(2, 500, seed=5)).within(60))
             # the train step goes in as soon as the generate is seen in flight (it runs ~500 steps)
@@ -178,7 +178,7 @@ def test_a_failed_hand_over_keeps_generation_out_until_one_succeeds(ray_cluster,
         w = procs.spawn("hybrid", HybridWorker, model_dir, TrainerConfig(samples_per_step=4), AlgoConfig(samples_per_prompt=4),
                         TorchEngineConfig(device="cpu", max_batch_size=8, max_seq_len=64),
                         ColocatedConfig(switch_timeout_s=3, release_weights=True),
-                        temperature=1.0, max_new_tokens=4, total_steps=10)  # fmt: skip
+                        temperature=1.0, max_new_tokens=4, total_steps=10)
         one = w.slice(procs=0)
 
         async def scenario():
@@ -216,7 +216,7 @@ def test_a_failed_hand_over_keeps_generation_out_until_one_succeeds(ray_cluster,
     (["placement=colocated", "trainer.device=cuda", "rollout.engine.device=cpu"], "rollout.engine.device"),
     (["placement=colocated", "colocated.release_weights=true", "trainer.sync_interval=2"], "colocated.release_weights"),
     (["colocated.release_weights=true"], "colocated.release_weights"),
-])  # fmt: skip
+])
 def test_bad_colocated_configs_fail_naming_the_key(overrides, key):
     with pytest.raises(ConfigError, match=f"`{key}`"):
         load_config(PipelineConfig, None, overrides).validate()

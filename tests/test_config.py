@@ -146,7 +146,7 @@ def test_cuda_on_a_cluster_without_enough_gpus_is_refused_at_start_naming_the_ke
     gpus = int(ray.cluster_resources().get("GPU", 0))  # one more than the cluster has, on any machine
     cases = [(["trainer.device=cuda", f"trainer.dp={gpus + 1}"], "trainer.device", f"{gpus + 1} for the trainer"),
              (["rollout.engine.device=cuda", f"rollout.num_workers={gpus + 1}"], "rollout.engine.device",
-              f"{gpus + 1} for the engines")]  # fmt: skip
+              f"{gpus + 1} for the engines")]
     for overrides, key, wants in cases:
         cfg = load_config(PipelineConfig, None, overrides).validate()
         with pytest.raises(ConfigError, match=rf"`{key}`: cuda needs {wants}.*, but the Ray cluster has {gpus} GPU"):
@@ -181,7 +181,7 @@ def test_validate_checks_paths_and_cross_component_rules(tmp_path):
     with pytest.raises(ConfigError, match="`rollout.engine.max_batch_size`: 4 rows cannot hold one prompt's "
                                           "algo.samples_per_prompt=8"):
         load_config(PipelineConfig, None, ["algo=grpo", "algo.samples_per_prompt=8", "trainer.samples_per_step=64",
-                                           "rollout.prompts_per_request=8", "rollout.engine.max_batch_size=4"]).validate()  # fmt: skip
+                                           "rollout.prompts_per_request=8", "rollout.engine.max_batch_size=4"]).validate()
 
 
 def test_sizes_that_could_never_fill_a_batch_are_refused():
@@ -213,7 +213,7 @@ def test_sizes_that_could_never_fill_a_batch_are_refused():
     (["rollout.tp_size=3"], r"`rollout.tp_size`: the model's \{'num_attention_heads': 4, 'num_key_value_heads': 2, "
                             r"'intermediate_size': 512\} do not split over tp_size=3"),
     (["rollout.tp_size=0"], "rollout.tp_size must be >= 1"),
-])  # fmt: skip
+])
 def test_tensor_parallel_rollouts_are_checked_at_start(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(PipelineConfig, None, overrides).validate()

@@ -59,7 +59,7 @@ def make_config(model_dir: str, out, *extra: str) -> meshrl.PipelineConfig:
         "queue.max_staleness=2", "trainer.samples_per_step=8", "rollout.prompts_per_request=2",
         "rollout.requests_in_flight=2", "rollout.max_new_tokens=3", "rollout.episode.max_turns=2",
         "trainer.lr=1e-3", *extra,
-    ])  # fmt: skip
+    ])
 
 
 async def user_script(cfg: meshrl.PipelineConfig, stop_after_steps: int) -> dict:
@@ -144,7 +144,7 @@ def _small(model: str, tmp_path, steps: int) -> meshrl.PipelineConfig:
         f"run.total_steps={steps}", "run.eval_every=0", "run.progress=false", "task.digits=1", "task.num_test=4",
         "algo=grpo", "algo.samples_per_prompt=2", "queue.max_staleness=1", "trainer.samples_per_step=4",
         "rollout.prompts_per_request=2", "rollout.requests_in_flight=1", "rollout.max_new_tokens=3",
-    ])  # fmt: skip
+    ])
 
 
 def test_stop_before_run_leaves_a_later_run_alone(ray_cluster, tmp_path, tiny_model):

@@ -32,7 +32,7 @@ def blocks() -> list[tuple[str, str]]:
 def test_every_snippet_of_the_embedding_docs_runs(ray_cluster, tmp_path, monkeypatch, tiny_model):
     found = blocks()
     assert [lang for lang, _ in found] == ["yaml", "python", "python", "python", "python", "python", "python", "python",
-                                           "bash", "python", "bash", "python"]  # fmt: skip
+                                           "bash", "python", "bash", "python"]
     docs_yaml = tmp_path / "docs_run.yaml"
     docs_yaml.write_text(found[0][1])
     for overrides in ([], ["queue.max_staleness=2"], ["run.resume=latest"]):  # as the page loads it
@@ -63,7 +63,7 @@ rollout: {{prompts_per_request: 2, max_new_tokens: 3, episode: {{max_turns: 2}}}
                     server.wait(timeout=30)
                 env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
                 server = subprocess.Popen([sys.executable, *cmd[1:]], cwd=tmp_path, env=env, text=True,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
                 wait_healthy(server, f"http://127.0.0.1:{port}", 120.0)
     finally:
         if server is not None:

@@ -177,7 +177,7 @@ def test_bad_input_errors_name_the_problem():
         TorchEngine.from_hf_model(hf, config=TorchEngineConfig(kv_cache_bytes=100, max_seq_len=16))
     for scaling in ({"rope_type": "dynamic", "factor": 2.0},
                     {"rope_type": "longrope", "short_factor": [1.0] * 16, "long_factor": [2.0] * 16,
-                     "original_max_position_embeddings": 64}):  # fmt: skip
+                     "original_max_position_embeddings": 64}):
         cfg = tiny.llama(vocab_size=96, hidden_size=64, layers=1, heads=2, intermediate_size=64, positions=128,
                          rope_scaling=scaling)
         with pytest.raises(ValueError, match=f"{scaling['rope_type']} RoPE scaling is not supported"):

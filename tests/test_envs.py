@@ -119,7 +119,7 @@ def test_a_stop_string_ends_the_turn_only_when_complete(model_dir, tok):
     runner continues the turn until the whole string is at its end."""
     eng = engine(model_dir)
     free = asyncio.run(run_episode(eng, tok, Scripted(PROBLEM, turns=1), SamplingParams(max_new_tokens=24, temperature=0),
-                                   EpisodeConfig(), max_seq_len=64))  # fmt: skip
+                                   EpisodeConfig(), max_seq_len=64))
     text = tok.decode(free.response_ids)
     candidates = [j for j in range(1, len(text)) if text[j] in text[:j] and text[j - 1 : j + 1] not in text[:j]]
     assert candidates, f"no usable stop string in the greedy output {text!r}"
@@ -129,7 +129,7 @@ def test_a_stop_string_ends_the_turn_only_when_complete(model_dir, tok):
         stop = (text[j - 1 : j + 1],)
 
     ep = asyncio.run(run_episode(eng, tok, StopEnv(PROBLEM, turns=1), SamplingParams(max_new_tokens=24, temperature=0),
-                                 EpisodeConfig(), max_seq_len=64))  # fmt: skip
+                                 EpisodeConfig(), max_seq_len=64))
     assert tok.decode(ep.response_ids) == text[: j + 1] and ep.finish_reason == "stop"
     assert ep.logprobs == pytest.approx(free.logprobs[: j + 1], abs=1e-5)  # continuing leaves sampling unchanged
 
@@ -154,7 +154,7 @@ def test_environment_errors_mark_the_episode_and_groups_stay_whole(model_dir, to
     assert groups[2][0].response_ids != groups[2][1].response_ids  # each episode of a group has its own seed
 
     job = RolloutJob(problems=problems, prompt_ids=[g[0].prompt_ids for g in groups], results=[], group_ids=[10, 11, 12],
-                     episodes=groups)  # fmt: skip
+                     episodes=groups)
     scored = score_job(AdditionTask(1, num_test=5), tok, job)
     samples = decode_samples(scored.encoded)
     assert [s.reward_failed for s in samples] == [True] * 4 + [False] * 2 and scored.failures == 4
@@ -168,10 +168,10 @@ def test_trainer_ignores_masked_tokens_in_ratios_and_losses(model_dir, tok):
     positions' behaviour log-probs changes nothing, and only policy tokens are counted."""
     eng = engine(model_dir)
     reqs = [EpisodeRequest(problem=Problem(id=i, prompt=f"{i}+{i}=", answer=str(2 * i)), n=2,
-                           sampling=SamplingParams(max_new_tokens=3, seed=i)) for i in range(3)]  # fmt: skip
+                           sampling=SamplingParams(max_new_tokens=3, seed=i)) for i in range(3)]
     groups = asyncio.run(run_episodes(eng, tok, lambda p: Scripted(p, turns=2), reqs, EpisodeConfig(), max_seq_len=64))
     job = RolloutJob(problems=[r.problem for r in reqs], prompt_ids=[g[0].prompt_ids for g in groups], results=[],
-                     group_ids=[0, 1, 2], episodes=groups)  # fmt: skip
+                     group_ids=[0, 1, 2], episodes=groups)
     samples = decode_samples(score_job(AdditionTask(1, num_test=5), tok, job).encoded)
     for i, s in enumerate(samples):
         s.reward = float(i % 2)  # varied rewards: non-zero advantages
@@ -183,7 +183,7 @@ def test_trainer_ignores_masked_tokens_in_ratios_and_losses(model_dir, tok):
         policy = AutoModelForCausalLM.from_pretrained(model_dir).train()
         opt = torch.optim.SGD(policy.parameters(), lr=0.1)
         updater = PolicyUpdater(policy, None, AlgoConfig(advantage="grpo", samples_per_prompt=2), temperature=1.0,
-                                max_new_tokens=64, tokens_per_microbatch=4096)  # fmt: skip
+                                max_new_tokens=64, tokens_per_microbatch=4096)
         batch = build_step_batch(samples, pad_id=tok.pad_token_id)
         assert batch.packed.num_response_tokens == sum(sum(s.loss_mask) for s in samples) == 6 * 6
         m = updater.step(batch, policy_optimizer=opt, critic_optimizer=None, max_grad_norm=1e9)
@@ -236,7 +236,7 @@ def test_a_bad_step_result_fails_only_its_episode(model_dir, tok):
     assert all(e.reward == 0.5 and e.info == {"ok": 1.0} for e in groups[5])
 
     job = RolloutJob(problems=problems, prompt_ids=[g[0].prompt_ids for g in groups], results=[],
-                     group_ids=list(range(6)), episodes=groups)  # fmt: skip
+                     group_ids=list(range(6)), episodes=groups)
     scored = score_job(AdditionTask(1, num_test=5), tok, job)
     samples = decode_samples(scored.encoded)
     assert scored.failures == 10 and [s.reward_failed for s in samples] == [True] * 10 + [False] * 2
@@ -251,7 +251,7 @@ def test_stop_none_means_no_stop_strings(model_dir, tok):
         stop = None
 
     ep = asyncio.run(run_episode(eng, tok, NoStops(Problem(0, "1+1=", "2"), ("", 1.0, True)),
-                                 SamplingParams(max_new_tokens=3, seed=0), EpisodeConfig(), max_seq_len=64))  # fmt: skip
+                                 SamplingParams(max_new_tokens=3, seed=0), EpisodeConfig(), max_seq_len=64))
     assert not ep.failed and ep.reward == 1.0
 
 
@@ -283,7 +283,7 @@ def test_episodes_without_a_policy_token_are_accepted_by_the_queue(model_dir, to
     assert all(e.failed and e.policy_tokens == 0 for e in groups[0])
     assert all(e.behavior_version == eng.version for g in groups for e in g)
     job = RolloutJob(problems=problems, prompt_ids=[g[0].prompt_ids for g in groups], results=[], group_ids=[0, 1],
-                     episodes=groups)  # fmt: skip
+                     episodes=groups)
     scored = score_job(AdditionTask(1, num_test=5), tok, job)
 
     async def put() -> int:
@@ -309,10 +309,10 @@ def test_hung_sync_env_calls_hold_no_shared_thread_and_the_timeout_counts_the_ca
 
     async def main() -> tuple:
         hung = await asyncio.gather(*(call_env(release.wait, timeout_s=0.3, what="step") for _ in range(pool)),
-                                    return_exceptions=True)  # fmt: skip
+                                    return_exceptions=True)
         t0 = time.monotonic()
         healthy = await asyncio.gather(*(call_env(time.sleep, 0.3, timeout_s=1.0, what="step") for _ in range(5 * pool)),
-                                       return_exceptions=True)  # fmt: skip
+                                       return_exceptions=True)
         healthy_s = time.monotonic() - t0
         other = await asyncio.wait_for(asyncio.to_thread(lambda: "weights received"), 2.0)
         return hung, healthy, healthy_s, other
@@ -369,7 +369,7 @@ def test_the_factory_runs_off_the_loop_bounded_and_every_environment_is_closed_o
 
     make = lambda p: AsyncClose(p) if p.id == 1 else Env(p)  # noqa: E731
     reqs = [EpisodeRequest(problem=Problem(i, f"{i}+1=", "x"), n=1, sampling=SamplingParams(max_new_tokens=3, seed=i))
-            for i in range(5)]  # fmt: skip
+            for i in range(5)]
 
     async def main() -> tuple:
         stalls: list[float] = []
@@ -427,7 +427,7 @@ def test_a_prompt_or_stop_string_the_tokenizer_cannot_encode_fails_only_its_epis
     for bad in (LineEnv, OddPrompt):
         make = lambda p, bad=bad: bad(p) if p.id == 0 else Good(p)  # noqa: E731
         reqs = [EpisodeRequest(problem=Problem(i, f"{i}+1=", "x"), n=2, sampling=SamplingParams(max_new_tokens=3, seed=i))
-                for i in range(3)]  # fmt: skip
+                for i in range(3)]
         groups = asyncio.run(run_episodes(eng, tok, make, reqs, EpisodeConfig(), max_seq_len=64))
         assert [[e.failed for e in g] for g in groups] == [[True, True], [False, False], [False, False]], bad.__name__
         assert all(e.prompt_ids and e.policy_tokens == 0 for e in groups[0])
@@ -486,7 +486,7 @@ def test_an_environment_bound_to_its_thread_works_across_its_episode(model_dir, 
             self.db.close()
 
     reqs = [EpisodeRequest(problem=Problem(i, f"{i}+1=", "x"), n=1, sampling=SamplingParams(max_new_tokens=3, seed=i))
-            for i in range(3)]  # fmt: skip
+            for i in range(3)]
     groups = asyncio.run(run_episodes(eng, tok, Ledger, reqs, EpisodeConfig(max_turns=3), max_seq_len=64))
     episodes = [e for g in groups for e in g]
     assert [e.failed for e in episodes] == [False] * 3 and [e.reward for e in episodes] == [1.0] * 3

@@ -18,7 +18,7 @@ TINY = [
     "warmstart.max_steps=20", "warmstart.target_accuracy=null", "warmstart.batch_size=32",
     "task.digits=1", "task.num_test=16", "trainer.samples_per_step=16", "rollout.prompts_per_request=4",
     "rollout.requests_in_flight=2", "run.total_steps=3", "run.eval_every=2",
-]  # fmt: skip
+]
 
 
 def run_example(tmp_path: Path, *args: str, timeout: int = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -27,7 +27,7 @@ def run_example(tmp_path: Path, *args: str, timeout: int = 300, env: dict[str, s
     env.pop("RAY_ADDRESS", None)
     env.update(extra)
     return subprocess.run([sys.executable, str(ROOT / "examples" / "async_ppo.py"), *args],
-                          capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)  # fmt: skip
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
 
 
 @pytest.mark.slow
@@ -145,7 +145,7 @@ def test_ctrl_c_stops_cleanly_with_a_checkpoint_to_resume(tmp_path):
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen([sys.executable, str(ROOT / "examples" / "async_ppo.py"), *TINY, "run.total_steps=500",
                              "run.progress=false", f"run.output_dir={tmp_path / 'run'}"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)  # fmt: skip
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
     lines: list[str] = []
     stepped = threading.Event()
 

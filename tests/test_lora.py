@@ -181,7 +181,7 @@ def _rank_main(rank: int, port: int, model_dir: str, out: str) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=120))  # fmt: skip
+                            timeout=datetime.timedelta(seconds=120))
     try:
         t = _trainer(model_dir, DataParallel(init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))), dtype=torch.float64)
         metrics = _train(t)
@@ -248,7 +248,7 @@ def test_pipeline_with_lora_serves_the_adapted_policy_at_every_version(ray_clust
         "run.progress=false", "task.digits=1", "task.num_test=8", "algo=grpo", "algo.samples_per_prompt=2",
         "queue.max_staleness=0", "trainer.samples_per_step=8", "rollout.prompts_per_request=2",
         "rollout.requests_in_flight=2", "rollout.max_new_tokens=3", "trainer.lr=3e-2", "trainer.lora.rank=4",
-    ])  # fmt: skip
+    ])
     summary = asyncio.run(Pipeline(cfg, reward=_digit_share).run())
     steps = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "step"]
     assert [s["version"] for s in steps] == [1, 2, 3] and all(s["staleness_max"] == 0 for s in steps)

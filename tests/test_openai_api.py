@@ -55,9 +55,9 @@ def test_completions_return_trainable_token_ids_and_logprobs(model_dir):
         async with serve(model_dir) as (s, engine):
             greedy = await post(s, "/v1/completions", {"model": "m", "prompt": "12+30=", "max_tokens": 6, "temperature": 0})
             direct = await engine.generate([GenerateRequest(input_ids=tok.encode("12+30="),
-                                                            sampling=SamplingParams(max_new_tokens=6, temperature=0))])  # fmt: skip
+                                                            sampling=SamplingParams(max_new_tokens=6, temperature=0))])
             sampled = await post(s, "/v1/completions", {"prompt": [tok.encode("7+1="), tok.encode("3+3=")], "max_tokens": 5,
-                                                        "temperature": 1.0, "n": 2, "seed": 3, "logprobs": 1})  # fmt: skip
+                                                        "temperature": 1.0, "n": 2, "seed": 3, "logprobs": 1})
             models = await (await s.get("/v1/models")).json()
             return greedy, direct, sampled, models
 
@@ -88,13 +88,13 @@ def test_chat_uses_the_template_or_a_simple_one_and_honours_stop_strings(model_d
     async def main():
         async with serve(model_dir) as (s, _):
             plain = await post(s, "/v1/chat/completions", {"model": "m", "messages": messages, "max_tokens": 12,
-                                                           "temperature": 0, "logprobs": True})  # fmt: skip
+                                                           "temperature": 0, "logprobs": True})
             free = plain[1]["choices"][0]["message"]["content"]
             stop_long, stop_one = free[1:3], free[1]  # a two-character and a one-character stop string
             long = await post(s, "/v1/chat/completions", {"messages": messages, "max_tokens": 12, "temperature": 0,
-                                                          "stop": [stop_long]})  # fmt: skip
+                                                          "stop": [stop_long]})
             one = await post(s, "/v1/chat/completions", {"messages": messages, "max_tokens": 12, "temperature": 0,
-                                                         "stop": stop_one})  # fmt: skip
+                                                         "stop": stop_one})
         async with serve(model_dir, hf_tokenizer=templated) as (s, _):
             tmpl = await post(s, "/v1/chat/completions", {"messages": messages, "max_completion_tokens": 3, "temperature": 0})
         return plain, long, one, tmpl, free, stop_long, stop_one
@@ -140,7 +140,7 @@ def test_bad_requests_get_one_line_openai_errors(model_dir):
     assert all(st == 400 and set(body) == {"error"} and "\n" not in body["error"]["message"] for st, body in answers)
     messages = [body["error"]["message"] for _, body in answers]
     for got, want in zip(messages, ["unknown fields ['max_tokns']", "stream_options", "max_seq_len", "prompt must be",
-                                    "tools=", "messages must be", "temperature", "not valid JSON"]):  # fmt: skip
+                                    "tools=", "messages must be", "temperature", "not valid JSON"]):
         assert want in got, (want, got)
 
 

@@ -232,7 +232,7 @@ def test_a_stop_of_the_wrong_type_is_a_400_naming_stop(model_dir):
     refused(model_dir, [(path, {**body, "stop": stop}, "stop must be")
                         for stop in (5, True, {"ab": 1}, [1], ["a", 2], "", ["a"] * 5)
                         for path, body in (("/v1/chat/completions", {"messages": [USER]}),
-                                           ("/v1/completions", {"prompt": "hi"}))])  # fmt: skip
+                                           ("/v1/completions", {"prompt": "hi"}))])
 
 
 def test_logprobs_the_engine_cannot_serve_are_400s(model_dir):

@@ -104,7 +104,7 @@ def test_samples_go_by_reference_from_their_producer_to_each_consumer(ray_cluste
 
     def sample(i: int, version: int) -> Sample:
         return Sample(prompt_id=i, group_id=i // GROUP, group_size=GROUP, prompt_ids=[1, 2, 3], response_ids=[4] * (i + 1),
-                      behavior_logprobs=[-0.5] * (i + 1), behavior_version=version, reward=float(i))  # fmt: skip
+                      behavior_logprobs=[-0.5] * (i + 1), behavior_version=version, reward=float(i))
 
     class Producer:
         def put(self, queue, lo: int, hi: int, rid: int, version: int):

@@ -56,7 +56,7 @@ def _config(model_dir: str, out: Path, *extra: str) -> PipelineConfig:
         # critic, proximal log-probs and an in-trainer reference: every piece of state a resume needs
         "algo.policy_loss=decoupled_ppo", "algo.kl_coef=0.05", "trainer.reference_in_trainer=true",
         "trainer.dp=2", *extra,  # FSDP2 over 2 real trainer actors: the controller's dp > 1 path
-    ])  # fmt: skip
+    ])
 
 
 def _steps(out: Path) -> dict[int, dict]:
@@ -119,7 +119,7 @@ def test_repeated_nan_steps_stop_the_run_with_a_clear_message(ray_cluster, tmp_p
 
     model_dir = tiny_model
     cfg = _config(model_dir, tmp_path / "nan", "trainer.dp=1", "trainer.max_skipped_steps=2", "algo.kl_coef=0",
-                  "trainer.reference_in_trainer=false")  # fmt: skip
+                  "trainer.reference_in_trainer=false")
     with pytest.raises(NonFiniteStepsError, match=r"2 train steps in a row .*max_skipped_steps=2"):
         asyncio.run(Pipeline(cfg, task=NaNRewardTask()).run())
     steps = _steps(tmp_path / "nan")

@@ -239,7 +239,7 @@ def test_non_finite_rewards_are_marked_and_numpy_or_torch_scalars_are_numbers():
 
     values = [float("nan"), float("inf"), np.float32(0.5), np.int64(1), torch.tensor(0.25),
               RewardOutput(reward=1.0, info={"x": float("nan")}), {"reward": float("-inf")}, True,
-              10**400, Fraction(10**400, 3)]  # too large for a float: marked, never the whole job  # fmt: skip
+              10**400, Fraction(10**400, 3)]  # too large for a float: marked, never the whole job
 
     def by_index(problem: Problem, completion: str):
         return values[problem.id]

@@ -23,7 +23,7 @@ def scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
 
 def step(n: int, reward: float) -> dict:
     return {"step": n, "version": n, "reward_mean": reward, "queue/dropped_stale": 0, "reward_info/correct": reward / 2,
-            "note": "text is not a scalar", "is_last": n == 3}  # fmt: skip
+            "note": "text is not a scalar", "is_last": n == 3}
 
 
 def test_step_and_eval_records_become_scalars_at_their_step(tmp_path):

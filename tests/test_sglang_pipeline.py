@@ -60,7 +60,7 @@ def _config(model_dir: str, out: Path, *extra: str) -> PipelineConfig:
         "rollout.engine.sglang.extra_args={compat-version: 0.5.17}", "rollout.engine.device=cpu",
         "rollout.engine.max_batch_size=16", "rollout.engine.sglang.startup_timeout_s=120",
         "rollout.engine.sglang.stop_timeout_s=10", "run.step_timeout_s=120", *extra,
-    ])  # fmt: skip
+    ])
 
 
 def _steps(out: Path) -> list[dict]:
@@ -97,7 +97,7 @@ def test_launched_servers_take_every_push_and_re_issue_what_a_push_aborts(ray_cl
     run."""
     out = tmp_path / "run"
     cfg = _config(tiny_model, out, "queue.max_staleness=1", "run.total_steps=5", "rollout.max_new_tokens=16",
-                  "rollout.ignore_eos=true", "rollout.num_workers=2")  # fmt: skip
+                  "rollout.ignore_eos=true", "rollout.num_workers=2")
     summary = asyncio.run(Pipeline(cfg, task=DigitShareTask()).run())
     assert summary["steps"] == 5 and summary["version"] == 5
     started = capsys.readouterr().out
@@ -162,12 +162,12 @@ def test_attached_servers_train_on_policy_at_staleness_zero_and_are_left_running
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "meshrl.engines.serve", "--model", tiny_model, "--port",
                                str(port), "--device", "cpu", "--compat-version", "0.5.17"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_healthy(server, f"http://127.0.0.1:{port}", 120.0)
         out = tmp_path / "run"
         cfg = _config(tiny_model, out, "queue.max_staleness=0", "run.total_steps=2",
-                      f'rollout.engine.sglang.urls=["http://127.0.0.1:{port}"]')  # fmt: skip
+                      f'rollout.engine.sglang.urls=["http://127.0.0.1:{port}"]')
         summary = asyncio.run(Pipeline(cfg, task=DigitShareTask()).run())
         assert summary["steps"] == 2
         assert not (out / "sglang").exists()  # nothing launched
@@ -213,7 +213,7 @@ def test_a_colocated_server_takes_what_the_trainer_peak_leaves():
     (["rollout.engine.sglang.transport=tensor"], "rollout.engine.sglang.transport"),  # needs the trainer's GPU
     (["rollout.engine.kv_cache_bytes=1000000"], "rollout.engine.kv_cache_bytes"),
     (["rollout.engine.compile=true"], "rollout.engine.compile"),
-])  # fmt: skip
+])
 def test_combinations_that_cannot_work_fail_at_start_naming_the_key(overrides, key):
     with pytest.raises(ConfigError, match=f"`{key}`"):
         load_config(PipelineConfig, None, ["rollout.engine.backend=sglang", *overrides]).validate()

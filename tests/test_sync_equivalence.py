@@ -38,7 +38,7 @@ OVERRIDES = [
     "rollout.prompts_per_request=4", "rollout.requests_in_flight=2", "rollout.max_new_tokens=4",
     "run.total_steps=3", "run.eval_every=0", "run.progress=false",
     "trainer.optimizer=sgd", "trainer.lr=0.1", "trainer.critic_lr=0.1",
-]  # fmt: skip
+]
 WEIGHT_ATOL = sgd_weight_atol(steps=3, lr=0.1)
 
 
@@ -49,7 +49,7 @@ def synchronous_reference(cfg: PipelineConfig, model_dir: str) -> tuple[list[dic
     engine = TorchEngine.from_pretrained(model_dir, cfg.rollout.engine)
     trainer = PolicyTrainer(model_dir, cfg.trainer, cfg.algo, dp=DataParallel(None, "cpu"),
                             temperature=cfg.rollout.temperature, max_new_tokens=cfg.rollout.max_new_tokens,
-                            total_steps=cfg.run.total_steps)  # fmt: skip
+                            total_steps=cfg.run.total_steps)
     stream, n, r = PromptStream(task.split("train"), seed=cfg.run.seed), cfg.algo.samples_per_prompt, cfg.rollout
     next_group, metrics = 0, []
     for version in range(cfg.run.total_steps):
@@ -62,7 +62,7 @@ def synchronous_reference(cfg: PipelineConfig, model_dir: str) -> tuple[list[dic
                 max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, n=n,
                 seed=(cfg.run.seed * 1_000_003 + g) % (1 << 62)))
             for ids, g in zip(prompt_ids, group_ids)
-        ]  # fmt: skip
+        ]
         results = asyncio.run(engine.generate(requests))
         scored = score_job(task, tokenizer, RolloutJob(problems=problems, prompt_ids=prompt_ids, results=results, group_ids=group_ids))
         metrics.append(trainer.train_step(decode_samples(scored.encoded), version))
@@ -78,7 +78,7 @@ def test_async_pipeline_at_staleness_zero_equals_synchronous_training(ray_cluste
     synchronous one on a single unsharded engine."""
     cfg = load_config(PipelineConfig, None, [*OVERRIDES, f"warmstart.cache_dir={tmp_path / 'cache'}",
                                              f"run.output_dir={tmp_path / 'run'}", f"rollout.tp_size={tp}",
-                                             f"reshard.transport={transport}"])  # fmt: skip
+                                             f"reshard.transport={transport}"])
     summary = asyncio.run(Pipeline(cfg).run())
     assert ("x 2 tensor-parallel ranks, as the engines report" in capsys.readouterr().out) == (tp == 2)
     model_dir = str(warm_start(cfg.model.embedded, build_task(cfg.task), cfg.warmstart, log=lambda _: None))

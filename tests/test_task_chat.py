@@ -109,7 +109,7 @@ def test_chat_prompts_without_a_chat_template_fail_naming_the_key(tmp_path):
     ("boxed", "3", "\\boxed{3", 0.0, 0.0),  # cut off before the brace closed
     ("exact", "42", " 42\n", 1.0, None),
     ("exact", "42", "it is 42", 0.0, None),
-])  # fmt: skip
+])
 def test_answer_checks(mode, answer, completion, correct, found):
     out = answer_reward(mode, Problem(id=0, prompt="q", answer=answer), completion)
     assert out.reward == correct == out.info["correct"]
@@ -155,14 +155,14 @@ def test_pipeline_trains_on_chat_prompts_with_a_reward_function_from_the_command
         "def score(problem, completion):\n"
         "    assert problem.prompt.startswith('<bos><user>'), problem.prompt\n"
         "    return RewardOutput(reward=sum(c.isdigit() for c in completion) / max(1, len(completion)), info={'custom': 1.0})\n"
-    )  # fmt: skip
+    )
     cfg = load_config(PipelineConfig, None, [
         f"model.path={model}", f"run.output_dir={tmp_path / 'run'}", "run.total_steps=2", "run.eval_every=0",
         "run.progress=false", "task.kind=file", f"task.train_file={data}", f"task.test_file={data}",
         f"task.reward_function={tmp_path / 'score.py'}:score", "algo=grpo", "algo.samples_per_prompt=2",
         "trainer.samples_per_step=8", "rollout.prompts_per_request=2", "rollout.requests_in_flight=2",
         "rollout.max_new_tokens=3",
-    ])  # fmt: skip
+    ])
     summary = asyncio.run(Pipeline(cfg).run())
     steps = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "step"]
     assert summary["steps"] == 2 and all(s["reward_info/custom"] == 1.0 for s in steps)
@@ -197,7 +197,7 @@ def test_the_resume_check_compares_prompts_as_written_and_how_they_are_rendered(
 
     def config(model: str, *extra: str) -> PipelineConfig:
         return load_config(PipelineConfig, None, [f"model.path={model}", "task.kind=file", f"task.train_file={data}",
-                                                  f"task.test_file={data}", *extra])  # fmt: skip
+                                                  f"task.test_file={data}", *extra])
 
     first = build_task(config(dirs[0]).task, dirs[0])
     state = RunState(step=1, version=1, prompt_position=0, next_group=0, generated_tokens=0, accuracy_before=None,
@@ -221,6 +221,6 @@ def test_a_reward_file_may_use_dataclasses_and_import_its_neighbours(tmp_path):
         "@functools.lru_cache\n"
         "def weights() -> Weights:\n    return Weights()\n"
         "def score(problem, completion):\n    return weights().scale * digits(completion)\n"
-    )  # fmt: skip
+    )
     fn = load_reward_function(f"{tmp_path / 'dc.py'}:score")
     assert fn(Problem(id=0, prompt="q", answer="1"), "a12") == 1.0

@@ -16,7 +16,7 @@ def test_jsonl_records_may_contain_unicode_line_separators(tmp_path):
     prompts = ["first\u2028line", "para\u2029graph", "next\x85line", "tab\x0bs\x0cand\x1cseparators"]
     # ensure_ascii=False writes these characters raw, which JSON allows inside strings
     path.write_text("".join(json.dumps({"prompt": p, "answer": str(i)}, ensure_ascii=False) + "\r\n"
-                            for i, p in enumerate(prompts)), encoding="utf-8")  # fmt: skip
+                            for i, p in enumerate(prompts)), encoding="utf-8")
     problems = load_problems(path)
     assert [(p.id, p.prompt, p.answer) for p in problems] == [(i, p, str(i)) for i, p in enumerate(prompts)]
 
@@ -30,7 +30,7 @@ def test_fields_that_are_not_a_prompt_or_an_answer_fail_clearly(tmp_path):
                           ({"prompt": "", "answer": "4"}, "prompt"),
                           ({"prompt": "2+2=", "answer": None}, "answer"),
                           ({"prompt": "2+2=", "answer": ["4", "four"]}, "answer"),
-                          ({"prompt": "2+2=", "answer": True}, "answer")):  # fmt: skip
+                          ({"prompt": "2+2=", "answer": True}, "answer")):
         path.write_text(json.dumps({"prompt": "ok", "answer": "1"}) + "\n" + json.dumps(record) + "\n")
         with pytest.raises(ValueError, match=f"t.jsonl:2: field '{field}' must be"):
             FileTask(path, path)
@@ -64,7 +64,7 @@ def test_parquet_float32_and_decimal_answers_read_as_they_were_written(tmp_path)
     import decimal
 
     pq.write_table(pa.table({"prompt": ["a", "b", "c"], "answer": pa.array([0.1, 3.7, 2.0], type=pa.float32())}),
-                   tmp_path / "f32.parquet")  # fmt: skip
+                   tmp_path / "f32.parquet")
     assert [p.answer for p in load_problems(tmp_path / "f32.parquet")] == ["0.1", "3.7", "2"]
     pq.write_table(pa.table({"prompt": ["a", "b"], "answer": pa.array(np.array([0.5, 2.25], dtype=np.float16))}), tmp_path / "f16.parquet")
     assert [p.answer for p in load_problems(tmp_path / "f16.parquet")] == ["0.5", "2.25"]

@@ -84,7 +84,7 @@ def test_run_summary_reads_throughput_and_staleness_of_the_measured_steps(tmp_pa
     spans = sync_run(steps=4, t_gen=1.0, t_score=0.0, t_train=1.0, t_push=0.0)
     (tmp_path / "timeline.jsonl").write_text("".join(json.dumps(s) + "\n" for s in spans))
     steps = [{"kind": "step", "step": i + 1, "samples": 16.0, "response_tokens_mean": 10.0, "staleness_mean": i * 0.5,
-              "staleness_max": float(i)} for i in range(4)]  # fmt: skip
+              "staleness_max": float(i)} for i in range(4)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
     s = run_summary(tmp_path, warmup_steps=1)
     assert s["steps"] == 3 and s["window_s"] == pytest.approx(6.0)
@@ -108,7 +108,7 @@ def test_plot_run_leaves_the_callers_matplotlib_alone(tmp_path):
     spans = sync_run(steps=3, t_gen=1.0, t_score=0.1, t_train=1.0, t_push=0.1)
     (tmp_path / "timeline.jsonl").write_text("".join(json.dumps(s) + "\n" for s in spans))
     records = [{"kind": "step", "step": i + 1, "reward_mean": 0.1 * i, "tokens_per_s": 100.0, "step_time_s": 1.0,
-                "staleness_mean": 0.5, "staleness_max": 1.0} for i in range(3)]  # fmt: skip
+                "staleness_mean": 0.5, "staleness_max": 1.0} for i in range(3)]
     records.append({"kind": "eval", "step": 3, "accuracy": 0.5})
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     before = matplotlib.get_backend()

@@ -36,7 +36,7 @@ def test_importance_weights_correct_the_trainer_policy_back_to_the_behaviour_pol
     model_dir = tiny_model
     clip = {"clip_low": 3e-4, "clip_high": 4e-4} if policy_loss == "gspo" else {}
     algo = AlgoConfig(advantage="grpo", samples_per_prompt=2, policy_loss=policy_loss, importance_sampling=mode,
-                      is_cap=1.5, is_low=0.05, is_high=20.0, **clip)  # fmt: skip
+                      is_cap=1.5, is_low=0.05, is_high=20.0, **clip)
     cfg = TrainerConfig(samples_per_step=8, lr=0.0)
     samples = sorted(make_samples(0, 8, group=2), key=lambda s: s.group_id)
     t = PolicyTrainer(model_dir, cfg, algo, dp=DataParallel(None), temperature=1.0, max_new_tokens=8, total_steps=1)
@@ -65,17 +65,17 @@ def test_a_sample_with_no_valid_token_keeps_its_own_reward_in_its_group(advantag
     def sample(group: int, response: list[int], reward: float, loss_mask: list[int] | None = None) -> Sample:
         return Sample(prompt_id=group, group_id=group, group_size=4, prompt_ids=[3, 4, 5], response_ids=response,
                       behavior_logprobs=[-1.0] * len(response), ref_logprobs=[-1.5] * len(response),
-                      behavior_version=0, reward=reward, loss_mask=loss_mask)  # fmt: skip
+                      behavior_version=0, reward=reward, loss_mask=loss_mask)
 
     samples = [sample(0, [7, 8, 9], 1.0), sample(0, [7, 8], 0.0), sample(0, [9, 9, 9, 9], 0.0),
                sample(0, [7, 7], -1.0, loss_mask=[0, 0]),  # a failed episode, penalised
                sample(1, [], 0.5), sample(1, [8], 0.0), sample(1, [8, 9], 1.0)]  # an empty response
     batch = build_step_batch(samples, pad_id=0)
     algo = AlgoConfig(advantage=advantage, samples_per_prompt=4, kl_coef=0.1 if kl_in_reward else 0.0,
-                      kl_in_reward=kl_in_reward, kl_estimator="k1")  # fmt: skip
+                      kl_in_reward=kl_in_reward, kl_estimator="k1")
     # advantages() never runs the models
     updater = PolicyUpdater(torch.nn.Identity(), None, algo, temperature=1.0, max_new_tokens=8,
-                            tokens_per_microbatch=64)  # fmt: skip
+                            tokens_per_microbatch=64)
     adv, _ = updater.advantages(batch, None)  # [B, R], one value per row
 
     valid_tokens = torch.tensor([3.0, 2, 4, 0, 0, 1, 2])
@@ -103,7 +103,7 @@ def test_critic_gets_the_configured_weight_decay(tmp_path, tiny_model):
     model_dir = tiny_model
     cfg = TrainerConfig(samples_per_step=8, critic_lr=0.1, weight_decay=0.0)
     t = PolicyTrainer(model_dir, cfg, AlgoConfig(advantage="gae"), dp=DataParallel(None), temperature=1.0,
-                      max_new_tokens=8, total_steps=1)  # fmt: skip
+                      max_new_tokens=8, total_steps=1)
     before = {k: v.detach().clone() for k, v in t.critic.backbone.named_parameters()}
     t.train_step(make_samples(0, 8), 0)
     assert t.critic.head.weight.abs().max() > 0  # the critic did train
@@ -124,7 +124,7 @@ def test_saving_before_the_first_update_does_not_change_training(tmp_path, tiny_
 
     def make() -> PolicyTrainer:
         return PolicyTrainer(model_dir, cfg, algo, dp=DataParallel(None), temperature=1.0, max_new_tokens=8,
-                             total_steps=2)  # fmt: skip
+                             total_steps=2)
 
     def params(t: PolicyTrainer) -> dict[str, torch.Tensor]:
         named = [*t.policy.named_parameters(), *(("critic." + k, v) for k, v in t.critic.named_parameters())]
@@ -155,7 +155,7 @@ def test_a_checkpoint_of_other_models_is_refused_naming_what_differs(tmp_path):
         model_dir = tiny_model_dir(tmp_path / f"m{layers}-{hidden}", layers=layers, hidden=hidden)
         algo = AlgoConfig(advantage=advantage, samples_per_prompt=1 if advantage == "gae" else 2)
         return PolicyTrainer(model_dir, TrainerConfig(samples_per_step=8), algo, dp=DataParallel(None), temperature=1.0,
-                             max_new_tokens=8, total_steps=2)  # fmt: skip
+                             max_new_tokens=8, total_steps=2)
 
     save_trainer_state(make(2, 32, "gae"), tmp_path / "gae2")
     with pytest.raises(ValueError, match=r"other models .*policy: 0 parameters missing .*not in this trainer"):
@@ -222,10 +222,10 @@ def test_value_mean_is_the_critics_current_prediction(tmp_path, tiny_model):
 
     critic.register_forward_hook(record)
     updater = PolicyUpdater(policy, critic, AlgoConfig(advantage="gae"), temperature=1.0, max_new_tokens=8,
-                            tokens_per_microbatch=10_000, ppo_epochs=2)  # fmt: skip
+                            tokens_per_microbatch=10_000, ppo_epochs=2)
     m = updater.step(build_step_batch(make_samples(0, 8), pad_id=0), max_grad_norm=1e9,
                      policy_optimizer=torch.optim.SGD(policy.parameters(), lr=0.0),
-                     critic_optimizer=torch.optim.AdamW(critic.parameters(), lr=0.05))  # fmt: skip
+                     critic_optimizer=torch.optim.AdamW(critic.parameters(), lr=0.05))
     expected = sum(total for total, _ in seen) / sum(count for _, count in seen)
     # the value head starts at 0, so the old values are 0: only the second epoch's predictions are not
     assert len(seen) == 2 and seen[0][0] == 0.0 and abs(expected) > 1e-3

@@ -61,7 +61,7 @@ def _rank_main(rank: int, port: int, model_dir: str, out: str) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=120))  # fmt: skip
+                            timeout=datetime.timedelta(seconds=120))
     try:
         dp = DataParallel(init_device_mesh("cpu", (2,), mesh_dim_names=("dp",)))
         t = _trainer(model_dir, dp)
@@ -74,7 +74,7 @@ def _rank_main(rank: int, port: int, model_dir: str, out: str) -> None:
         again, again_params = _run(resumed, range(CKPT_AFTER, STEPS))
         if rank == 0:
             torch.save({"metrics": first + rest, "params": params + more, "resumed_metrics": again,
-                        "resumed_params": again_params}, Path(out) / "dp2.pt")  # fmt: skip
+                        "resumed_params": again_params}, Path(out) / "dp2.pt")
     finally:
         dist.destroy_process_group()
 
@@ -192,7 +192,7 @@ def test_microbatch_split_and_activation_checkpointing_give_the_same_gradients(t
     # one micro-batch; about one row each; about one row each with activations recomputed
     for budget, recompute in ((10_000, False), (12, False), (12, True)):
         cfg = TrainerConfig(samples_per_step=12, tokens_per_microbatch=budget, lr=0.0, critic_lr=0.0,
-                            activation_checkpointing=recompute)  # fmt: skip
+                            activation_checkpointing=recompute)
         t = _trainer(model_dir, DataParallel(None), cfg, algo)
         m = t.train_step(make_samples(0, 12, group=2), 0)
         runs.append((_grads(t.policy), _grads(t.critic) if t.critic is not None else {}, m["loss"]))
@@ -249,7 +249,7 @@ def test_dropping_uniform_groups_equals_training_without_them(tmp_path, aggregat
 # (its row dropped) but not on the other, or empty everywhere (its update skipped on every rank).
 UNIFORM_ALGO = AlgoConfig(advantage="grpo", samples_per_prompt=2, drop_uniform_groups=True)
 UNIFORM_CFG = TrainerConfig(samples_per_step=8, minibatches_per_step=4, tokens_per_microbatch=48, lr=1e-2,
-                            weight_decay=0.1)  # fmt: skip
+                            weight_decay=0.1)
 
 
 def _mostly_uniform_batches() -> list[list]:
@@ -266,7 +266,7 @@ def _mostly_uniform_rank_main(rank: int, port: int, model_dir: str, out: str) ->
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=120))  # fmt: skip
+                            timeout=datetime.timedelta(seconds=120))
     try:
         t = _trainer(model_dir, DataParallel(init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))), UNIFORM_CFG, UNIFORM_ALGO)
         metrics = [t.train_step(batch, step) for step, batch in enumerate(_mostly_uniform_batches())]
@@ -284,7 +284,7 @@ def test_dp2_skips_the_updates_of_empty_minibatches_like_dp1(tmp_path, tiny_mode
     or the weights) and dp=2 trains exactly like dp=1."""
     model_dir = tiny_model_2l
     run_processes(_mostly_uniform_rank_main, (free_port(), model_dir, str(tmp_path)), 2, timeout_s=300,
-                  what="the dp=2 trainer ranks")  # fmt: skip
+                  what="the dp=2 trainer ranks")
     dp2 = torch.load(tmp_path / "dp2_uniform.pt")
     t = _trainer(model_dir, DataParallel(None), UNIFORM_CFG, UNIFORM_ALGO)
     start = _params(t)

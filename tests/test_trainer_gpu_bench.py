@@ -23,7 +23,7 @@ def test_gpu_trainer_script_runs_tiny_on_cpu(tmp_path):
         [sys.executable, str(ROOT / "bench" / "gpu_trainer.py"), "--tiny", "--cpu", "--steps", "2", "--algo", "ppo",
          "--activation-checkpointing", "--json", str(out)],
         capture_output=True, text=True, timeout=300, env=env,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "| rank | device | step s (median) |" in proc.stdout
     assert "losses identical on every rank: True; all finite: True" in proc.stdout

@@ -27,7 +27,7 @@ def _base(vocab_size: int, hidden_size: int, layers: int, heads: int, kv_heads: 
           positions: int, tied: bool, **extra: Any) -> dict[str, Any]:
     return dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size or 2 * hidden_size,
                 num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                max_position_embeddings=positions, tie_word_embeddings=tied, **{"eos_token_id": None, **extra})  # fmt: skip
+                max_position_embeddings=positions, tie_word_embeddings=tied, **{"eos_token_id": None, **extra})
 
 
 def qwen2(*, vocab_size: int = 72, hidden_size: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,
@@ -43,7 +43,7 @@ def qwen3(*, vocab_size: int = 72, hidden_size: int = 32, layers: int = 2, heads
     from transformers import Qwen3Config
 
     return Qwen3Config(head_dim=head_dim, **_base(vocab_size, hidden_size, layers, heads, kv_heads, intermediate_size,
-                                                  positions, tied, **extra))  # fmt: skip
+                                                  positions, tied, **extra))
 
 
 def llama(*, vocab_size: int = 72, hidden_size: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,
@@ -88,7 +88,7 @@ def model_dir(path: Path, *, layers: int = 2, hidden: int = 32, positions: int |
     if config is None:
         shape = EmbeddedModelConfig(hidden_size=hidden, num_hidden_layers=layers, intermediate_size=2 * hidden,
                                     num_attention_heads=4, num_key_value_heads=2,
-                                    **({"max_position_embeddings": positions} if positions else {}))  # fmt: skip
+                                    **({"max_position_embeddings": positions} if positions else {}))
         config = build_model_config(shape, tok)
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
@@ -109,5 +109,5 @@ def make_samples(step: int, n: int, *, group: int = 1, vocab: int = 90, reward: 
             prompt_id=i // group, group_id=step * 1000 + i // group, group_size=group, prompt_ids=prompt,
             response_ids=response, behavior_logprobs=[-rng.uniform(2.0, 5.0) for _ in response], behavior_version=step,
             reward=rng.random() if reward is None else reward,
-        ))  # fmt: skip
+        ))
     return out

@@ -82,7 +82,7 @@ class Colocated:
     """
 
     def __init__(self, trainer: PolicyTrainer, engine: TorchEngine, *, release_weights: bool = False,
-                 bucket_bytes: int = 512 * 2**20):  # fmt: skip
+                 bucket_bytes: int = 512 * 2**20):
         self.trainer, self.engine, self.release_weights = trainer, engine, release_weights
         fresh = trainer.lora is not None  # merged afresh on each push: no stable tensors to keep views of
         self.handover = LocalHandover(trainer.export_parameters, engine, ReshardConfig(bucket_bytes=bucket_bytes),
@@ -222,12 +222,12 @@ class HybridWorker(Actor):
     def __init__(self, model_path: str, trainer: TrainerConfig, algo: AlgoConfig, engine: TorchEngineConfig,
                  colocated: ColocatedConfig, *, rollout_threads: int = 1, temperature: float, max_new_tokens: int,
                  total_steps: int, environment: EnvFactory | None = None,
-                 episode: EpisodeConfig = EpisodeConfig()) -> None:  # fmt: skip
+                 episode: EpisodeConfig = EpisodeConfig()) -> None:
         if colocated.release_weights and trainer.sync_interval != 1:
             raise ValueError("colocated.release_weights needs trainer.sync_interval=1 (a push after every step)")
         # the trainer's persistent memory first (parameters, optimiser state), then the engine's
         self.trainer = Trainer(model_path, trainer, algo, temperature=temperature, max_new_tokens=max_new_tokens,
-                               total_steps=total_steps)  # fmt: skip
+                               total_steps=total_steps)
         for opt in (self.trainer.core.optimizer, self.trainer.core.critic_optimizer):
             if opt is not None:
                 init_optimizer_state(opt)
@@ -313,7 +313,7 @@ class HybridWorker(Actor):
         """Mode, switches done, in-flight rollout calls, KV cache released or not, graph re-captures."""
         return {"mode": self.colo.mode, "switches": self.colo.switches, "in_flight": self._gate.in_flight,
                 "kv_released": self.rollout.engine.memory_released, "graph_recaptures": self.rollout.engine.graph_recaptures,
-                "version": self.rollout.engine.version}  # fmt: skip
+                "version": self.rollout.engine.version}
 
 
 def _on_trainer_thread(method: Callable[..., Any]) -> Any:

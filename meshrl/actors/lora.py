@@ -241,6 +241,6 @@ def save_adapter(state: Mapping[str, torch.Tensor], cfg: LoRAConfig, base_model:
         "r": cfg.rank, "lora_alpha": cfg.alpha, "target_modules": sorted(cfg.target_modules), "lora_dropout": 0.0,
         "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "init_lora_weights": True,
         "inference_mode": True, "modules_to_save": None,
-    }  # fmt: skip
+    }
     (path / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return path

@@ -101,7 +101,7 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         for name in ("samples_per_step", "tokens_per_microbatch", "ppo_epochs", "minibatches_per_step",
-                     "sync_interval", "threads", "dp"):  # fmt: skip
+                     "sync_interval", "threads", "dp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
         if self.samples_per_step % self.minibatches_per_step:
@@ -213,7 +213,7 @@ class PolicyTrainer:
             self.policy, self.critic, algo, temperature=temperature, max_new_tokens=max_new_tokens,
             tokens_per_microbatch=cfg.tokens_per_microbatch, ppo_epochs=cfg.ppo_epochs,
             minibatches=cfg.minibatches_per_step, dp=dp, reference=self.reference,
-        )  # fmt: skip
+        )
         # Seeded alike on every rank: each rank computes every rank's mini-batch split.
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.steps = 0
@@ -250,7 +250,7 @@ class PolicyTrainer:
             metrics = self.updater.step(
                 batch, policy_optimizer=self.optimizer, critic_optimizer=self.critic_optimizer,
                 max_grad_norm=self.cfg.max_grad_norm, generator=self.generator,
-            )  # fmt: skip
+            )
         metrics["lr"] = self.scheduler.get_last_lr()[0]
         with warnings.catch_warnings():  # the schedule counts steps, also those whose updates were all skipped
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")

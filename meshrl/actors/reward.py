@@ -103,7 +103,7 @@ def _texts(tokenizer: Any, job: RolloutJob) -> tuple[list[Problem], list[str]]:
         pairs = [(p, e.final_text) for p, group in zip(job.problems, job.episodes) for e in group]
     else:
         pairs = [(p, tokenizer.decode(c.output_ids, skip_special_tokens=True))
-                 for p, r in zip(job.problems, job.results) for c in r.completions]  # fmt: skip
+                 for p, r in zip(job.problems, job.results) for c in r.completions]
     return [p for p, _ in pairs], [t for _, t in pairs]
 
 
@@ -122,20 +122,20 @@ def _build(job: RolloutJob, outs: Sequence[RewardOutput | None]) -> Scored:
                 info = {**item.info, **({} if out is None else out.info), "turns": float(item.turns)}
                 versions, mask = item.versions, item.loss_mask
                 fields = dict(prompt_ids=item.prompt_ids, response_ids=item.response_ids, behavior_logprobs=item.logprobs,
-                              behavior_version=item.behavior_version, loss_mask=mask, finish_reason=item.finish_reason)  # fmt: skip
+                              behavior_version=item.behavior_version, loss_mask=mask, finish_reason=item.finish_reason)
                 tokens += item.policy_tokens
             else:
                 failed, reward, info = out is None, 0.0 if out is None else out.reward, {} if out is None else out.info
                 versions = item.versions
                 fields = dict(prompt_ids=prompt, response_ids=item.output_ids, behavior_logprobs=item.logprobs,
-                              behavior_version=item.behavior_version, finish_reason=item.finish_reason)  # fmt: skip
+                              behavior_version=item.behavior_version, finish_reason=item.finish_reason)
                 tokens += len(item.output_ids)
             failures += failed
             samples.append(Sample(
                 prompt_id=problem.id, group_id=group_id, group_size=len(items), **fields,
                 token_versions=versions if versions and min(versions) != max(versions) else None,
                 reward=reward, reward_info=info, reward_failed=failed, t_generated=now,
-            ))  # fmt: skip
+            ))
             rewards.append(reward)
             for key, v in info.items():
                 info_sums[key] = info_sums.get(key, 0.0) + v
@@ -143,7 +143,7 @@ def _build(job: RolloutJob, outs: Sequence[RewardOutput | None]) -> Scored:
     return Scored(
         encoded=encode_samples(samples), rewards=rewards, info={key: v / n for key, v in info_sums.items()},
         failures=failures, completion_tokens=tokens,
-    )  # fmt: skip
+    )
 
 
 def score_job(task: Task, tokenizer: Any, job: RolloutJob) -> Scored:
@@ -157,7 +157,7 @@ def score_job(task: Task, tokenizer: Any, job: RolloutJob) -> Scored:
 
 
 async def _score(reward: Reward, problems: list[Problem], texts: list[str], timeout_s: float,
-                 within_s: float | None = None) -> list[RewardOutput | None]:  # fmt: skip
+                 within_s: float | None = None) -> list[RewardOutput | None]:
     """``reward.score``, one result per completion (None: failed), within ``within_s`` when given.
     The library's rewards bound and mark each call themselves (a ``FunctionReward`` keeps what it
     scored within ``within_s``); a user's own ``Reward`` is bounded here by ``timeout_s`` too and,
@@ -175,7 +175,7 @@ async def _score(reward: Reward, problems: list[Problem], texts: list[str], time
     except Exception as exc:  # TimeoutError included
         log.warning("%s failed, so its %d samples are marked reward_failed: %s: %s", name, len(texts),
                     type(exc).__name__, exc or f"no answer within {min(limits, default=0):g}s (reward.timeout_s or "
-                    "the caller's timeout, whichever is shorter)")  # fmt: skip
+                    "the caller's timeout, whichever is shorter)")
         return [None] * len(texts)
     outs: list[RewardOutput | None] = []
     for out in scored:
@@ -194,7 +194,7 @@ def scoring_time_s(within_s: float) -> float:
 
 
 async def score_job_with(reward: Reward | None, tokenizer: Any, job: RolloutJob, timeout_s: float = 60.0, *,
-                         within_s: float | None = None) -> Scored:  # fmt: skip
+                         within_s: float | None = None) -> Scored:
     """``score_job`` with any ``Reward``, or none (episodes: the environment's rewards only);
     episodes whose environment failed are not scored. ``timeout_s`` bounds a user's own ``Reward``;
     ``within_s``, the caller's timeout, bounds the whole job: samples the reward has not scored

@@ -104,7 +104,7 @@ class RolloutWorker(Actor):
 
     def __init__(self, model_path: str, engine: TorchEngineConfig, threads: int = 1, *, tp_size: int = 1,
                  tp_timeout_s: float = 600.0, environment: EnvFactory | None = None,
-                 episode: EpisodeConfig = EpisodeConfig()) -> None:  # fmt: skip
+                 episode: EpisodeConfig = EpisodeConfig()) -> None:
         import torch
 
         torch.set_num_threads(threads)
@@ -148,7 +148,7 @@ class RolloutWorker(Actor):
             args = server_args(cfg, model_path=self.model_path, host=host, port=port, tp_size=self.tp_size,
                                dtype=engine.dtype, seed=engine.seed, context_length=engine.max_seq_len,
                                max_running_requests=engine.max_batch_size, cuda_graphs=engine.cuda_graphs,
-                               mem_fraction_static=mem_fraction)  # fmt: skip
+                               mem_fraction_static=mem_fraction)
             if engine.device != "auto":
                 args += ["--device", "cuda" if engine.device.startswith("cuda") else engine.device]
             self.server = await SGLangServer.launch(cfg, args, host=host, port=port,
@@ -156,7 +156,7 @@ class RolloutWorker(Actor):
             url = self.server.url
         self.engine = SGLangEngine(url, config=SGLangEngineConfig(
             request_timeout_s=cfg.request_timeout_s, generate_timeout_s=cfg.generate_timeout_s,
-            initial_version=engine.initial_version, reissue_aborted=REISSUE_ABORTED))  # fmt: skip
+            initial_version=engine.initial_version, reissue_aborted=REISSUE_ABORTED))
         await self._calling(self.engine.server_version())  # an attached URL that does not answer fails here
         return url
 
@@ -213,7 +213,7 @@ class RolloutWorker(Actor):
             raise RuntimeError("run_episodes: this rollout worker has no environment (Pipeline(environment=...))")
         seq = self.engine.cache.max_seq_len if self.reshard is not None else self._max_seq_len()
         return await self._calling(run_episodes(self.engine, self.tokenizer, self.environment, requests, self.episode,
-                                                max_seq_len=seq))  # fmt: skip
+                                                max_seq_len=seq))
 
     def _max_seq_len(self) -> int:
         """An SGLang server's context: rollout.engine.max_seq_len, or the model's positions (capped as TorchEngine's)."""

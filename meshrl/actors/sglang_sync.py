@@ -55,7 +55,7 @@ class SGLangSource:
 
         transport = "tensor" if backend == "tensor" else "group"
         sync = SGLangSyncConfig(bucket_bytes=bucket_bytes, backend="gloo" if transport == "tensor" else backend,
-                                transport=transport, pause_mode=pause_mode, timeout_s=timeout_s)  # fmt: skip
+                                transport=transport, pause_mode=pause_mode, timeout_s=timeout_s)
         self._engines = [SGLangEngine(url, config=SGLangEngineConfig(request_timeout_s=request_timeout_s)) for url in urls]
         self.sender = SGLangWeightSender(self._engines, sync)
         self._run(self.sender.connect())

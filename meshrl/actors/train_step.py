@@ -54,7 +54,7 @@ class StepBatch:
     def to(self, device: torch.device) -> "StepBatch":
         ref = self.ref_logprobs.to(device) if self.ref_logprobs is not None else None
         return StepBatch(self.packed.to(device), self.behavior_logprobs.to(device), ref, self.rewards.to(device),
-                         self.group_ids.to(device), self.lengths)  # fmt: skip
+                         self.group_ids.to(device), self.lengths)
 
 
 def _pad(rows: Sequence[Sequence[float]], width: int) -> torch.Tensor:
@@ -71,7 +71,7 @@ def build_step_batch(samples: Sequence[Sample], *, pad_id: int) -> StepBatch:
     packed = pack(
         [s.prompt_ids for s in samples], [s.response_ids for s in samples], pad_id=pad_id,
         loss_masks=[s.loss_mask for s in samples],
-    )  # fmt: skip
+    )
     width = packed.response_ids.shape[1]
     has_ref = all(s.ref_logprobs is not None for s in samples)
     return StepBatch(
@@ -111,7 +111,7 @@ def _select(batch: StepBatch, rows: list[int]) -> Packed:
     return Packed(
         p.input_ids[idx, :width], p.attention_mask[idx, :width], p.predict_index[idx],
         p.response_mask[idx], p.response_ids[idx],
-    )  # fmt: skip
+    )
 
 
 def _empty(batch: StepBatch) -> Packed:
@@ -157,7 +157,7 @@ class PolicyUpdater:
         self.policy_loss = algos.make_policy_loss(
             algo.policy_loss, clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip,
             importance_sampling=is_fn, is_cap=algo.is_cap,
-        )  # fmt: skip
+        )
         self.kl = algos.kl_estimator(algo.kl_estimator)
 
     def _microbatches(self, batch: StepBatch, rows: Sequence[int]) -> list[list[int] | None]:
@@ -198,7 +198,7 @@ class PolicyUpdater:
             kl_penalty = algos.kl_in_reward(
                 torch.zeros_like(token_rewards), batch.behavior_logprobs, batch.ref_logprobs, mask,
                 kl_coef=algo.kl_coef, estimator=self.kl,
-            )  # fmt: skip
+            )
             token_rewards = token_rewards + kl_penalty
         if algo.advantage == "gae":
             adv, returns = algos.gae(token_rewards, old_values, mask, gamma=algo.gamma, lam=algo.lam)

@@ -67,7 +67,7 @@ class Trainer(Actor):
         else:
             dp = DataParallel(None, "cpu")
         self.core = PolicyTrainer(model_path, cfg, algo, dp=dp, temperature=temperature,
-                                  max_new_tokens=max_new_tokens, total_steps=total_steps)  # fmt: skip
+                                  max_new_tokens=max_new_tokens, total_steps=total_steps)
         self._staged: dict[str, torch.Tensor] | None = None
         self.reshard = SourceSide(self.core.export_parameters, dp.device, layout_parameters=self.core.layout_parameters)
         self.sglang = SGLangSource(self.core.export_parameters, dp.rank)
@@ -121,7 +121,7 @@ class Trainer(Actor):
                        request_timeout_s: float) -> None:
         """Rank 0 joins SGLang's weight-update group with every server at ``urls`` (once)."""
         self.sglang.connect(urls, bucket_bytes=bucket_bytes, backend=backend, pause_mode=pause_mode,
-                            timeout_s=timeout_s, request_timeout_s=request_timeout_s)  # fmt: skip
+                            timeout_s=timeout_s, request_timeout_s=request_timeout_s)
 
     @endpoint
     def device_memory(self) -> tuple[int, int]:

@@ -49,7 +49,7 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                 continue
             on_device = group.get("capturable", False) or group.get("fused", False)
             state["step"] = (torch.zeros((), dtype=_get_scalar_dtype(is_fused=group.get("fused", False)), device=p.device)
-                             if on_device else torch.tensor(0.0, dtype=_get_scalar_dtype()))  # fmt: skip
+                             if on_device else torch.tensor(0.0, dtype=_get_scalar_dtype()))
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             if group.get("amsgrad", False):

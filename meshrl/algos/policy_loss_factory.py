@@ -65,7 +65,7 @@ class PolicyLoss:
         return self._loss(
             logprobs, old_logprobs, behavior_logprobs, advantages, mask, aggregate=aggregate,
             entropy=entropy, **self.knobs,
-        )  # fmt: skip
+        )
 
     def __repr__(self) -> str:
         knobs = ", ".join(f"{k}={v!r}" for k, v in self.knobs.items())

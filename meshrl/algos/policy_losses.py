@@ -156,7 +156,7 @@ def _ppo(
     return _weigh_and_aggregate(
         fn, per_token, metrics, ratio, log_ratio, logprobs, old_logprobs, behavior_logprobs, mask,
         aggregate, importance_sampling, entropy,
-    )  # fmt: skip
+    )
 
 
 def ppo_policy_loss(
@@ -202,7 +202,7 @@ def ppo_policy_loss(
     return _ppo(
         "ppo_policy_loss", "old_logprobs", logprobs, old_logprobs, advantages, mask, aggregate,
         clip_low, clip_high, dual_clip, behavior_logprobs, importance_sampling, entropy,
-    )  # fmt: skip
+    )
 
 
 def decoupled_ppo_loss(
@@ -256,7 +256,7 @@ def decoupled_ppo_loss(
     return _ppo(
         fn, "proximal_logprobs", logprobs, proximal_logprobs, advantages, mask, aggregate,
         clip_low, clip_high, dual_clip, behavior_logprobs, importance_sampling, entropy,
-    )  # fmt: skip
+    )
 
 
 def gspo_policy_loss(
@@ -316,4 +316,4 @@ def gspo_policy_loss(
     return _weigh_and_aggregate(
         fn, per_token, metrics, ratio, token_log_ratio, logprobs, old_logprobs, behavior_logprobs, mask,
         aggregate, importance_sampling, entropy,
-    )  # fmt: skip
+    )

@@ -46,7 +46,7 @@ def build_char_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFa
     core.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated"),
-    ])  # fmt: skip
+    ])
     core.decoder = decoders.ByteLevel()
     core.add_special_tokens(list(SPECIAL_TOKENS))
     return PreTrainedTokenizerFast(

@@ -95,7 +95,7 @@ def greedy_accuracy(model, tokenizer, task: Task, problems, max_new_tokens: int 
         out = model.generate(
             **enc, max_new_tokens=max_new_tokens, do_sample=False,
             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-        )  # fmt: skip
+        )
     finally:
         tokenizer.padding_side = side
         model.train()

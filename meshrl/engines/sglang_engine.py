@@ -272,7 +272,7 @@ class SGLangEngine:
             # sample i alone, under its own seed (what its row of the batch had): the same draw, from
             # the weights the server serves once generation continues (it holds new requests till then)
             redo = await asyncio.gather(*(self._generate_one(self._sample_request(req, i, f"{rid}-re{attempt}-{i}"), version)
-                                          for i in again))  # fmt: skip
+                                          for i in again))
             for i, result in zip(again, redo):
                 completions[i] = result.completions[0]
             self.reissued += len(again)

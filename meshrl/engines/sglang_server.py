@@ -161,7 +161,7 @@ class SGLangServer:
         self._log.write(f"$ {' '.join(self.command)}\n".encode())
         self.proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env={**os.environ, **(env or {})}, start_new_session=True,
-                                     preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)  # fmt: skip
+                                     preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
 
     @classmethod
     async def launch(cls, cfg: SGLangServerConfig, args: list[str], *, host: str, port: int, log_path: Path,

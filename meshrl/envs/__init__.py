@@ -20,13 +20,13 @@ from meshrl.envs.rewards import FunctionReward, HTTPReward, Reward, as_reward, b
 from meshrl.envs.tools import ToolCall, ToolEnv, calculator, parse_tool_call
 
 _LAZY = {"MeshReward": "meshrl.envs.reward_models", "RewardModel": "meshrl.envs.reward_models",
-         "RewardModelWorker": "meshrl.envs.reward_models"}  # fmt: skip
+         "RewardModelWorker": "meshrl.envs.reward_models"}
 
 __all__ = [
     "EnvFactory", "Environment", "Episode", "EpisodeConfig", "EpisodeRequest", "FunctionReward", "HTTPReward",
     "Reward", "StepResult", "ToolCall", "ToolEnv", "as_reward", "batched_reward", "calculator", "parse_tool_call",
     "run_episode", "run_episodes", "to_reward_output", *_LAZY,
-]  # fmt: skip
+]
 
 
 def __getattr__(name: str) -> Any:

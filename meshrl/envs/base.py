@@ -141,7 +141,7 @@ async def maybe_await(value: T | Awaitable[T]) -> T:
 
 
 async def call_env(fn: Callable[..., Any], *args: Any, timeout_s: float, what: str,
-                   late: Callable[[Any], None] | None = None, thread: CallThread | None = None) -> Any:  # fmt: skip
+                   late: Callable[[Any], None] | None = None, thread: CallThread | None = None) -> Any:
     """Call an environment method (or the factory), async, or sync off the event loop (it may
     block): on ``thread`` (the episode's ``CallThread``), else on a thread of its own
     (``in_thread``); within ``timeout_s`` of its start. ``late``: see ``in_thread``."""

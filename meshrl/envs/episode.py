@@ -74,7 +74,7 @@ class _Trace:
 
     def episode(self, **fields: Any) -> Episode:
         return Episode(prompt_ids=self.prompt_ids, response_ids=self.ids, logprobs=self.logprobs,
-                       loss_mask=self.mask, versions=self.versions, **fields)  # fmt: skip
+                       loss_mask=self.mask, versions=self.versions, **fields)
 
 
 def _seed(base: int | None, *salt: int) -> int | None:
@@ -99,7 +99,7 @@ async def _policy_turn(engine: Engine, tokenizer: Any, trace: _Trace, sampling: 
             return "length"
         room = min(sampling.max_new_tokens - made, budget - made)
         sp = msgspec.structs.replace(sampling, n=1, max_new_tokens=room, seed=_seed(seed, calls),
-                                     stop_token_ids=tuple(sorted(set(sampling.stop_token_ids) | set(stop_ids))))  # fmt: skip
+                                     stop_token_ids=tuple(sorted(set(sampling.stop_token_ids) | set(stop_ids))))
         request = GenerateRequest(input_ids=trace.prompt_ids + trace.ids, sampling=sp)
         (result,) = await engine.generate([request])
         c = result.completions[0]
@@ -118,7 +118,7 @@ async def _policy_turn(engine: Engine, tokenizer: Any, trace: _Trace, sampling: 
 
 
 async def run_episode(engine: Engine, tokenizer: Any, env: Any, sampling: SamplingParams, limits: EpisodeConfig, *,
-                      max_seq_len: int, fallback_prompt: str = "", thread: CallThread | None = None) -> Episode:  # fmt: skip
+                      max_seq_len: int, fallback_prompt: str = "", thread: CallThread | None = None) -> Episode:
     """Play one episode of ``env`` (module docstring). An environment's error or timeout never
     raises: the episode ends there, marked ``failed`` (engine errors do raise). ``env`` stays the
     caller's to close (``run_episodes`` closes those it makes). ``thread``: where ``env``'s sync
@@ -139,7 +139,7 @@ async def run_episode(engine: Engine, tokenizer: Any, env: Any, sampling: Sampli
     while turns < limits.max_turns:
         start = len(trace.ids)
         ended = await _policy_turn(engine, tokenizer, trace, sampling, stops, stop_ids, limit - start,
-                                   _seed(sampling.seed, turns))  # fmt: skip
+                                   _seed(sampling.seed, turns))
         turns += 1
         final_text = tokenizer.decode(trace.ids[start:], skip_special_tokens=True)
         if ended in ("budget", "abort"):
@@ -191,7 +191,7 @@ def _failed(trace: _Trace, engine: Engine, tokenizer: Any) -> Episode:
 
 
 async def run_episodes(engine: Engine, tokenizer: Any, make_env: EnvFactory, requests: Sequence[EpisodeRequest],
-                       limits: EpisodeConfig, *, max_seq_len: int) -> list[list[Episode]]:  # fmt: skip
+                       limits: EpisodeConfig, *, max_seq_len: int) -> list[list[Episode]]:
     """Every request's ``n`` episodes, concurrently; episode ``j`` of a request is seeded from its
     sampling seed and ``j``. Each environment is made by ``make_env`` off the event loop, bounded
     by env_timeout_s (a failure or timeout fails that episode), and closed after its episode."""
@@ -202,14 +202,14 @@ async def run_episodes(engine: Engine, tokenizer: Any, make_env: EnvFactory, req
         try:
             try:
                 env = await call_env(make_env, req.problem, timeout_s=timeout, what="factory", thread=thread,
-                                     late=_close_late(timeout))  # fmt: skip
+                                     late=_close_late(timeout))
             except Exception:
                 log.warning("environment factory failed on problem %s:\n%s", req.problem.id, traceback.format_exc())
                 return _failed(_Trace(_fallback_ids(tokenizer, req.problem.prompt)), engine, tokenizer)
             sampling = msgspec.structs.replace(req.sampling, seed=_seed(req.sampling.seed, j))
             try:
                 return await run_episode(engine, tokenizer, env, sampling, limits, max_seq_len=max_seq_len,
-                                         fallback_prompt=req.problem.prompt, thread=thread)  # fmt: skip
+                                         fallback_prompt=req.problem.prompt, thread=thread)
             finally:
                 await _close(env, timeout, thread)
         finally:

@@ -36,10 +36,10 @@ class MeshReward:
     """Scores on an actor mesh of ``actor(*args, **kwargs)`` (``num_workers`` actors)."""
 
     def __init__(self, actor: type | None = None, *args: Any, num_workers: int = 1, timeout_s: float = 120.0,
-                 batch_size: int | None = None, name: str | None = None, **kwargs: Any) -> None:  # fmt: skip
+                 batch_size: int | None = None, name: str | None = None, **kwargs: Any) -> None:
         if num_workers < 1 or timeout_s <= 0 or (batch_size is not None and batch_size < 1):
             raise ValueError(f"MeshReward: need num_workers >= 1, timeout_s > 0, batch_size >= 1; "
-                             f"got {num_workers}, {timeout_s}, {batch_size}")  # fmt: skip
+                             f"got {num_workers}, {timeout_s}, {batch_size}")
         self.actor, self.args, self.kwargs = actor, args, kwargs
         self.num_workers, self.timeout_s, self.batch_size = num_workers, timeout_s, batch_size
         self.name = name or f"reward-{getattr(actor, '__name__', 'mesh').lower()}"
@@ -137,6 +137,6 @@ class RewardModel(MeshReward):
     """A learned reward model on a mesh: ``RewardModelWorker(model_path)`` × ``num_workers``."""
 
     def __init__(self, model_path: str, *, num_workers: int = 1, timeout_s: float = 120.0, batch_size: int | None = None,
-                 tokens_per_batch: int = 8192) -> None:  # fmt: skip
+                 tokens_per_batch: int = 8192) -> None:
         super().__init__(RewardModelWorker, model_path, num_workers=num_workers, timeout_s=timeout_s,
-                         batch_size=batch_size, tokens_per_batch=tokens_per_batch)  # fmt: skip
+                         batch_size=batch_size, tokens_per_batch=tokens_per_batch)

@@ -96,7 +96,7 @@ class FunctionReward:
     """A reward function, sync or async, per sample (``fn(problem, completion)``) or batched."""
 
     def __init__(self, fn: Callable, *, batched: bool = False, timeout_s: float | None = None,
-                 max_concurrency: int = 64, threads: int = 8) -> None:  # fmt: skip
+                 max_concurrency: int = 64, threads: int = 8) -> None:
         if not callable(fn):
             raise TypeError(f"a reward function must be callable, got {fn!r:.80}")
         if max_concurrency < 1 or threads < 1:
@@ -115,7 +115,7 @@ class FunctionReward:
         return f"FunctionReward({getattr(self.fn, '__qualname__', self.fn)!r}, batched={self.batched})"
 
     async def score(self, problems: Sequence[Problem], completions: Sequence[str], *,
-                    within_s: float | None = None) -> list[RewardOutput | None]:  # fmt: skip
+                    within_s: float | None = None) -> list[RewardOutput | None]:
         """One result per completion (None: failed). ``within_s``: the whole call's limit (its
         caller's own timeout, less its margin); samples not scored by then are marked, the others kept."""
         timeout = self.timeout_s if self.timeout_s is not None else 60.0
@@ -230,7 +230,7 @@ class HTTPReward:
     """
 
     def __init__(self, url: str, *, timeout_s: float = 10.0, retries: int = 2, backoff_s: float = 0.5,
-                 batch_size: int | None = None, max_concurrency: int = 32, headers: dict[str, str] | None = None) -> None:  # fmt: skip
+                 batch_size: int | None = None, max_concurrency: int = 32, headers: dict[str, str] | None = None) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"HTTPReward: url must start with http:// or https://, got {url!r}")
         if retries < 0 or timeout_s <= 0 or (batch_size is not None and batch_size < 1):
@@ -258,14 +258,14 @@ class HTTPReward:
                     return await r.json(content_type=None)
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 last = TimeoutError(f"{self.url}: no answer within {self.timeout_s:g}s") \
-                    if isinstance(exc, asyncio.TimeoutError) else exc  # fmt: skip
+                    if isinstance(exc, asyncio.TimeoutError) else exc
         raise RuntimeError(f"{self.url}: gave up after {self.retries + 1} attempts: {last}")
 
     async def score(self, problems: Sequence[Problem], completions: Sequence[str]) -> list[RewardOutput | None]:
         import aiohttp
 
         items = [{"prompt": p.prompt, "completion": c, "answer": p.answer, "problem_id": p.id}
-                 for p, c in zip(problems, completions)]  # fmt: skip
+                 for p, c in zip(problems, completions)]
         gate = asyncio.Semaphore(self.max_concurrency)
         async with aiohttp.ClientSession(headers=self.headers) as session:
 

@@ -48,7 +48,7 @@ _MAX_POW_BITS = 14_000
 """Largest result of ``**`` on integers, in bits (~4200 digits: printable under Python's int-to-str limit)."""
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}  # fmt: skip
+        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
 
 
 def calculator(expression: str) -> str:
@@ -86,7 +86,7 @@ class ToolEnv:
     """The problem's prompt, tools called as ``<name>arguments</name>``, then an answer turn."""
 
     def __init__(self, problem: Problem, tools: Mapping[str, Tool], *, result_format: str = "<result>{}</result>",
-                 max_calls: int = 4) -> None:  # fmt: skip
+                 max_calls: int = 4) -> None:
         if not tools:
             raise ValueError("ToolEnv needs at least one tool")
         bad = [n for n in tools if not re.fullmatch(r"[A-Za-z_][\w.-]*", n)]

@@ -40,7 +40,7 @@ import msgspec
 from meshrl.tasks import Problem, PromptStream
 
 __all__ = ["InFlight", "PromptLedger", "RunState", "write_checkpoint_files", "read_run_state", "read_records",
-           "commit", "latest_checkpoint", "later_checkpoints", "resolve_resume", "partial_dir"]  # fmt: skip
+           "commit", "latest_checkpoint", "later_checkpoints", "resolve_resume", "partial_dir"]
 
 FORMAT = 1
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -105,7 +105,7 @@ def run_fingerprint(cfg: Any, train: Sequence[Problem] | None = None) -> dict[st
         "algo.samples_per_prompt": cfg.algo.samples_per_prompt, "algo.critic": cfg.algo.uses_critic,
         "trainer.samples_per_step": cfg.trainer.samples_per_step, "trainer.sync_interval": cfg.trainer.sync_interval,
         "trainer.lora": _lora_shape(cfg.trainer.lora),
-    }  # fmt: skip
+    }
     if cfg.trainer.optimizer != "adamw":  # the optimiser's state is in the checkpoint; listed when not
         fp["trainer.optimizer"] = cfg.trainer.optimizer  # the default, so older fingerprints compare equal
     for key in ("reward", "reward_function"):  # the answer check and the reward may change on resume

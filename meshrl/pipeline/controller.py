@@ -90,7 +90,7 @@ class Pipeline:
     """
 
     def __init__(self, config: PipelineConfig, *, task: Task | None = None, reward: Any = None,
-                 environment: EnvFactory | None = None) -> None:  # fmt: skip
+                 environment: EnvFactory | None = None) -> None:
         self.cfg = config.validate()
         self.task = task if task is not None else build_task(config.task, config.model.path)
         if config.task.reward_function is not None:
@@ -154,7 +154,7 @@ class Pipeline:
         pack: bool | str = where.pack and ("tp" if "tp" in dims else name != "rollout")
         mesh = spawn_procs(dims, gpus_per_proc=gpus_per_proc, resources=where.resources, labels=where.labels,
                            pack=pack, env=WORKER_ENV, name=name, namespace=self._namespace,
-                           timeout=self.cfg.cluster.placement_timeout_s)  # fmt: skip
+                           timeout=self.cfg.cluster.placement_timeout_s)
         self._procs.append(mesh)
         return mesh.spawn(name, cls, *args, **kwargs)
 
@@ -167,7 +167,7 @@ class Pipeline:
     async def _start_roles(self, model_dir: str) -> Roles:
         cfg, env = self.cfg, self.environment
         queue = self._spawn("queue", QueueActor, cfg.queue, samples_per_step=cfg.trainer.samples_per_step,
-                            steps_per_version=cfg.trainer.sync_interval)  # fmt: skip
+                            steps_per_version=cfg.trainer.sync_interval)
         max_new_tokens = cfg.rollout.episode.max_tokens if env else cfg.rollout.max_new_tokens
         sglang = cfg.rollout.engine.backend == "sglang"
         # colocated SGLang: each trainer rank and one server share a GPU (half of it each, for Ray)
@@ -180,7 +180,7 @@ class Pipeline:
                 rollout_threads=cfg.rollout.threads, temperature=cfg.rollout.temperature, max_new_tokens=max_new_tokens,
                 total_steps=cfg.run.total_steps, dims={"procs": cfg.trainer.dp}, gpus_per_proc=int(cfg.trainer.device == "cuda"),
                 **({"environment": env, "episode": cfg.rollout.episode} if env else {}),
-            )  # fmt: skip
+            )
         else:
             engine_gpus = int(cfg.rollout.engine.device.startswith("cuda")) * share  # one GPU per engine rank
             tp = cfg.rollout.tp_size
@@ -189,7 +189,7 @@ class Pipeline:
             rollouts = self._spawn("rollout", RolloutWorker, model_dir, cfg.rollout.engine, cfg.rollout.threads,
                                    dims=dims, gpus_per_proc=engine_gpus * (tp if sglang else 1), tp_size=tp,
                                    tp_timeout_s=cfg.run.step_timeout_s,
-                                   **({"environment": env, "episode": cfg.rollout.episode} if env else {}))  # fmt: skip
+                                   **({"environment": env, "episode": cfg.rollout.episode} if env else {}))
             self._servers = rollouts if sglang else None
         if callable(getattr(self.reward, "start", None)):  # a reward served by a mesh of its own
             await self.reward.start(self._spawn)
@@ -201,11 +201,11 @@ class Pipeline:
                 "trainer", Trainer, model_dir, cfg.trainer, cfg.algo, temperature=cfg.rollout.temperature,
                 max_new_tokens=max_new_tokens, total_steps=cfg.run.total_steps, dims={"dp": cfg.trainer.dp},
                 gpus_per_proc=int(cfg.trainer.device == "cuda") * share,
-            )  # fmt: skip
+            )
         reference = None
         if cfg.algo.kl_coef > 0 and not cfg.trainer.reference_in_trainer:
             reference = self._spawn("reference", ReferenceWorker, model_dir, temperature=cfg.rollout.temperature,
-                                    tokens_per_microbatch=cfg.trainer.tokens_per_microbatch)  # fmt: skip
+                                    tokens_per_microbatch=cfg.trainer.tokens_per_microbatch)
         meshes = [queue, rollouts, rewards] + ([trainer] if trainer is not rollouts else []) + ([reference] if reference else [])
         await asyncio.gather(*(m.ready().within(self.cfg.run.step_timeout_s) for m in meshes))
         engines = rollouts  # every engine rank: weight pushes reach them all
@@ -261,7 +261,7 @@ class Pipeline:
         how = "by CUDA IPC (update_weights_from_tensor)" if backend == "tensor" else f"over a {backend} group"
         self._echo(f"sglang: {len(urls)} server(s) ({where}): {', '.join(urls)}; weights {how}")
         await trainer.sglang_connect.call(list(urls), s.bucket_bytes, backend, s.pause_mode, cfg.reshard.timeout_s,
-                                          s.request_timeout_s).within(cfg.reshard.timeout_s + 30)  # fmt: skip
+                                          s.request_timeout_s).within(cfg.reshard.timeout_s + 30)
 
     async def _close_servers(self) -> None:
         """Stop the servers the workers launched (and leave their group): best effort, bounded."""
@@ -307,7 +307,7 @@ class Pipeline:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / "config.yaml").write_text(to_yaml(cfg))
         await asyncio.to_thread(check_prompts, cfg, self.task, reward=self.reward, environment=self.environment,
-                                echo=self._echo)  # fmt: skip
+                                echo=self._echo)
         model_dir = await self._model_dir()
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -322,9 +322,9 @@ class Pipeline:
         reference = cfg.algo.kl_coef > 0 and not cfg.trainer.reference_in_trainer
         tp = f" (x{cfg.rollout.tp_size} tensor-parallel ranks each)" if cfg.rollout.tp_size > 1 else ""
         self._echo(f"starting roles: queue, {cfg.rollout.num_workers} rollout{tp}, {cfg.reward.num_workers} reward, "
-                   f"trainer (dp={cfg.trainer.dp})" + (", reference" if reference else ""))  # fmt: skip
+                   f"trainer (dp={cfg.trainer.dp})" + (", reference" if reference else ""))
         self.log = log = RunLog(self.out_dir, cfg.run.total_steps, progress=cfg.run.progress,
-                                tensorboard=cfg.run.tensorboard, resumed_step=resumed_step)  # fmt: skip
+                                tensorboard=cfg.run.tensorboard, resumed_step=resumed_step)
         for rec in ckpt.read_records(resume_from) if resume_from is not None else []:
             log.replay(rec)  # the log continues the checkpointed run's
         self._log_ready.set()
@@ -337,7 +337,7 @@ class Pipeline:
             self._echo(await asyncio.to_thread(self._placement_line))
             await self._check_storage(roles, model_dir)
             self._rollout = rollout = RolloutDriver(cfg, roles, tokenizer, ledger, log, stopping=self._stopping,
-                                                    environment=self.environment is not None)  # fmt: skip
+                                                    environment=self.environment is not None)
             self._train = train = TrainLoop(cfg, roles, rollout, log, self.out_dir, evaluate=self._periodic_evaluation)
             self._roles_ready.set()
             if resume_from is not None:
@@ -349,7 +349,7 @@ class Pipeline:
             loops = [
                 asyncio.create_task(self._guard(rollout.loop(roles.rollouts.slice(procs=i), i)))
                 for i in range(cfg.rollout.num_workers) for _ in range(cfg.rollout.requests_in_flight)
-            ]  # fmt: skip
+            ]
             training = asyncio.create_task(self._guard(train.run(), always_fails=True))
             stop = asyncio.create_task(self._stop_requested.wait())
             try:
@@ -360,7 +360,7 @@ class Pipeline:
                     left = await rollout.drain(cfg.run.stop_drain_timeout_s)
                     if left:
                         self._echo(f"stop: {left} requests still in flight after {cfg.run.stop_drain_timeout_s:g}s; "
-                                   "the checkpoint records them and a resumed run generates them again")  # fmt: skip
+                                   "the checkpoint records them and a resumed run generates them again")
             finally:
                 stop.cancel()
                 self._stopping.set()
@@ -402,7 +402,7 @@ class Pipeline:
             "plot": str(plot), "timeline": str(self.out_dir / "timeline.png"), "metrics": str(self.out_dir / "metrics.jsonl"),
             "stopped": stopped, "steady_state": run_summary(self.out_dir),  # idle per role, phase times (meshrl.pipeline.timeline)
             "last_checkpoint": str(ckpt.latest_checkpoint(self.out_dir)),
-        }  # fmt: skip
+        }
         with (self.out_dir / "metrics.jsonl").open("a") as f:
             f.write(json.dumps({"kind": "summary", **summary}) + "\n")
         return summary
@@ -476,7 +476,7 @@ class Pipeline:
             await asyncio.wait_for(self._finished.wait(), limit)
         except asyncio.TimeoutError:
             raise TimeoutError(f"Pipeline.stop gave up after {limit:.0f}s waiting for run() to drain, checkpoint "
-                               "and shut down") from None  # fmt: skip
+                               "and shut down") from None
         return self._summary
 
     async def _wait_for(self, event: asyncio.Event, what: str, timeout_s: float) -> bool:
@@ -527,13 +527,13 @@ class Pipeline:
             raise
 
     async def generate(self, prompts: Sequence[str], *, max_new_tokens: int | None = None,
-                       temperature: float = 0.0) -> list[str]:  # fmt: skip
+                       temperature: float = 0.0) -> list[str]:
         """Complete ``prompts`` on the rollout engines, on the weights they serve (``policy_version``, or
         the one before while a push lands; greedy
         by default; ``max_new_tokens`` defaults to rollout.max_new_tokens)."""
         async with self._user_call("Pipeline.generate") as rollout:
             return await evaluation.generate(rollout, prompts, max_new_tokens=max_new_tokens or self.cfg.rollout.max_new_tokens,
-                                             temperature=temperature)  # fmt: skip
+                                             temperature=temperature)
 
     async def evaluate(self) -> dict[str, Any]:
         """Held-out accuracy (and reward metrics) now, at the current policy version (once every

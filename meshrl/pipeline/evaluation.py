@@ -41,11 +41,11 @@ async def evaluate(driver: RolloutDriver, task: Task, log: RunLog, *, step: int,
     accuracy = means["correct"] if "correct" in means else sum(x >= 1.0 for x in rewards) / n
     log.span("eval", "held-out", t0, log.now(), version=version)
     return log.record("eval", step=step, version=version, accuracy=accuracy, reward_mean=sum(rewards) / n,
-                      problems=len(rewards), **{f"info/{k}": v for k, v in sorted(means.items()) if k != "correct"})  # fmt: skip
+                      problems=len(rewards), **{f"info/{k}": v for k, v in sorted(means.items()) if k != "correct"})
 
 
 async def generate(driver: RolloutDriver, prompts: Sequence[str], *, max_new_tokens: int | None,
-                   temperature: float) -> list[str]:  # fmt: skip
+                   temperature: float) -> list[str]:
     """One completion per prompt (single-turn, special tokens removed) from the rollout engines."""
     if isinstance(prompts, str) or not all(isinstance(p, str) and p for p in prompts):
         raise TypeError("generate: prompts must be a list of non-empty strings")
@@ -56,7 +56,7 @@ async def generate(driver: RolloutDriver, prompts: Sequence[str], *, max_new_tok
 
         r = driver.cfg.rollout
         requests = [msgspec.structs.replace(q, sampling=msgspec.structs.replace(q.sampling, temperature=temperature, top_p=r.top_p,
-                                                                                 top_k=r.top_k)) for q in requests]  # fmt: skip
+                                                                                 top_k=r.top_k)) for q in requests]
     rollouts = driver.roles.rollouts
     adverb = rollouts.generate.call_one if len(rollouts) == 1 else rollouts.generate.choose
     results = await bounded(adverb(requests), driver.cfg.run.step_timeout_s, "generation for Pipeline.generate")

@@ -45,7 +45,7 @@ class RunLog:
     """Writes metrics.jsonl and timeline.jsonl under ``out_dir`` and prints progress."""
 
     def __init__(self, out_dir: Path, total_steps: int, *, progress: bool = True, tensorboard: bool | None = False,
-                 resumed_step: int = 0) -> None:  # fmt: skip
+                 resumed_step: int = 0) -> None:
         """``tensorboard``: write scalars under ``out_dir/tensorboard`` (None: when the package is
         installed). ``resumed_step``: the checkpoint's step a resumed run continues from; TensorBoard
         hides what the earlier run wrote from that step on (its records are replayed, ``replay``)."""

@@ -18,7 +18,7 @@ from meshrl.pipeline.timeline import lane_of, merge, steady_window, timeline_sum
 __all__ = ["plot_run", "draw_timeline", "plot_timeline"]
 
 _ACTIVITY_COLORS = {"generate": "tab:blue", "score": "tab:orange", "train_step": "tab:green", "push_weights": "tab:red",
-                    "checkpoint": "tab:brown", "held-out": "tab:purple", "switch_to_train": "tab:gray"}  # fmt: skip
+                    "checkpoint": "tab:brown", "held-out": "tab:purple", "switch_to_train": "tab:gray"}
 
 
 def _lane_order(lane: str) -> tuple[int, int]:
@@ -28,7 +28,7 @@ def _lane_order(lane: str) -> tuple[int, int]:
 
 
 def draw_timeline(ax: Any, spans: Sequence[dict[str, Any]], *, warmup_steps: int = 1, xlim: tuple[float, float] | None = None,
-                  title: str = "What each role was doing", legend_outside: bool = True) -> dict[str, Any]:  # fmt: skip
+                  title: str = "What each role was doing", legend_outside: bool = True) -> dict[str, Any]:
     """Draw the lanes of ``spans`` on ``ax``; returns their ``timeline_summary``."""
     summary = timeline_summary(spans, warmup_steps)
     lanes = sorted({lane_of(s) for s in spans}, key=_lane_order)
@@ -40,7 +40,7 @@ def draw_timeline(ax: Any, spans: Sequence[dict[str, Any]], *, warmup_steps: int
             bars = merge((s["start"], s["end"]) for s in mine if s["what"] == what)
             height = 0.8 if what != "push_weights" else 1.0
             ax.broken_barh([(a, b - a) for a, b in bars], (row - height / 2, height), color=_ACTIVITY_COLORS.get(what, "tab:gray"),
-                           label=None if what in seen else what, linewidth=0)  # fmt: skip
+                           label=None if what in seen else what, linewidth=0)
             seen.add(what)
     for s in spans:  # a weight push stops everything that depends on it: mark it across every lane
         if s["role"] == "sync":
@@ -61,7 +61,7 @@ def draw_timeline(ax: Any, spans: Sequence[dict[str, Any]], *, warmup_steps: int
 
 
 def plot_timeline(run_dir: str | Path, *, warmup_steps: int = 1, out: str | Path | None = None,
-                  xlim: tuple[float, float] | None = None) -> Path:  # fmt: skip
+                  xlim: tuple[float, float] | None = None) -> Path:
     """Write the role timeline of ``run_dir`` as a PNG (default ``run_dir/timeline.png``)."""
     from matplotlib.figure import Figure  # no pyplot: the caller's backend and figures stay as they are
 
@@ -73,7 +73,7 @@ def plot_timeline(run_dir: str | Path, *, warmup_steps: int = 1, out: str | Path
     s = draw_timeline(ax, spans, warmup_steps=warmup_steps, xlim=xlim)
     if s["steps"]:
         ax.set_title(f"What each role was doing — steady state: {s['steps']} steps in {s['window_s']:.1f}s; per step "
-                     f"generate {s['t_gen_s']:.2f}s, train {s['t_train_s']:.2f}s, push {s['t_sync_s'] * 1e3:.0f} ms")  # fmt: skip
+                     f"generate {s['t_gen_s']:.2f}s, train {s['t_train_s']:.2f}s, push {s['t_sync_s'] * 1e3:.0f} ms")
     fig.tight_layout()
     out = Path(out) if out is not None else run_dir / "timeline.png"
     fig.savefig(out, dpi=100)

@@ -66,7 +66,7 @@ class RolloutDriver:
     """Builds requests and runs the rollout loops of one pipeline run (module docstring)."""
 
     def __init__(self, cfg: PipelineConfig, roles: Roles, tokenizer: Any, ledger: ckpt.PromptLedger, log: RunLog, *,
-                 stopping: asyncio.Event, environment: bool) -> None:  # fmt: skip
+                 stopping: asyncio.Event, environment: bool) -> None:
         self.cfg, self.roles, self.tokenizer, self.ledger, self.log = cfg, roles, tokenizer, ledger, log
         self.stopping = stopping
         """Set when the run winds down: no new request starts."""
@@ -84,7 +84,7 @@ class RolloutDriver:
         return SamplingParams(
             max_new_tokens=max_new_tokens, temperature=0.0 if greedy else r.temperature, top_p=1.0 if greedy else r.top_p,
             top_k=-1 if greedy else r.top_k, n=n, seed=seed, ignore_eos=r.ignore_eos and not greedy,
-        )  # fmt: skip
+        )
 
     def _seed(self, group_ids: list[int] | None, i: int) -> int | None:
         """A sampled request is seeded by its group id, so a run's samples do not depend on how
@@ -92,32 +92,32 @@ class RolloutDriver:
         return None if group_ids is None else (self.cfg.run.seed * 1_000_003 + group_ids[i]) % (1 << 62)
 
     def requests(self, problems: list[Problem], *, greedy: bool, n: int, group_ids: list[int] | None = None,
-                 max_new_tokens: int | None = None) -> tuple[list[list[int]], list[GenerateRequest]]:  # fmt: skip
+                 max_new_tokens: int | None = None) -> tuple[list[list[int]], list[GenerateRequest]]:
         """Tokenised prompts and their single-turn requests."""
         prompt_ids = [self.tokenizer.encode(p.prompt) for p in problems]
         requests = [GenerateRequest(input_ids=ids, sampling=self._sampling(greedy=greedy, n=n, seed=self._seed(group_ids, i),
                                                                            max_new_tokens=max_new_tokens))
-                    for i, ids in enumerate(prompt_ids)]  # fmt: skip
+                    for i, ids in enumerate(prompt_ids)]
         return prompt_ids, requests
 
     async def play(self, worker: ActorMesh, problems: list[Problem], *, greedy: bool, n: int,
-                   group_ids: list[int] | None, what: str) -> RolloutJob:  # fmt: skip
+                   group_ids: list[int] | None, what: str) -> RolloutJob:
         """Generate (or play episodes) on ``worker`` (a one-actor mesh, or a mesh to ``choose`` from)."""
         timeout, gids = self.cfg.run.step_timeout_s, group_ids or [-1] * len(problems)
         call = worker.run_episodes if self.environment else worker.generate
         adverb = call.call_one if len(worker) == 1 else call.choose
         if self.environment:
             reqs = [EpisodeRequest(problem=p, n=n, sampling=self._sampling(greedy=greedy, n=1, seed=self._seed(group_ids, i)))
-                    for i, p in enumerate(problems)]  # fmt: skip
+                    for i, p in enumerate(problems)]
             episodes = await bounded(adverb(reqs), timeout, what)
             return RolloutJob(problems=problems, prompt_ids=[g[0].prompt_ids for g in episodes], results=[],
-                              group_ids=gids, episodes=episodes)  # fmt: skip
+                              group_ids=gids, episodes=episodes)
         prompt_ids, requests = self.requests(problems, greedy=greedy, n=n, group_ids=group_ids)
         results = await bounded(adverb(requests), timeout, what)
         return RolloutJob(problems=problems, prompt_ids=prompt_ids, results=results, group_ids=gids)
 
     def start_play(self, worker: ActorMesh, problems: list[Problem], *, n: int,
-                   group_ids: list[int]) -> tuple[Any, RolloutJob, str]:  # fmt: skip
+                   group_ids: list[int]) -> tuple[Any, RolloutJob, str]:
         """Start a training request's generation (or episodes) on ``worker`` without waiting: its
         future, the job to score (its generations to come by reference) and the keyword that
         ``RewardWorker.score`` takes them by."""
@@ -125,7 +125,7 @@ class RolloutDriver:
         adverb = call.call_one if len(worker) == 1 else call.choose
         if self.environment:
             reqs = [EpisodeRequest(problem=p, n=n, sampling=self._sampling(greedy=False, n=1, seed=self._seed(group_ids, i)))
-                    for i, p in enumerate(problems)]  # fmt: skip
+                    for i, p in enumerate(problems)]
             return adverb(reqs), RolloutJob(problems=problems, prompt_ids=[], results=[], group_ids=group_ids), "episodes"
         prompt_ids, requests = self.requests(problems, greedy=False, n=n, group_ids=group_ids)
         job = RolloutJob(problems=problems, prompt_ids=prompt_ids, results=[], group_ids=group_ids)
@@ -139,7 +139,7 @@ class RolloutDriver:
         r, n, queue = self.cfg.rollout, self.cfg.algo.samples_per_prompt, self.roles.queue
         # waits for: admission within max_staleness; unblocked by: train loop set_version
         reservation = await bounded(queue.reserve.call_one(r.prompts_per_request * n),
-                                    self.cfg.queue.reserve_timeout_s + 30, "the queue to admit a rollout request")  # fmt: skip
+                                    self.cfg.queue.reserve_timeout_s + 30, "the queue to admit a rollout request")
         try:
             # waits for: a checkpoint to finish capturing the controller state (milliseconds)
             await self.taking.wait()
@@ -170,7 +170,7 @@ class RolloutDriver:
                 scored = await bounded(self.roles.rewards.score.choose(job_in, within_s=timeout, by_ref=True,
                                                                        **{kind: generating.ref()}),
                                        2 * timeout, f"rollout worker {worker_index} to generate and a reward worker "
-                                       "to score")  # fmt: skip
+                                       "to score")
                 t1 = t0 + max(0.0, scored.received - wall0)  # when the generations reached the reward worker
                 self.log.span("rollout", "generate", t0, t1, worker=worker_index)
                 ref = scored.ref
@@ -179,7 +179,7 @@ class RolloutDriver:
                 self.log.span("reward", "score", t1, self.log.now(), worker=worker_index)
                 # waits for: room under capacity_tokens; unblocked by: train loop get_batch_refs
                 await bounded(queue.put_ref.call_one(ref, scored.metas, job.reservation_id),
-                              self.cfg.queue.put_timeout_s + 30, "the queue to accept samples")  # fmt: skip
+                              self.cfg.queue.put_timeout_s + 30, "the queue to accept samples")
                 self.generated_tokens += scored.completion_tokens
             except BaseException:
                 if not self.stopping.is_set():

@@ -93,7 +93,7 @@ def _ray_init(num_cpus: int | None, address: str | None) -> str:
                     num_cpus=num_cpus, include_dashboard=False, **common,
                     # Batches of small samples stay out of the shared-memory store (about +30% queue speed).
                     _system_config={"max_direct_call_object_size": 1 << 20},
-                )  # fmt: skip
+                )
                 return "started"
             except ValueError as exc:  # RAY_ADDRESS or a `ray start` cluster: Ray connects to it
                 if "existing cluster" not in str(exc):
@@ -229,7 +229,7 @@ def _check_gpus(cfg: PipelineConfig, gpus: int, trainer: int) -> None:
     key = "trainer.device" if trainer > gpus or not engines else "rollout.engine.device"
     wants = " and ".join(w for w in (f"{trainer} for the trainer (trainer.dp)" if trainer else "",
                                      f"{engines} for the engines (rollout.num_workers x rollout.tp_size)" if engines else "")
-                         if w)  # fmt: skip
+                         if w)
     raise ConfigError(f"`{key}`: cuda needs {wants}, but the Ray cluster has {gpus} GPU(s): use cpu, or run where "
                       "the GPUs are (on a GPU machine, or attached to a cluster that has them)")
 
@@ -270,7 +270,7 @@ def sglang_transport(cfg: PipelineConfig) -> str:
     (NCCL refuses two ranks on one device) or either side is on a CPU."""
     s = cfg.rollout.engine.sglang
     shared_gpu = (cfg.placement == "colocated" and cfg.trainer.dp == 1 and cfg.trainer.device == "cuda"
-                  and cfg.rollout.engine.device.startswith("cuda"))  # fmt: skip
+                  and cfg.rollout.engine.device.startswith("cuda"))
     if s.transport == "tensor" or (s.transport == "auto" and shared_gpu):
         return "tensor"
     chosen = s.group_backend

@@ -117,7 +117,7 @@ async def check_storage(out_dir: Path, model_dir: str, meshes: list[tuple[str, A
     try:
         calls = [mesh._run_all(storage_report, str(out_dir) if writes else None, token, model_dir,
                                what=f"the storage check of {role}").within(timeout_s)
-                 for role, mesh, writes in meshes]  # fmt: skip
+                 for role, mesh, writes in meshes]
         answers = await asyncio.gather(*calls)
         reports = [(role, rank, r) for (role, _, _), a in zip(meshes, answers) for rank, r in enumerate(a.values())]
         await asyncio.to_thread(judge, out_dir, token, model_dir, reports)

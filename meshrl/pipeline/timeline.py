@@ -33,7 +33,7 @@ from typing import Any, Iterable, Sequence
 __all__ = [
     "Interval", "lane_of", "load_spans", "merge", "overlap_s", "subtract", "steady_window", "timeline_summary",
     "run_summary",
-]  # fmt: skip
+]
 
 Interval = tuple[float, float]
 
@@ -154,7 +154,7 @@ def timeline_summary(spans: Sequence[dict[str, Any]], warmup_steps: int = 1) -> 
     t_gen = per_step(lambda s: s["role"] in ("rollout", "reward"))
     t_train = per_step(lambda s: s["role"] == "trainer" and s["what"] == "train_step")
     pushes = [s["end"] - s["start"] for s in spans
-              if s["role"] == "sync" and overlap_s([(s["start"], s["end"])], window) > 0]  # fmt: skip
+              if s["role"] == "sync" and overlap_s([(s["start"], s["end"])], window) > 0]
     busiest = max(t_gen, t_train)
     return {
         "window_s": window_s, "window": (window[0][0], window[-1][1]), "steps": steps, "idle": idle,
@@ -162,7 +162,7 @@ def timeline_summary(spans: Sequence[dict[str, Any]], warmup_steps: int = 1) -> 
         "pushes": len(pushes), "t_step_s": window_s / steps,
         "ideal_speedup": (t_gen + t_train) / busiest if busiest > 0 else 1.0,
         "max_speedup": window_s / steps / busiest if busiest > 0 else 1.0,
-    }  # fmt: skip
+    }
 
 
 def run_summary(run_dir: str | Path, warmup_steps: int = 1) -> dict[str, Any]:
@@ -180,5 +180,5 @@ def run_summary(run_dir: str | Path, warmup_steps: int = 1) -> dict[str, Any]:
         tokens = sum(r["samples"] * r["response_tokens_mean"] for r in measured)
         out.update(samples_per_s=samples / out["window_s"], tokens_per_s=tokens / out["window_s"],
                    staleness_mean=sum(r["staleness_mean"] for r in measured) / len(measured),
-                   staleness_max=max(r["staleness_max"] for r in measured))  # fmt: skip
+                   staleness_max=max(r["staleness_max"] for r in measured))
     return out

@@ -47,7 +47,7 @@ class TrainLoop:
     """The train loop and the run's position: step, policy version, newest checkpoint."""
 
     def __init__(self, cfg: PipelineConfig, roles: Roles, rollout: RolloutDriver, log: RunLog, out_dir: Path, *,
-                 evaluate: Callable[[], Awaitable[Any]]) -> None:  # fmt: skip
+                 evaluate: Callable[[], Awaitable[Any]]) -> None:
         self.cfg, self.roles, self.rollout, self.log, self.out_dir = cfg, roles, rollout, log, out_dir
         self._evaluate = evaluate
         self.step = 0
@@ -78,7 +78,7 @@ class TrainLoop:
             # unblocked by: rollout loop put_ref (or queue.close when the run stops)
             # by reference: the blobs' refs, which every trainer rank fetches from the producers' nodes
             batch = await bounded(queue.get_batch_refs.call_one(cfg.trainer.samples_per_step, self.version, timeout=timeout),
-                                  timeout + 30, "a batch from the queue")  # fmt: skip
+                                  timeout + 30, "a batch from the queue")
             t1 = self.log.now()
             if self._pushes_after(self.step + 1):
                 self.sync.arm(self.version + 1)  # the engines post their receives while the step computes
@@ -106,7 +106,7 @@ class TrainLoop:
                 **self.sync.phases(),
                 "tokens_per_s": (generated - window[0][1]) / max(now - window[0][0], 1e-9), "generated_tokens": generated,
                 **{f"queue/{k}": v for k, v in queue_m.items() if isinstance(v, (int, float))},
-            })  # fmt: skip
+            })
             last_end = now
             window.append((now, generated))
             if checkpoint:
@@ -161,7 +161,7 @@ class TrainLoop:
                 next_group=ledger.next_group, generated_tokens=self.rollout.generated_tokens,
                 accuracy_before=self.accuracy_before, in_flight=ledger.unfinished(),
                 queue_snapshot=snapshot, fingerprint=ckpt.run_fingerprint(self.cfg, ledger.source),
-            )  # fmt: skip
+            )
         finally:
             self.rollout.taking.set()
         ckpt.write_checkpoint_files(partial, state, self.out_dir / "metrics.jsonl")
@@ -199,4 +199,4 @@ class TrainLoop:
             f"the engines serve the trainer's step-{state.step} weights as version {state.version}, so this run "
             "trains correctly but does not repeat an uninterrupted one exactly)")
         return (f"resumed from {path} at step {state.step}, policy version {state.version}"
-                + (f", re-issuing {pending} requests that were in flight" if pending else "") + off_cadence)  # fmt: skip
+                + (f", re-issuing {pending} requests that were in flight" if pending else "") + off_cadence)

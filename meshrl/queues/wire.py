@@ -117,7 +117,7 @@ def encoded_metas(blob: bytes) -> list[SampleMeta]:
         raise ValueError(f"put_encoded: the blob is not a msgpack list of Sample: {e}") from None
     return [SampleMeta(v.group_id, v.group_size, v.behavior_version,
                        _array_len(v.prompt_ids) + _array_len(v.response_ids), v.t_generated)
-            for v in views]  # fmt: skip
+            for v in views]
 
 
 _u8 = struct.Struct(">B").unpack_from

@@ -113,7 +113,7 @@ class LocalHandover:
                 ts = bucket.transfers
                 names = list(dict.fromkeys(t.hf_name for t in ts))  # plan order: the same on every rank
                 full = {n: params[n].detach().full_tensor() if hasattr(params[n], "full_tensor") else params[n].detach()
-                        for n in names}  # fmt: skip
+                        for n in names}
                 torch._foreach_copy_(self._dst[at: at + len(ts)], [full[t.hf_name][to_slices(t.src_box)] for t in ts])
                 at += len(ts)
                 del full

@@ -155,7 +155,7 @@ def _make_plan(source: SourceLayout, dest: DestLayout, bucket_bytes: int,
                     src=src, dst=dst, hf_name=piece.hf_name, src_box=shift(common, [-a for a, _ in box]),
                     param=piece.param, dst_box=shift(common, [lb[0] - hb[0] for lb, hb in
                                                               zip(piece.local_box, piece.hf_box)]),
-                ))  # fmt: skip
+                ))
     max_numel = max(1, bucket_bytes // itemsize)
     buckets, current, nbytes = [], [], 0
     for t in (p for t in transfers for p in _split(t, max_numel)):

@@ -252,14 +252,14 @@ class SGLangWeightSender:
         join = asyncio.ensure_future(in_thread(
             join_process_group, cfg.group_name, 0, world, addr, port, cfg.backend, cfg.timeout_s,
             timeout_s=cfg.timeout_s + 5, what=f"joining SGLang's weight-update group {cfg.group_name!r}",
-            late=destroy_late))  # fmt: skip
+            late=destroy_late))
         try:
             # an engine that refuses at once (e.g. it still holds the group of a trainer that died) ends
             # the wait now, with its reason, not after the rendezvous' timeout_s
             await asyncio.wait({join, replies}, return_when=asyncio.FIRST_COMPLETED)
             if replies.done() and not join.done():
                 refused = [f"{self.engines[i].name}: {why}" for i, r in zip(everyone, replies.result())
-                           if (why := _failure(r))]  # fmt: skip
+                           if (why := _failure(r))]
                 if refused:
                     raise SGLangPushError(f"group init (/init_weights_update_group) refused by {len(refused)} of "
                                           f"{len(self.engines)} engines: " + "; ".join(refused))

@@ -91,7 +91,7 @@ class PreparedTask:
     def __init__(self, task: Task, render: Callable[[str], str] | None, reward: str):
         self.name, self._task, self.reward_mode = task.name, task, reward
         self._splits = {name: [Problem(id=p.id, prompt=render(p.prompt), answer=p.answer) for p in task.split(name)]
-                        if render else task.split(name) for name in ("train", "test")}  # fmt: skip
+                        if render else task.split(name) for name in ("train", "test")}
 
     def split(self, name: str) -> Sequence[Problem]:
         if name not in self._splits:

@@ -86,7 +86,7 @@ _NORMALIZE = [(re.compile(p), r) for p, r in (
     (r"\\[dt]frac", r"\\frac"), (r"\\frac(\d)(\d)", r"\\frac{\1}{\2}"), (r"\\sqrt(\w)", r"\\sqrt{\1}"),
     (r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}", r"\1"), (r"\\left|\\right", ""), (r"\^\{?\\circ\}?", ""),
     (r"\\[$%!,;: ]", ""), (r"\$", ""),
-)]  # fmt: skip
+)]
 
 
 def parse_number(text: str) -> Fraction | None:
