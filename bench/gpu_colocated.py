@@ -187,7 +187,7 @@ class Bench:
         # the floor: the parameters copied on the same GPU, bf16 to bf16, one foreach launch
         dst = list(engine.model.params.values())
         src = [p.clone() for p in dst]
-        out["floor_s"] = statistics.median(self.timed(lambda: torch._foreach_copy_(dst, src)))
+        out["floor_s"] = statistics.median(self.timed(lambda: torch._foreach_copy_(dst, src)))  # noqa: F821 (deleted after)
         self.loop.run_until_complete(engine.shutdown())
         del src, dst, engine
         self.fresh()
@@ -223,7 +223,7 @@ class Bench:
 
         def copy_only() -> None:
             version[0] += 1
-            colo.to_rollout(version[0])
+            colo.to_rollout(version[0])  # noqa: F821 (deleted after)
 
         copy_s = statistics.median(self.timed(copy_only, 5))
         out = {"release_weights": release_weights, "switch_to_train_s": statistics.median(to_train[1:] or to_train),

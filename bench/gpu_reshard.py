@@ -113,7 +113,7 @@ def colocated(args, device: torch.device, dtype: torch.dtype) -> dict[str, list[
     names = list(src)
     dst = [torch.empty_like(src[n]) for n in names]
     srcs = [src[n] for n in names]
-    out = {"foreach_copy": timed(lambda: torch._foreach_copy_(dst, srcs), device, args.warmup, args.iters)}
+    out = {"foreach_copy": timed(lambda: torch._foreach_copy_(dst, srcs), device, args.warmup, args.iters)}  # noqa: F821 (deleted after)
     del dst
     version = iter(range(1, 10_000))
     out["colocated"] = timed(lambda: res.write_in_place(eng, src, next(version)), device, args.warmup, args.iters)
@@ -154,13 +154,13 @@ def _rank(rank: int, args, port: int, queue) -> None:
 
     bufs = src if rank == 0 else {n: torch.empty(s, device=device, dtype=dtype) for n, s in specs}
     order = [bufs[n] for n, _ in specs]
-    out = {"raw-bcast": timed(lambda: [dist.broadcast(t, src=0, group=pg) for t in order], device, args.warmup,
+    out = {"raw-bcast": timed(lambda: [dist.broadcast(t, src=0, group=pg) for t in order], device, args.warmup,  # noqa: F821 (deleted after)
                               args.iters, barrier)}
     flat_numel = 2**30 // torch.empty((), dtype=dtype).element_size()
     total = sum(t.numel() for t in order)
     flat = torch.empty(min(flat_numel, total), device=device, dtype=dtype)
     chunks = [min(flat.numel(), total - i) for i in range(0, total, flat.numel())]
-    out["raw-bcast-1g"] = timed(lambda: [dist.broadcast(flat[:n], src=0, group=pg) for n in chunks], device,
+    out["raw-bcast-1g"] = timed(lambda: [dist.broadcast(flat[:n], src=0, group=pg) for n in chunks], device,  # noqa: F821 (deleted after)
                                 args.warmup, args.iters, barrier)
     del bufs, order, flat
     version = iter(range(1, 10_000))
@@ -219,7 +219,7 @@ def table(rows: dict[str, list[float]], nbytes: int, tiny: bool) -> None:
     base = {"colocated": med.get("foreach_copy"), "colocated-staged": med.get("foreach_copy"),
             "p2p": min((med[k] for k in ("raw-bcast", "raw-bcast-1g") if k in med), default=None)}
     base["p2p-transfer"] = base["p2p-in-place"] = base["p2p"]
-    print(f"\n| case | ms (median) | GB/s | vs baseline | target |\n|---|---|---|---|---|")
+    print("\n| case | ms (median) | GB/s | vs baseline | target |\n|---|---|---|---|---|")
     for k, t in med.items():
         ratio = f"{t / base[k]:.2f}x" if base.get(k) else "baseline"
         target = f"<= {TARGETS[k]}x {'ok' if t / base[k] <= TARGETS[k] else 'MISSED'}" if k in TARGETS else ""

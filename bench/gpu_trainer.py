@@ -41,7 +41,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from random_models import SHAPES, make_batch, write_model  # noqa: E402
+from random_models import make_batch, write_model  # noqa: E402
 
 
 

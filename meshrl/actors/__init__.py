@@ -21,7 +21,9 @@ _MODULES = {
     "RolloutJob": "reward", "Scored": "reward", "RolloutConfig": "rollout", "RolloutWorker": "rollout",
     "Trainer": "trainer", "TrainerConfig": "trainer",
 }
-__all__ = sorted(_MODULES)
+__all__ = ["AlgoConfig", "ReferenceWorker", "RewardConfig", "RewardWorker", "RolloutConfig", "RolloutJob", "RolloutWorker",
+           "Scored", "Trainer", "TrainerConfig"]
+assert sorted(__all__) == sorted(_MODULES)
 
 
 def __getattr__(name: str) -> Any:
