@@ -20,8 +20,8 @@ through the engine's stop ids, a longer one by reading the output as it is decod
 ``max_completion_tokens``) a chat answer may fill the context (``max_seq_len`` less the prompt),
 as OpenAI's and vLLM's do; ``/v1/completions`` keeps OpenAI's default of 16 tokens there.
 
-Errors are OpenAI's error object on every ``/v1/`` path (aiohttp's 404 and 405 too:
-``openai_errors``): 400 naming the field for a bad request (a chat template that refuses the messages
+Errors are OpenAI's error object, as on every path of the server (``serve_http.py``: aiohttp's 404
+and 405 too): 400 naming the field for a bad request (a chat template that refuses the messages
 included), 503 while the memory is released (``/release_memory_occupation``) or after a failed
 step, 504 for a request that waits past the engine's ``generate_timeout_s`` (paused). A request
 ended by ``/pause_generation`` (mode ``abort``, as before a weight update) answers
@@ -41,30 +41,32 @@ OpenAI's (``_SIMPLE_ROLES``). OpenAI's defaults spelled out (``response_format: 
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from typing import Any
 
 from aiohttp import web
 from jinja2 import TemplateError
 
-from meshrl.engines.serve import (_DISCONNECT_POLL_S, BadRequest, _flag, _is_int, error_response, read_json, sse,
-                                  sse_response, until_disconnect)
+from meshrl.engines.serve_http import (DISCONNECT_POLL_S, ENGINE_ERRORS, BadRequest, client_closed, disconnected,
+                                       engine_error, flag, is_int, read_json, sse, sse_done, sse_error, sse_response,
+                                       until_disconnect)
 from meshrl.engines.streaming import IncrementalText, Merged
 from meshrl.engines.types import GenerateRequest, SamplingParams
 
-__all__ = ["SIMPLE_CHAT_TEMPLATE", "OpenAIServer", "openai_errors", "render_simple_chat"]
+__all__ = ["SIMPLE_CHAT_TEMPLATE", "OpenAIServer", "load_hf_tokenizer", "render_simple_chat"]
 
 SIMPLE_CHAT_TEMPLATE = "{role}: {content}\n"
 """One line per message for models without a chat template; the prompt ends with ``assistant:``."""
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream", "user", "logprobs",
-           "presence_penalty", "frequency_penalty", "logit_bias", "top_k", "return_token_ids", "stream_options"}  # fmt: skip
+           "presence_penalty", "frequency_penalty", "logit_bias", "top_k", "return_token_ids", "stream_options"}
 _COMPLETION = _COMMON | {"prompt", "echo", "best_of", "suffix"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "response_format",
-                   "parallel_tool_calls"}  # fmt: skip
+                   "parallel_tool_calls"}
 _NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "echo": False, "best_of": 1,
             "suffix": None, "top_logprobs": 0, "tools": None, "tool_choice": None, "response_format": None,
-            "parallel_tool_calls": None}  # fmt: skip
+            "parallel_tool_calls": None}
 _ALSO_NEUTRAL = {"response_format": [{"type": "text"}], "parallel_tool_calls": [True], "tool_choice": ["none", "auto"]}
 """OpenAI's defaults, as clients that always send them spell them ("auto" with no tools means "none")."""
 _SIMPLE_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -87,28 +89,13 @@ def render_simple_chat(messages: list[dict[str, Any]]) -> str:
     return "".join(SIMPLE_CHAT_TEMPLATE.format(role=m["role"], content=m["content"]) for m in messages) + "assistant:"
 
 
-@web.middleware
-async def openai_errors(request: web.Request, handler: Any) -> web.StreamResponse:
-    """aiohttp's own errors on a ``/v1/`` path (404, 405, 413...) as OpenAI's error object, which the
-    OpenAI SDKs parse, instead of plain text; the handlers answer their own errors in that shape."""
-    if not request.path.startswith("/v1/"):
-        return await handler(request)
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        if exc.status == 404:
-            message = (f"{request.method} {request.path}: no such endpoint (this server has /v1/completions, "
-                       f"/v1/chat/completions and /v1/models)")
-        elif exc.status == 405:
-            message = f"{request.method} {request.path}: method not allowed (use {exc.headers.get('Allow', 'another')})"
-        else:
-            message = f"{request.method} {request.path}: {exc.reason}"
-        resp = error_response(exc.status, message)
-        if "Allow" in exc.headers:
-            resp.headers["Allow"] = exc.headers["Allow"]
-        return resp
+def load_hf_tokenizer(path: str | None) -> Any:
+    """The checkpoint's transformers tokenizer (for these endpoints), or None when it has none."""
+    if not path or not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
 
 
 class OpenAIServer:
@@ -120,7 +107,7 @@ class OpenAIServer:
 
     def routes(self) -> list[tuple[str, str, Any]]:
         return [("POST", "/v1/completions", self.completions), ("POST", "/v1/chat/completions", self.chat),
-                ("GET", "/v1/models", self.models)]  # fmt: skip
+                ("GET", "/v1/models", self.models)]
 
     # -- request parsing ----------------------------------------------------------------------
 
@@ -149,7 +136,7 @@ class OpenAIServer:
             return SamplingParams(
                 max_new_tokens=max_tokens, temperature=get("temperature", 1.0), top_p=get("top_p", 1.0),
                 top_k=get("top_k", -1), n=get("n", 1), seed=body.get("seed"), stop_token_ids=single_token_stops,
-            )  # fmt: skip
+            )
         except (TypeError, ValueError) as exc:
             raise BadRequest(f"bad sampling parameters: {exc}") from None
 
@@ -194,27 +181,24 @@ class OpenAIServer:
         when the client went away (its requests were aborted, freeing their batch rows)."""
         if stops:
             return await self._generate_watched(request, prompts, sampling, stops)
-        try:
-            results = await until_disconnect(request, self.engine.generate(self._requests(prompts, sampling)))
-        except ValueError as exc:  # the engine's own check, e.g. prompt + max_tokens past max_seq_len
-            raise BadRequest(str(exc)) from None
+        results = await until_disconnect(request, self.engine.generate(self._requests(prompts, sampling)))
         if results is None:
             return None
         return [{"prompt_ids": prompt, "ids": c.output_ids, "text": self._decode(c.output_ids), "logprobs": c.logprobs,
                  "versions": c.versions, "finish": c.finish_reason}
-                for prompt, res in zip(prompts, results) for c in res.completions]  # fmt: skip
+                for prompt, res in zip(prompts, results) for c in res.completions]
 
     async def _generate_watched(self, request: web.Request, prompts: list[list[int]], sampling: SamplingParams,
                                 stops: list[str]) -> list[dict[str, Any]] | None:
         """``_generate`` with stop strings: read as it is decoded, as a stream is (``_next_piece``), so
         that a request ends when its choices have met their stop strings, not at ``max_tokens``."""
         requests = self._requests(prompts, sampling)
-        merged = await self._open(requests)
+        merged = await Merged.open(self.engine, requests)
         choices = [_StreamedChoice(prompts[k // sampling.n], self._decode) for k in range(len(prompts) * sampling.n)]
         texts, finish = [""] * len(choices), [None] * len(choices)
         try:
             while True:
-                if request.transport is None or request.transport.is_closing():
+                if disconnected(request):
                     return None  # the client went away: close() aborts what runs
                 try:
                     got = await self._next_piece(merged, requests, choices, sampling, stops)
@@ -228,23 +212,17 @@ class OpenAIServer:
             await merged.close()
         return [{"prompt_ids": c.prompt_ids, "ids": c.ids[: c.sent_ids], "text": text, "finish": f,
                  "logprobs": c.logprobs[: c.sent_ids], "versions": c.versions[: c.sent_ids]}
-                for c, text, f in zip(choices, texts, finish)]  # fmt: skip
-
-    async def _open(self, requests: list[GenerateRequest]) -> Merged:
-        try:
-            return await Merged.open(self.engine, requests)
-        except ValueError as exc:  # the engine's own check, e.g. prompt + max_tokens past max_seq_len
-            raise BadRequest(str(exc)) from None
+                for c, text, f in zip(choices, texts, finish)]
 
     async def _next_piece(self, merged: Merged, requests: list[GenerateRequest], choices: list[_StreamedChoice],
                           sampling: SamplingParams, stops: list[str]) -> tuple[int, dict[str, Any]] | None:
         """The next piece of a choice to answer: ``(choice index, piece)`` (``_StreamedChoice.add``), or
-        None when the engine gave nothing for ``_DISCONNECT_POLL_S`` (the caller checks its client). A
+        None when the engine gave nothing for ``DISCONNECT_POLL_S`` (the caller checks its client). A
         request whose choices have all met a stop string is aborted at once, freeing its rows. Raises
         ``StopAsyncIteration`` once every choice has ended, and the engine's errors."""
         n = sampling.n
         while True:
-            got = await merged.next(_DISCONNECT_POLL_S)
+            got = await merged.next(DISCONNECT_POLL_S)
             if got is None:
                 return None
             i, delta = got
@@ -279,36 +257,32 @@ class OpenAIServer:
     def _choice(self, i: int, c: dict[str, Any]) -> dict[str, Any]:
         return {"index": i, "finish_reason": c["finish"], "prompt_token_ids": c["prompt_ids"], "token_ids": c["ids"],
                 "meshrl": {"logprobs": c["logprobs"], "versions": c["versions"],
-                           "behavior_version": min(c["versions"]) if c["versions"] else self.engine.version}}  # fmt: skip
+                           "behavior_version": min(c["versions"]) if c["versions"] else self.engine.version}}
 
     def _usage(self, choices: list[dict[str, Any]], prompts: list[list[int]]) -> dict[str, int]:
         p, c = sum(len(x) for x in prompts), sum(len(x["ids"]) for x in choices)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
-    async def completions(self, request: web.Request) -> web.Response:
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = self._check(await read_json(request), _COMPLETION, "/v1/completions")
+        if "prompt" not in body:
+            raise BadRequest("/v1/completions: send a prompt")
+        prompts = self._prompts(body["prompt"])
+        stops, single = self._stops(body, "/v1/completions")
+        logprobs = body.get("logprobs")
+        if logprobs is not None and not (is_int(logprobs) and 0 <= logprobs <= 1):
+            raise BadRequest(f"/v1/completions: logprobs must be 0 or 1 (alternatives per token: the engine keeps "
+                             f"the sampled token's log-prob alone), got {logprobs!r}")
+        max_tokens = 16 if body.get("max_tokens") is None else body["max_tokens"]  # OpenAI's default; 0 is a 400
+        sampling = self._sampling(body, max_tokens, single)
+        if body.get("stream"):
+            return await self._stream(request, body, prompts, sampling, stops, chat=False)
         try:
-            body = self._check(await read_json(request), _COMPLETION, "/v1/completions")
-            if "prompt" not in body:
-                raise BadRequest("/v1/completions: send a prompt")
-            prompts = self._prompts(body["prompt"])
-            stops, single = self._stops(body, "/v1/completions")
-            logprobs = body.get("logprobs")
-            if logprobs is not None and not (_is_int(logprobs) and 0 <= logprobs <= 1):
-                raise BadRequest(f"/v1/completions: logprobs must be 0 or 1 (alternatives per token: the engine keeps "
-                                 f"the sampled token's log-prob alone), got {logprobs!r}")
-            max_tokens = 16 if body.get("max_tokens") is None else body["max_tokens"]  # OpenAI's default; 0 is a 400
-            if body.get("stream"):
-                return await self._stream(request, body, prompts, self._sampling(body, max_tokens, single), stops,
-                                          chat=False)
-            choices = await self._generate(request, prompts, self._sampling(body, max_tokens, single), stops)
-        except BadRequest as exc:
-            return error_response(400, str(exc))
-        except TimeoutError as exc:  # the engine stayed paused past generate_timeout_s; it aborted the requests
-            return error_response(504, str(exc))
-        except RuntimeError as exc:  # the memory is released (/resume_memory_occupation first), or a step failed
-            return error_response(503, str(exc))
-        if choices is None:
-            return error_response(499, "the client closed the connection; its requests were aborted")
+            choices = await self._generate(request, prompts, sampling, stops)
+        except ENGINE_ERRORS as exc:  # the engine's own checks (prompt + max_tokens past max_seq_len), paused
+            return engine_error(exc)  # past generate_timeout_s, the memory released or a failed step
+        if choices is None:  # the client went away: its requests were aborted
+            return client_closed()
         out = []
         for i, c in enumerate(choices):
             choice = {**self._choice(i, c), "text": c["text"], "logprobs": None}
@@ -316,52 +290,48 @@ class OpenAIServer:
                 tokens = [self._token_text(t) for t in c["ids"]]
                 offsets = list(itertools.accumulate([0] + [len(t) for t in tokens[:-1]]))
                 choice["logprobs"] = {"tokens": tokens, "token_logprobs": c["logprobs"], "text_offset": offsets,
-                                      "top_logprobs": [{t: lp} for t, lp in zip(tokens, c["logprobs"])]}  # fmt: skip
+                                      "top_logprobs": [{t: lp} for t, lp in zip(tokens, c["logprobs"])]}
             out.append(choice)
         return web.json_response({"id": f"cmpl-{next(self._ids)}", "object": "text_completion", "created": int(time.time()),
                                   "model": body.get("model") or self.model_name, "choices": out,
-                                  "usage": self._usage(choices, prompts)})  # fmt: skip
+                                  "usage": self._usage(choices, prompts)})
 
-    async def chat(self, request: web.Request) -> web.Response:
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = self._check(await read_json(request), _CHAT, "/v1/chat/completions")
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and _text_content(m.get("content")) is not None
+                for m in messages):
+            raise BadRequest("/v1/chat/completions: messages must be a non-empty list of {role, content} with text "
+                             "content (a string, or a list of {type: text, text} parts)")
+        messages = [{**m, "content": _text_content(m["content"])} for m in messages]
+        flag(body, "logprobs", "/v1/chat/completions")  # "false" would be truthy
+        prompt_ids = self._chat_prompt(messages)
+        stops, single = self._stops(body, "/v1/chat/completions")
+        # no limit means "up to the context" in OpenAI's API (EOS ends it first, as a rule); a prompt
+        # that fills the context gets 1, which the engine refuses (a 400 naming max_seq_len)
+        room = max(1, self.engine.cache.max_seq_len - len(prompt_ids))
+        max_tokens = next((body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None), room)
+        sampling = self._sampling(body, max_tokens, single)
+        if body.get("stream"):
+            return await self._stream(request, body, [prompt_ids], sampling, stops, chat=True)
         try:
-            body = self._check(await read_json(request), _CHAT, "/v1/chat/completions")
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and _text_content(m.get("content")) is not None
-                    for m in messages):
-                raise BadRequest("/v1/chat/completions: messages must be a non-empty list of {role, content} with text "
-                                 "content (a string, or a list of {type: text, text} parts)")
-            messages = [{**m, "content": _text_content(m["content"])} for m in messages]
-            _flag(body, "logprobs", "/v1/chat/completions")  # "false" would be truthy
-            prompt_ids = self._chat_prompt(messages)
-            stops, single = self._stops(body, "/v1/chat/completions")
-            # no limit means "up to the context" in OpenAI's API (EOS ends it first, as a rule); a prompt
-            # that fills the context gets 1, which the engine refuses (a 400 naming max_seq_len)
-            room = max(1, self.engine.cache.max_seq_len - len(prompt_ids))
-            max_tokens = next((body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None), room)
-            if body.get("stream"):
-                return await self._stream(request, body, [prompt_ids], self._sampling(body, max_tokens, single), stops,
-                                          chat=True)
-            choices = await self._generate(request, [prompt_ids], self._sampling(body, max_tokens, single), stops)
-        except BadRequest as exc:
-            return error_response(400, str(exc))
-        except TimeoutError as exc:  # the engine stayed paused past generate_timeout_s; it aborted the requests
-            return error_response(504, str(exc))
-        except RuntimeError as exc:  # the memory is released (/resume_memory_occupation first), or a step failed
-            return error_response(503, str(exc))
-        if choices is None:
-            return error_response(499, "the client closed the connection; its requests were aborted")
+            choices = await self._generate(request, [prompt_ids], sampling, stops)
+        except ENGINE_ERRORS as exc:  # the engine's own checks (prompt + max_tokens past max_seq_len), paused
+            return engine_error(exc)  # past generate_timeout_s, the memory released or a failed step
+        if choices is None:  # the client went away: its requests were aborted
+            return client_closed()
         out = []
         for i, c in enumerate(choices):
             choice = {**self._choice(i, c), "message": {"role": "assistant", "content": c["text"]}, "logprobs": None}
             if body.get("logprobs"):
                 choice["logprobs"] = {"content": [{"token": (s := self._token_text(t)), "logprob": lp,
                                                    "bytes": list(s.encode()), "top_logprobs": []}
-                                                  for t, lp in zip(c["ids"], c["logprobs"])]}  # fmt: skip
+                                                  for t, lp in zip(c["ids"], c["logprobs"])]}
             out.append(choice)
         return web.json_response({"id": f"chatcmpl-{next(self._ids)}", "object": "chat.completion", "created": int(time.time()),
                                   "model": body.get("model") or self.model_name, "choices": out,
-                                  "usage": self._usage(choices, [prompt_ids])})  # fmt: skip
+                                  "usage": self._usage(choices, [prompt_ids])})
 
     def _chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
         if self.tokenizer is None:
@@ -385,7 +355,10 @@ class OpenAIServer:
                       sampling: SamplingParams, stops: list[str], *, chat: bool) -> web.StreamResponse:
         """``stream: true``: one chunk per choice per engine read (``stream_interval_steps``)."""
         requests = self._requests(prompts, sampling)
-        merged = await self._open(requests)
+        try:
+            merged = await Merged.open(self.engine, requests)
+        except ENGINE_ERRORS as exc:  # the engine's own checks, or the memory released: before the stream starts
+            return engine_error(exc)
         choices = [_StreamedChoice(prompts[k // sampling.n], self._decode) for k in range(len(prompts) * sampling.n)]
         usage = (body.get("stream_options") or {}).get("include_usage", False)
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{next(self._ids)}",
@@ -397,20 +370,17 @@ class OpenAIServer:
             if chat:
                 await sse(resp, {**head, "choices": [{"index": k, "delta": {"role": "assistant", "content": ""},
                                                       "logprobs": None, "finish_reason": None}
-                                                     for k in range(len(choices))]})  # fmt: skip
+                                                     for k in range(len(choices))]})
             while True:
                 try:
                     got = await self._next_piece(merged, requests, choices, sampling, stops)
                 except StopAsyncIteration:
                     break
                 except Exception as exc:  # paused past generate_timeout_s (aborted), or a failed step
-                    code = 504 if isinstance(exc, TimeoutError) else 500
-                    await sse(resp, {"error": {"message": f"{type(exc).__name__}: {exc}", "type": "server_error",
-                                               "code": code}})
-                    await resp.write(b"data: [DONE]\n\n")
+                    await sse_error(resp, exc)
                     return resp
                 if got is None:
-                    if request.transport is None or request.transport.is_closing():
+                    if disconnected(request):
                         return resp  # the client went away: close() aborts what runs
                     continue
                 k, piece = got
@@ -418,7 +388,7 @@ class OpenAIServer:
             if usage:
                 sent = [{"ids": c.ids[: c.sent_ids]} for c in choices]
                 await sse(resp, {**head, "choices": [], "usage": self._usage(sent, prompts)})
-            await resp.write(b"data: [DONE]\n\n")
+            await sse_done(resp)
         except ConnectionResetError:
             pass  # the client went away
         finally:
@@ -434,7 +404,7 @@ class OpenAIServer:
             out["delta"] = {"content": text} if text or finish is None else {}
             if body.get("logprobs"):
                 out["logprobs"] = {"content": [{"token": (s := self._token_text(t)), "logprob": lp, "bytes": list(s.encode()),
-                                                "top_logprobs": []} for t, lp in zip(ids, lps)]}  # fmt: skip
+                                                "top_logprobs": []} for t, lp in zip(ids, lps)]}
         else:
             out["text"] = text
             if body.get("logprobs") is not None:
@@ -442,12 +412,12 @@ class OpenAIServer:
                 offsets = list(itertools.accumulate([c.token_chars] + [len(t) for t in tokens[:-1]]))
                 c.token_chars += sum(len(t) for t in tokens)
                 out["logprobs"] = {"tokens": tokens, "token_logprobs": lps, "text_offset": offsets if tokens else [],
-                                   "top_logprobs": [{t: lp} for t, lp in zip(tokens, lps)]}  # fmt: skip
+                                   "top_logprobs": [{t: lp} for t, lp in zip(tokens, lps)]}
         return out
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                                              "owned_by": "meshrl"}]})  # fmt: skip
+                                                              "owned_by": "meshrl"}]})
 
 
 class _StreamedChoice:

@@ -8,6 +8,9 @@ SGLang's tuning flags that TorchEngine has no use for (``--skip-tokenizer-init``
 ``--mem-fraction-static``, ``--attention-backend``, ``--sampling-backend``, ``--log-level``) are
 accepted and said to be ignored.
 
+``main`` takes the application factory (``serve.make_app``) as an argument: ``serve.py`` is the
+module ``python -m`` runs, and it calls this one, so this one does not import it back.
+
 With ``--tp N`` this process is TP rank 0 and serves HTTP (``make_app``); it spawns ranks 1..N-1
 (``_follower_main``), which build their shards and follow its schedule (``schedule.py``), and a
 thread (``_FollowerWatch``) that stops the server when one of them dies. Rank i uses ``cuda:i``
@@ -21,16 +24,17 @@ import asyncio
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 from aiohttp import web
 
-from meshrl.engines.serve import SGLANG_COMPAT_VERSION, load_tokenizer, make_app
+from meshrl.engines.sglang_api import SGLANG_COMPAT_VERSION, load_tokenizer
 from meshrl.engines.torch_engine import TorchEngine, TorchEngineConfig
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Parse the command line, build the engine (and its TP ranks), serve until stopped."""
+def main(argv: list[str] | None, make_app: Callable[..., web.Application]) -> None:
+    """Parse the command line, build the engine (and its TP ranks), serve ``make_app(engine, ...)``
+    until stopped."""
     p = argparse.ArgumentParser(description="Serve a local HF checkpoint with TorchEngine over SGLang's (and OpenAI's) HTTP API.")
     p.add_argument("--model", "--model-path", dest="model", required=True,
                    help="checkpoint directory (config.json + *.safetensors)")
@@ -60,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
         ignored.append("--skip-tokenizer-init")
     if ignored:  # SGLang's launcher flags: TorchEngine sizes its KV cache and picks its kernels itself
         print(f"meshrl.engines.serve: ignoring {' '.join(ignored)} (SGLang settings TorchEngine has no use for)",
-              flush=True)  # fmt: skip
+              flush=True)
     if a.tp < 1:
         p.error(f"--tp must be >= 1, got {a.tp}")
     if a.tp > 1 and a.device not in ("auto", "cpu", "cuda"):

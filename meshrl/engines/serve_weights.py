@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from meshrl.engines.serve import BadRequest, _flag, read_json
+from meshrl.engines.serve_http import BadRequest, flag, read_json
 from meshrl.engines.torch_engine import TorchEngine
 
 
@@ -122,7 +122,7 @@ class WeightSync:
         except (TypeError, ValueError):
             return _disk_reply(False, f"weight_version must be an integer string for TorchEngine, got "
                                       f"{b['weight_version']!r}")
-        if _flag(b, "abort_all_requests", "/update_weights_from_disk"):
+        if flag(b, "abort_all_requests", "/update_weights_from_disk"):
             self.engine.abort_all()
         try:
             n = await self.engine.update_weights_from_disk(path, version)

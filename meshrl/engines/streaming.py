@@ -17,7 +17,7 @@ vLLM's detokenizers do), holding back a character whose bytes are not all there 
 use it so that a chunk costs what its new tokens cost, not the whole output's.
 
 Simplifications, on purpose: deltas are cut at step boundaries (no per-token timing); text is the
-server's business (``serve.py``, ``openai_api.py``).
+server's business (``sglang_api.py``, ``openai_api.py``).
 """
 
 from __future__ import annotations
