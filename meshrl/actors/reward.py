@@ -26,7 +26,7 @@ from meshrl.envs.reward_models import MeshReward
 from meshrl.envs.rewards import FunctionReward, HTTPReward, to_reward_output
 from meshrl.mesh import Actor, endpoint
 from meshrl.queues import Sample, encode_samples
-from meshrl.queues.wire import SampleMeta, encoded_metas
+from meshrl.queues.wire import SampleMeta, meta_of
 from meshrl.tasks import Problem, RewardOutput, Task
 
 __all__ = ["RewardConfig", "RewardWorker", "RolloutJob", "Scored", "call_reward", "score_job", "score_job_with",
@@ -75,7 +75,7 @@ class Scored(msgspec.Struct, kw_only=True):
     """``score(by_ref=True)``: ``[ObjectRef]`` of the encoded samples in Ray's object store, which
     the queue takes by reference (meshrl.queues.parcels)."""
     metas: list[SampleMeta] = []
-    """``score(by_ref=True)``: what the queue schedules each sample by, in order."""
+    """What the queue schedules each sample by, in order."""
     received: float = 0.0
     """When the worker had the job's generations (``time.time()``): where generation ended, for
     a caller that passed them by reference."""
@@ -85,7 +85,7 @@ class Scored(msgspec.Struct, kw_only=True):
         ``SampleMeta``s travel on with the scores."""
         import ray
 
-        return msgspec.structs.replace(self, encoded=b"", ref=[ray.put(self.encoded)], metas=encoded_metas(self.encoded))
+        return msgspec.structs.replace(self, encoded=b"", ref=[ray.put(self.encoded)])
 
 
 def call_reward(task: Task, problem: Problem, completion: str) -> tuple[RewardOutput, bool]:
@@ -141,7 +141,8 @@ def _build(job: RolloutJob, outs: Sequence[RewardOutput | None]) -> Scored:
                 info_sums[key] = info_sums.get(key, 0.0) + v
     n = max(1, len(samples))
     return Scored(
-        encoded=encode_samples(samples), rewards=rewards, info={key: v / n for key, v in info_sums.items()},
+        encoded=encode_samples(samples), metas=[meta_of(s) for s in samples], rewards=rewards,
+        info={key: v / n for key, v in info_sums.items()},
         failures=failures, completion_tokens=tokens,
     )
 

@@ -100,36 +100,31 @@ class RolloutDriver:
                     for i, ids in enumerate(prompt_ids)]
         return prompt_ids, requests
 
-    async def play(self, worker: ActorMesh, problems: list[Problem], *, greedy: bool, n: int,
-                   group_ids: list[int] | None, what: str) -> RolloutJob:
-        """Generate (or play episodes) on ``worker`` (a one-actor mesh, or a mesh to ``choose`` from)."""
-        timeout, gids = self.cfg.run.step_timeout_s, group_ids or [-1] * len(problems)
+    def start_play(self, worker: ActorMesh, problems: list[Problem], *, greedy: bool, n: int,
+                   group_ids: list[int] | None) -> tuple[Any, RolloutJob, str]:
+        """Start generating (or playing episodes) on ``worker`` (a one-actor mesh, or a mesh to
+        ``choose`` from) without waiting: the call's future, the job its generations belong to, and
+        the job's field (and ``RewardWorker.score``'s keyword) they go to."""
         call = worker.run_episodes if self.environment else worker.generate
         adverb = call.call_one if len(worker) == 1 else call.choose
+        job = RolloutJob(problems=problems, prompt_ids=[], results=[], group_ids=group_ids or [-1] * len(problems))
         if self.environment:
             reqs = [EpisodeRequest(problem=p, n=n, sampling=self._sampling(greedy=greedy, n=1, seed=self._seed(group_ids, i)))
                     for i, p in enumerate(problems)]
-            episodes = await bounded(adverb(reqs), timeout, what)
-            return RolloutJob(problems=problems, prompt_ids=[g[0].prompt_ids for g in episodes], results=[],
-                              group_ids=gids, episodes=episodes)
-        prompt_ids, requests = self.requests(problems, greedy=greedy, n=n, group_ids=group_ids)
-        results = await bounded(adverb(requests), timeout, what)
-        return RolloutJob(problems=problems, prompt_ids=prompt_ids, results=results, group_ids=gids)
-
-    def start_play(self, worker: ActorMesh, problems: list[Problem], *, n: int,
-                   group_ids: list[int]) -> tuple[Any, RolloutJob, str]:
-        """Start a training request's generation (or episodes) on ``worker`` without waiting: its
-        future, the job to score (its generations to come by reference) and the keyword that
-        ``RewardWorker.score`` takes them by."""
-        call = worker.run_episodes if self.environment else worker.generate
-        adverb = call.call_one if len(worker) == 1 else call.choose
-        if self.environment:
-            reqs = [EpisodeRequest(problem=p, n=n, sampling=self._sampling(greedy=False, n=1, seed=self._seed(group_ids, i)))
-                    for i, p in enumerate(problems)]
-            return adverb(reqs), RolloutJob(problems=problems, prompt_ids=[], results=[], group_ids=group_ids), "episodes"
-        prompt_ids, requests = self.requests(problems, greedy=False, n=n, group_ids=group_ids)
-        job = RolloutJob(problems=problems, prompt_ids=prompt_ids, results=[], group_ids=group_ids)
+            return adverb(reqs), job, "episodes"
+        job.prompt_ids, requests = self.requests(problems, greedy=greedy, n=n, group_ids=group_ids)
         return adverb(requests), job, "results"
+
+    async def play(self, worker: ActorMesh, problems: list[Problem], *, greedy: bool, n: int,
+                   group_ids: list[int] | None, what: str) -> RolloutJob:
+        """Generate (or play episodes) on ``worker`` and wait for them here (held-out evaluation)."""
+        generating, job, kind = self.start_play(worker, problems, greedy=greedy, n=n, group_ids=group_ids)
+        out = await bounded(generating, self.cfg.run.step_timeout_s, what)
+        if kind == "episodes":
+            job.episodes, job.prompt_ids = out, [g[0].prompt_ids for g in out]
+        else:
+            job.results = out
+        return job
 
     async def next_job(self) -> tuple[ckpt.InFlight, list[Problem]] | None:
         """A restored request to generate again, or a new reservation with the next prompts;
@@ -166,7 +161,7 @@ class RolloutDriver:
                 # trainer rank fetches them itself: this process moves ids, metas and refs only. The
                 # reward worker answers within `timeout` of getting them, marking what a slow reward
                 # has not scored by then.
-                generating, job_in, kind = self.start_play(worker, problems, n=n, group_ids=group_ids)
+                generating, job_in, kind = self.start_play(worker, problems, greedy=False, n=n, group_ids=group_ids)
                 scored = await bounded(self.roles.rewards.score.choose(job_in, within_s=timeout, by_ref=True,
                                                                        **{kind: generating.ref()}),
                                        2 * timeout, f"rollout worker {worker_index} to generate and a reward worker "

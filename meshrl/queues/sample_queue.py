@@ -147,7 +147,6 @@ class SampleQueue:
         ref, never the bytes."""
         if len(blob) != 1:
             raise ValueError(f"put_ref: blob must be [ObjectRef] (one ref in a list), got {len(blob)} items")
-        metas = [m if isinstance(m, SampleMeta) else SampleMeta(*m) for m in metas]
         await self._put([Parcel(blob[0], i) for i in range(len(metas))], metas, reservation_id, timeout)
 
     async def _put(self, items: list[Sample | msgspec.Raw | Parcel], metas: list[SampleMeta], rid: int,
