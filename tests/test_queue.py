@@ -7,6 +7,8 @@ import itertools
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from meshrl.queues import (
     QueueClosed,
@@ -441,3 +443,24 @@ def test_metrics_report_waits_depth_and_throughput():
         assert all(isinstance(v, float) for v in m.values())
 
     run(main())
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 50), min_size=1, max_size=30), st.integers(1, 8))
+def test_shares_are_contiguous_cover_every_group_and_cut_near_equal_tokens(tokens, ranks):
+    """parcels.share_groups: one contiguous run per rank, in order, covering every group once; every
+    rank gets a group while there are enough (else the first ranks one each); each cut lies within
+    the largest group of its ideal share."""
+    from meshrl.queues.parcels import share_groups
+
+    runs = share_groups(tokens, ranks)
+    assert len(runs) == ranks and runs[0].start == 0 and runs[-1].stop == len(tokens)
+    assert all(a.stop == b.start for a, b in zip(runs, runs[1:]))
+    if len(tokens) < ranks:
+        assert [len(r) for r in runs] == [1] * len(tokens) + [0] * (ranks - len(tokens))
+        return
+    assert all(len(r) >= 1 for r in runs)
+    total = sum(tokens)
+    for k, r in enumerate(runs[1:], start=1):
+        before, ideal = sum(tokens[: r.start]), total * k / ranks
+        assert abs(before - ideal) <= max(tokens)

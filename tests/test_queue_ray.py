@@ -140,3 +140,58 @@ def test_samples_go_by_reference_from_their_producer_to_each_consumer(ray_cluste
     assert m["samples_consumed"] == 3 * GROUP and m["depth_samples"] == 0
     for actor in (queue, fresh, producer):
         ray.kill(actor)
+
+
+def test_each_trainer_rank_gets_only_its_own_whole_groups(ray_cluster):
+    """get_batch_refs(shares=dp) (meshrl.queues.parcels.Shares): a producer puts one blob per group
+    (put_ref, as the reward worker's Scored.by_ref does); each dp rank's share holds the refs of its
+    own groups only, disjoint from the other ranks' and covering the batch; its samples are exactly
+    what a trainer rank given the whole batch takes as its share (policy_trainer.share_of), and a
+    rank with no group gets one padding sample. put_ref refuses a blob count that is not one per group."""
+    import ray
+
+    from meshrl.actors.policy_trainer import share_of
+    from meshrl.queues.parcels import Shares, fetch_batch
+    from meshrl.queues.wire import meta_of
+
+    lengths = [1, 9, 2, 2, 7, 3]  # uneven groups: the split balances tokens, not groups
+
+    def group(g: int) -> list[Sample]:
+        return [Sample(prompt_id=g, group_id=g, group_size=GROUP, prompt_ids=[1, 2, 3], response_ids=[4] * (lengths[g] + i),
+                       behavior_logprobs=[-0.5] * (lengths[g] + i), behavior_version=0, reward=float(i)) for i in range(GROUP)]
+
+    class Producer:
+        def put(self, queue, groups: list[int], rid: int, split: bool = True):
+            samples = [s for g in groups for s in group(g)]
+            blobs = [ray.put(encode_samples(group(g))) for g in groups] if split else [ray.put(encode_samples(samples))]
+            return ray.get(queue.put_ref.remote(blobs, [meta_of(s) for s in samples], rid, timeout=30))
+
+    n = len(lengths) * GROUP
+    queue = ray.remote(SampleQueue).options(num_cpus=0).remote(QueueConfig(max_staleness=0), samples_per_step=n)
+    producer = ray.remote(Producer).options(num_cpus=0).remote()
+    r = ray.get(queue.reserve.remote(n, timeout=30))
+    with pytest.raises(ValueError, match="2 runs of group ids"):
+        ray.get(producer.put.remote(queue, [4, 5], r.id, split=False))
+    ray.get([producer.put.remote(queue, [5, 2, 0], r.id), producer.put.remote(queue, [1, 3, 4], r.id)])
+    shares = ray.get(queue.get_batch_refs.remote(n, 0, timeout=30, shares=2))
+    assert isinstance(shares, Shares) and shares.total == n and sum(shares.counts) == n
+    refs = [{part[0] for part in b.parts} for b in shares.batches]
+    assert refs[0].isdisjoint(refs[1]) and len(refs[0] | refs[1]) == len(lengths)  # one blob per group, each once
+    whole = [s for g in range(len(lengths)) for s in group(g)]
+    for rank in range(2):
+        mine, start, count = shares.of(rank)
+        got = fetch_batch(mine, timeout_s=30)
+        assert len(mine.parts) == len({s.group_id for s in got})  # no blob of another rank's group
+        assert (got, (start, count, n)) == share_of(whole, rank, 2)
+    tokens = [sum(s.num_tokens for s in fetch_batch(b, timeout_s=30)) for b in shares.batches]
+    assert abs(tokens[0] - tokens[1]) <= max(sum(s.num_tokens for s in group(g)) for g in range(len(lengths)))
+
+    # more ranks than groups: the last rank pads with the step's first sample and trains nothing
+    small = ray.remote(SampleQueue).options(num_cpus=0).remote(QueueConfig(max_staleness=0), samples_per_step=GROUP)
+    r = ray.get(small.reserve.remote(GROUP, timeout=30))
+    ray.get(producer.put.remote(small, [0], r.id))
+    few = ray.get(small.get_batch_refs.remote(GROUP, 0, timeout=30, shares=2))
+    assert few.counts == [GROUP, 0] and fetch_batch(few.batches[1], timeout_s=30) == group(0)[:1]
+    assert share_of(group(0), 1, 2) == (group(0)[:1], (GROUP, 0, GROUP))
+    for actor in (queue, small, producer):
+        ray.kill(actor)

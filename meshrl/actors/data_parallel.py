@@ -9,11 +9,11 @@ collectives; gloo has no PREMUL_SUM): every loss is already divided by the *glob
 (or sequence) count of its mini-batch, so the sum over ranks is exactly the dp = 1 gradient. FSDP2
 averages by default, which would scale the gradient by 1/dp.
 
-Every rank holds the whole batch (it is small: token ids and per-token floats), so advantages,
-normalisers and the split into micro-batches are computed identically everywhere without a
-collective; FSDP2 runs one all-gather per layer per forward, so every rank must run the same
-number of forwards and backwards: ``DataParallel.microbatches`` pads the short ranks with empty
-micro-batches (a real row whose loss mask is all zero: zero loss, zero gradient).
+Every rank holds only its share of the step's batch (whole groups: ``train_step``), and the
+statistics that span shares (normalisers, micro-batch counts, batch metrics) are reduced here;
+FSDP2 runs one all-gather per layer per forward, so every rank runs the same number of forwards
+and backwards, short ranks padding with empty micro-batches (a real row whose loss mask is all
+zero: zero loss, zero gradient).
 
 Simplifications on purpose: one ``dp`` axis (no tensor or context parallelism); dp = 1 on CPU uses
 plain modules (FSDP2 over a single rank would only add hooks and copies to every layer's forward).
@@ -22,7 +22,7 @@ Every collective is bounded by the process group's timeout (``init_torch_distrib
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from torch import nn
@@ -68,28 +68,20 @@ class DataParallel:
             raise
         return t
 
-    def split(self, rows: Sequence[int]) -> list[list[int]]:
-        """Contiguous near-equal shares of ``rows``, one per rank (a rank may get none)."""
-        rows = list(rows)
-        base, extra = divmod(len(rows), self.size)
-        out, start = [], 0
-        for r in range(self.size):
-            n = base + (r < extra)
-            out.append(rows[start : start + n])
-            start += n
+    def gather_objects(self, obj: Any, *, what: str) -> list[Any]:
+        """Every rank's picklable ``obj``, in rank order (``[obj]`` for a single rank)."""
+        if self.size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.size
+        try:
+            dist.all_gather_object(out, obj, group=self.group)
+        except Exception as exc:
+            exc.add_note(f"dp rank {self.rank}/{self.size} waiting for every rank to all-gather {what} "
+                         "(a rank that failed or ran a different number of steps never arrives)")
+            raise
         return out
-
-    def microbatches(self, rows: Sequence[int], split) -> list[list[int] | None]:
-        """This rank's micro-batches of ``rows``, padded with ``None`` (an empty micro-batch) to
-        the count of the rank that has most, so every rank runs as many forwards and backwards.
-
-        ``split(rows) -> list[list[int]]`` is the token-budget splitter; every rank computes every
-        rank's split (each holds the whole batch), so no collective is needed to agree.
-        """
-        per_rank = [split(share) if share else [] for share in self.split(rows)]
-        most = max(1, max(len(mbs) for mbs in per_rank))
-        mine: list[list[int] | None] = list(per_rank[self.rank])
-        return mine + [None] * (most - len(mine))
 
     def reduce_metrics(self, metrics: dict[str, torch.Tensor]) -> dict[str, float]:
         """Combine per-rank loss metrics (``meshrl.algos.metrics`` rules) into the global ones."""

@@ -33,6 +33,7 @@ from meshrl.actors.lora import BaseModel, LoRAConfig, apply_lora, merge_state_di
 from meshrl.actors.train_step import PolicyUpdater, build_step_batch
 from meshrl.modeling import ValueModel, disable_dropout, load_causal_lm, no_progress_bars
 from meshrl.queues import Sample
+from meshrl.queues.parcels import share_groups
 
 __all__ = ["TrainerConfig", "PolicyTrainer", "NonFiniteStepsError", "batch_stats", "lr_lambda", "make_optimizer"]
 
@@ -156,20 +157,59 @@ def make_optimizer(cfg: TrainerConfig, params: list[torch.nn.Parameter], lr: flo
 
 def batch_stats(samples: Sequence[Sample], version: int) -> dict[str, float]:
     """What the trained batch looked like: rewards, task metrics, staleness, lengths."""
-    n = len(samples)
+    return stats_of(_batch_sums(samples, version))
+
+
+def _batch_sums(samples: Sequence[Sample], version: int) -> dict[str, float]:
+    """``batch_stats``'s sums (and ``staleness_max``) over ``samples``: shares' add up."""
     staleness = [version - s.behavior_version for s in samples]
     out = {
-        "reward_mean": sum(s.reward for s in samples) / n,
-        "reward_failed_frac": sum(s.reward_failed for s in samples) / n,
-        "staleness_mean": sum(staleness) / n,
-        "staleness_max": float(max(staleness)),
-        "response_tokens_mean": sum(len(s.response_ids) for s in samples) / n,
-        "truncated_frac": sum(s.finish_reason == "length" for s in samples) / n,
-        "samples": float(n),
+        "samples": float(len(samples)),
+        "reward": sum(s.reward for s in samples),
+        "reward_failed": float(sum(s.reward_failed for s in samples)),
+        "staleness": float(sum(staleness)),
+        "staleness_max": float(max(staleness, default=-math.inf)),
+        "response_tokens": float(sum(len(s.response_ids) for s in samples)),
+        "truncated": float(sum(s.finish_reason == "length" for s in samples)),
+        "trained_tokens": float(sum(sum(s.loss_mask) if s.loss_mask is not None else len(s.response_ids) for s in samples)),
     }
     for key in {k for s in samples for k in s.reward_info}:
-        out[f"reward_info/{key}"] = sum(s.reward_info.get(key, 0.0) for s in samples) / n
+        out[f"reward_info/{key}"] = sum(s.reward_info.get(key, 0.0) for s in samples)
     return out
+
+
+def stats_of(sums: dict[str, float], *more: dict[str, float]) -> dict[str, float]:
+    """``batch_stats`` from the ``_batch_sums`` of one or more shares of the batch."""
+    total: dict[str, float] = {}
+    for part in (sums, *more):
+        for k, v in part.items():
+            total[k] = max(total.get(k, -math.inf), v) if k == "staleness_max" else total.get(k, 0.0) + v
+    n = max(total["samples"], 1.0)
+    out = {
+        "reward_mean": total["reward"] / n,
+        "reward_failed_frac": total["reward_failed"] / n,
+        "staleness_mean": total["staleness"] / n,
+        "staleness_max": total["staleness_max"],
+        "response_tokens_mean": total["response_tokens"] / n,
+        "truncated_frac": total["truncated"] / n,
+        "samples": total["samples"],
+        "trained_tokens": total["trained_tokens"],
+    }
+    out.update({k: v / n for k, v in total.items() if k.startswith("reward_info/")})
+    return out
+
+
+def share_of(samples: Sequence[Sample], rank: int, ranks: int) -> tuple[list[Sample], tuple[int, int, int]]:
+    """Rank ``rank``'s share of a whole batch as the queue hands it out (``parcels.to_shares``):
+    its samples (one padding sample when it gets no group) and ``(start, count, total)``."""
+    # Queue order depends on how rollouts interleaved; group order does not (stable sort keeps
+    # a group's samples in completion order), so the same samples always train the same way.
+    ordered = sorted(samples, key=lambda s: s.group_id)
+    firsts = [i for i, s in enumerate(ordered) if i == 0 or s.group_id != ordered[i - 1].group_id] + [len(ordered)]
+    tokens = [sum(s.num_tokens for s in ordered[a:b]) for a, b in zip(firsts, firsts[1:])]
+    run = share_groups(tokens, ranks)[rank]
+    a, b = firsts[run.start], firsts[run.stop]
+    return (ordered[a:b] if b > a else ordered[:1]), (a, b - a, len(ordered))
 
 
 class PolicyTrainer:
@@ -232,24 +272,34 @@ class PolicyTrainer:
             return shard_model(model, self.dp, mixed_precision=self.cfg.mixed_precision and cuda, cpu_offload=offload and cuda)
         return model.to(self.dp.device)
 
-    def train_step(self, samples: Sequence[Sample], version: int) -> dict[str, float]:
-        """One optimisation step at policy ``version``; the same batch on every rank.
+    def train_step(self, samples: Sequence[Sample], version: int, *, share: tuple[int, int, int] | None = None
+                   ) -> dict[str, float]:
+        """One optimisation step at policy ``version``: on every rank, with the whole batch (each
+        rank takes its share) or with this rank's share, ``share = (start, count, total)``
+        (``meshrl.queues.parcels.Shares.of``: the step's samples ``start : start + count`` of
+        ``total``, in the step's order; ``count == 0``: one padding sample).
 
-        Returns the step's metrics: the losses' (meshrl.algos), the batch's rewards and
-        staleness, LR, gradient norm, skipped updates and timings. Raises
+        Returns the step's metrics (global: the same on every rank): the losses' (meshrl.algos),
+        the batch's rewards and staleness, LR, gradient norm, skipped updates and timings. Raises
         ``NonFiniteStepsError`` after ``max_skipped_steps`` skipped steps in a row.
         """
-        start = time.perf_counter()
-        # Queue order depends on how rollouts interleaved; group order does not (stable sort keeps
-        # a group's samples in completion order), so the same samples always train the same way.
-        samples = sorted(samples, key=lambda s: s.group_id)
-        batch = build_step_batch(samples, pad_id=self.pad_id)
-        stats = batch_stats(samples, version)
+        began = time.perf_counter()
+        if share is None:
+            samples, share = share_of(samples, self.dp.rank, self.dp.size)
+        start, count, total = share
+        mine = list(samples[:count]) if count else list(samples[:1])
+        if count != len(samples) and not (count == 0 and len(samples) == 1):
+            raise ValueError(f"train_step: a share of {count} samples (from {start} of {total}) came with "
+                             f"{len(samples)} samples")
+        batch = build_step_batch(mine, pad_id=self.pad_id)
+        parts = self.dp.gather_objects(_batch_sums(mine[:count], version), what="the batch's statistics")
+        stats = stats_of(*parts)
         autocast = self.cfg.cpu_bf16_autocast and self.dp.device.type == "cpu"
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             metrics = self.updater.step(
                 batch, policy_optimizer=self.optimizer, critic_optimizer=self.critic_optimizer,
                 max_grad_norm=self.cfg.max_grad_norm, generator=self.generator,
+                rows=range(start, start + count), total=total,
             )
         metrics["lr"] = self.scheduler.get_last_lr()[0]
         with warnings.catch_warnings():  # the schedule counts steps, also those whose updates were all skipped
@@ -267,8 +317,7 @@ class PolicyTrainer:
                 f"NaN/inf (last loss {metrics['loss']}, grad_norm {metrics['grad_norm']}); lower trainer.lr, "
                 "check the rewards for NaN/inf, or raise trainer.max_skipped_steps"
             )
-        metrics["train_time_s"] = time.perf_counter() - start
-        metrics["trained_tokens"] = float(batch.packed.num_response_tokens)
+        metrics["train_time_s"] = time.perf_counter() - began
         return {**stats, **metrics}
 
     def policy_state(self) -> dict[str, torch.Tensor]:

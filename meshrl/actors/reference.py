@@ -28,14 +28,21 @@ class ReferenceWorker(Actor):
     @endpoint
     @torch.no_grad()
     def annotate(self, encoded_samples: bytes | list[Any]) -> bytes | list[Any]:
-        """The samples with ``ref_logprobs``: a blob in, a blob out; ``[ObjectRef]`` of a blob in
-        Ray's object store (meshrl.queues.parcels) in, ``[ObjectRef]`` of the annotated blob out
-        (fetched from, and put into, the object store here: the caller moves refs only)."""
+        """The samples with ``ref_logprobs``: a blob in, a blob out; ``ObjectRef``s of blobs in
+        Ray's object store (meshrl.queues.parcels: one per group) in, one ref of each annotated
+        blob out (fetched from, and put into, the object store here: the caller moves refs only)."""
         if isinstance(encoded_samples, list):
             import ray
 
-            return [ray.put(self.annotate(ray.get(encoded_samples[0])))]
+            blobs = [decode_samples(b) for b in ray.get(encoded_samples)]
+            self._annotate([s for blob in blobs for s in blob])  # one pass, micro-batched over every blob
+            return [ray.put(encode_samples(blob)) for blob in blobs]
         samples = decode_samples(encoded_samples)
+        self._annotate(samples)
+        return encode_samples(samples)
+
+    def _annotate(self, samples: list[Any]) -> None:
+        """Fill in each sample's ``ref_logprobs``, micro-batched by tokens."""
         lengths = [s.num_tokens for s in samples]
         for rows in split_by_tokens(range(len(samples)), lengths, self.tokens_per_microbatch):
             chunk = [samples[i] for i in rows]
@@ -44,4 +51,3 @@ class ReferenceWorker(Actor):
             logp = response_logprobs(logits, packed, temperature=self.temperature)
             for s, row in zip(chunk, logp):
                 s.ref_logprobs = row[: len(s.response_ids)].tolist()
-        return encode_samples(samples)

@@ -1,15 +1,19 @@
 """One RL optimisation step on a batch of samples: advantages, micro-batches, losses, gradients.
 
-    samples ─► pack ─► (no grad, each rank its rows, gathered) values, proximal (decoupled PPO
-        or any importance sampling) and reference log-probs ─► rewards (+KL) ─► advantages (whole batch, on every rank)
-        ─► for each PPO epoch and mini-batch: this rank's rows ─► micro-batches by token budget
-        ─► loss.backward() (FSDP2 sums gradients over ranks) ─► global grad-norm clip ─► step
+    this rank's share (whole groups) ─► pack ─► (no grad) values, proximal (decoupled PPO or any
+        importance sampling) and reference log-probs of its rows ─► rewards (+KL) ─► advantages
+        ─► for each PPO epoch and mini-batch: this rank's rows of it ─► micro-batches by token
+        budget ─► loss.backward() (FSDP2 sums gradients over ranks) ─► global grad-norm clip ─► step
 
-Every dp rank holds the whole batch (``data_parallel`` module docstring): advantages (GRPO groups,
-GAE whitening, REINFORCE++ batch statistics) are computed on the full batch, identically on every
-rank, *before* the rows are split, so no group needs to sit on one rank. Each loss is normalised
-by the *mini-batch's* global valid-token (or sequence) count — over every micro-batch and rank,
-passed explicitly — so the gradient is the same for any micro-batch split and any dp size.
+Each dp rank holds only its share of the step's batch: whole groups, contiguous in the step's
+order (``meshrl.queues.parcels.share_groups``; the queue hands each rank its own, or a rank given
+the whole batch takes its share itself). GRPO and RLOO advantages are per group, so they need no
+collective; GAE whitening and REINFORCE++'s batch statistics are all-reduced. Mini-batches are
+drawn from the step's order with a generator seeded alike on every rank, so any dp size trains
+the same mini-batches; each loss is normalised by the *mini-batch's* global valid-token (or
+sequence) count — one collective for the step — so the gradient is the same for any
+micro-batch split and any dp size. Every rank runs as many micro-batches as the rank with most
+(padding with empty ones: FSDP2 all-gathers per forward); the counts are one MAX collective.
 
 A NaN/inf loss or gradient norm skips that optimiser update (counted in ``skipped_updates``);
 the caller decides when too many in a row stop the run. A mini-batch with no valid token (every
@@ -18,7 +22,7 @@ row dropped as a uniform group, or fully masked) skips its optimiser updates too
 decay. ``grad_norm`` is the mean over the updates of the step.
 
 Simplifications on purpose: sequences that hit the length limit are treated as terminal (no
-value bootstrap); rows are split over ranks contiguously by count, not balanced by tokens.
+value bootstrap); shares are balanced by tokens at group boundaries, not by compute.
 """
 
 from __future__ import annotations
@@ -116,8 +120,13 @@ def _select(batch: StepBatch, rows: list[int]) -> Packed:
 
 def _empty(batch: StepBatch) -> Packed:
     """A micro-batch that trains nothing: row 0 with an all-zero loss mask (dp padding)."""
-    p = _select(batch, [0])
-    return Packed(p.input_ids, p.attention_mask, p.predict_index, torch.zeros_like(p.response_mask), p.response_ids)
+    return _masked(_select(batch, [0]), torch.zeros(1, dtype=torch.bool, device=batch.packed.input_ids.device))
+
+
+def _masked(p: Packed, keep: torch.Tensor) -> Packed:
+    """``p`` with the loss mask of the rows not in ``keep`` (``[B]`` bool) zeroed."""
+    return Packed(p.input_ids, p.attention_mask, p.predict_index, p.response_mask * keep[:, None].to(p.response_mask.dtype),
+                  p.response_ids)
 
 
 class PolicyUpdater:
@@ -160,22 +169,40 @@ class PolicyUpdater:
         )
         self.kl = algos.kl_estimator(algo.kl_estimator)
 
-    def _microbatches(self, batch: StepBatch, rows: Sequence[int]) -> list[list[int] | None]:
-        return self.dp.microbatches(rows, lambda share: split_by_tokens(share, batch.lengths, self.tokens_per_microbatch))
+    def _plan(self, batch: StepBatch, rows: list[int], total: int, generator: torch.Generator | None
+              ) -> tuple[list[list[int] | None], list[tuple[list[int], list[list[int] | None]]]]:
+        """This rank's micro-batches: of the no-grad passes (all its rows), and of each mini-batch
+        (its rows of it) with that mini-batch's local rows; each list padded with ``None`` (an
+        empty micro-batch) to the most any rank runs, so every rank runs as many FSDP2 forwards
+        and backwards (one MAX collective for the whole step).
 
-    # -- no-grad passes over the whole batch -------------------------------------------------
+        A mini-batch is drawn from the step's order (``rows`` are this rank's positions in it, of
+        ``total``), with ``generator`` seeded alike on every rank: any dp size trains the same
+        mini-batches."""
+        local = {g: i for i, g in enumerate(rows)}
+        minibatches = []
+        for _ in range(self.ppo_epochs):
+            order = torch.randperm(total, generator=generator).tolist() if self.minibatches > 1 else list(range(total))
+            for k in range(self.minibatches):
+                minibatches.append(sorted(local[g] for g in order[k :: self.minibatches] if g in local))
+        splits = [split_by_tokens(p, batch.lengths, self.tokens_per_microbatch) for p in [list(range(len(rows))), *minibatches]]
+        most = torch.tensor([max(1, len(mbs)) for mbs in splits], dtype=torch.long, device=self.dp.device)
+        most = self.dp.all_reduce(most, op="max", what="the micro-batch counts").tolist()
+        padded: list[list[list[int] | None]] = [[*mbs, *[None] * (n - len(mbs))] for mbs, n in zip(splits, most)]
+        return padded[0], list(zip(minibatches, padded[1:]))
+
+    # -- no-grad passes over this rank's rows --------------------------------------------------
 
     @torch.no_grad()
-    def _forward_all(self, batch: StepBatch, fn: Callable[[Packed], torch.Tensor], what: str) -> torch.Tensor:
-        """``fn`` on every row, each rank on its share; the whole ``[B, R]`` result on every rank."""
+    def _forward_rows(self, batch: StepBatch, fn: Callable[[Packed], torch.Tensor], microbatches) -> torch.Tensor:
+        """``fn`` on every row of this rank's share (``[B, R]``), in ``microbatches``."""
         out = torch.zeros_like(batch.behavior_logprobs, dtype=self.dtype)
-        for mb in self._microbatches(batch, range(len(batch.lengths))):
+        for mb in microbatches:
             if mb is None:
                 fn(_empty(batch))  # keeps this rank's FSDP2 all-gathers in step with the others
                 continue
             out[torch.tensor(mb, device=out.device)] = fn(_select(batch, mb)).to(self.dtype)
-        # Other ranks' rows are still zero here, so the SUM is an exact gather.
-        return self.dp.all_reduce(out, what=what)
+        return out
 
     def _logprobs(self, packed: Packed, model: torch.nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         model = self.policy if model is None else model
@@ -203,12 +230,20 @@ class PolicyUpdater:
         if algo.advantage == "gae":
             adv, returns = algos.gae(token_rewards, old_values, mask, gamma=algo.gamma, lam=algo.lam)
             if algo.normalize_advantages:
-                valid = adv[mask]
-                if valid.numel() > 1:
-                    adv = torch.where(mask, (adv - valid.mean()) / (valid.std() + 1e-6), torch.zeros_like(adv))
+                # whitened over every rank's valid tokens: mean, then the unbiased std around it
+                valid = adv[mask].double()
+                n, total = self.dp.all_reduce(torch.stack([valid.new_tensor(valid.numel()), valid.sum()]),
+                                              what="the GAE advantages' sum").tolist()
+                if n > 1:
+                    mean = total / n
+                    sq = self.dp.all_reduce((valid - mean).square().sum().reshape(1), what="the GAE advantages' spread")
+                    std = math.sqrt(float(sq[0]) / (n - 1))
+                    adv = torch.where(mask, (adv - mean) / (std + 1e-6), torch.zeros_like(adv))
             return adv, returns
         if algo.advantage == "reinforce_pp":
-            return algos.reinforce_pp_advantages(token_rewards, mask, gamma=algo.gamma), None
+            reduce = None if self.dp.size == 1 else (
+                lambda t, op: self.dp.all_reduce(t, op=op, what="REINFORCE++'s batch statistics"))
+            return algos.reinforce_pp_advantages(token_rewards, mask, gamma=algo.gamma, all_reduce=reduce), None
         # Each sample's own outcome reward (+ folded KL), not token_rewards.sum(1): a sample with no
         # valid token (an empty response, an episode that failed before the policy played) holds its
         # reward on no token, and a 0 in its place would shift its group-mates' advantages.
@@ -229,89 +264,103 @@ class PolicyUpdater:
         critic_optimizer: torch.optim.Optimizer | None,
         max_grad_norm: float,
         generator: torch.Generator | None = None,
+        rows: Sequence[int] | None = None,
+        total: int | None = None,
     ) -> dict[str, float]:
-        """One step; ``generator`` shuffles mini-batches and must be seeded alike on every rank."""
+        """One step on this rank's share of the step's batch.
+
+        ``batch`` holds the step's rows ``rows`` (their positions in the step's order, ascending,
+        whole groups) of ``total``; None: the whole batch, on a single rank. ``rows=[]`` with a
+        one-row batch: this rank got no group and pads (runs the forwards, trains nothing).
+        ``generator`` shuffles mini-batches and must be seeded alike on every rank.
+        """
         algo = self.algo
         batch = batch.to(self.dp.device)
+        rows = list(range(len(batch.lengths))) if rows is None else list(rows)
+        total = len(rows) if total is None else total
+        if not rows:
+            batch.packed = _masked(batch.packed, torch.zeros(len(batch.lengths), dtype=torch.bool, device=self.dp.device))
+        nograd, minibatches = self._plan(batch, rows, total, generator)
         if algo.kl_coef > 0 and batch.ref_logprobs is None:
             if self.reference is None:
                 raise ValueError("algo.kl_coef > 0 but the batch has no ref_logprobs and the trainer no reference "
                                  "model: run a ReferenceWorker or set trainer.reference_in_trainer=true")
-            batch.ref_logprobs = self._forward_all(batch, lambda p: self._logprobs(p, self.reference)[0], "reference log-probs")
-        old_values = self._forward_all(batch, self.critic, "old values") if self.critic is not None else None
+            batch.ref_logprobs = self._forward_rows(batch, lambda p: self._logprobs(p, self.reference)[0], nograd)
+        old_values = self._forward_rows(batch, self.critic, nograd) if self.critic is not None else None
         proximal = None
         # The IS weight is π_old/π_behav: with π_old taken as the behaviour log-probs it would be 1.
         if algo.policy_loss == "decoupled_ppo" or algo.importance_sampling != "none":
-            proximal = self._forward_all(batch, lambda p: self._logprobs(p)[0], "proximal log-probs")
-        adv, returns = self.advantages(batch, old_values)
+            proximal = self._forward_rows(batch, lambda p: self._logprobs(p)[0], nograd)
+        adv, returns = self.advantages(batch, old_values)  # whole groups on this rank: GRPO/RLOO need no collective
         old_logprobs = proximal if proximal is not None else batch.behavior_logprobs
-        uniform_frac = None
+        kept = 0.0
         if algo.drop_uniform_groups:
             keep = algos.informative_groups(batch.rewards, batch.group_ids)  # [B]
-            uniform_frac = 1.0 - float(keep.float().mean())
-            p = batch.packed
-            batch.packed = Packed(p.input_ids, p.attention_mask, p.predict_index,
-                                  p.response_mask * keep[:, None].to(p.response_mask.dtype), p.response_ids)
+            kept = float(keep[: len(rows)].sum())
+            batch.packed = _masked(batch.packed, keep)
 
-        num_rows = len(batch.lengths)
+        # each mini-batch's global valid-token and sequence counts, its loss's normaliser: one
+        # collective for the step; rows with no valid token (dropped groups, masked) count in neither
+        mask = batch.mask
+        counts = torch.zeros((len(minibatches), 2), dtype=torch.float64, device=self.dp.device)
+        for j, (mb, _) in enumerate(minibatches):
+            if mb:
+                m = mask[torch.tensor(mb, device=mask.device)]
+                counts[j, 0], counts[j, 1] = m.sum(), m.any(-1).sum()
+        counts = self.dp.all_reduce(counts, what="the mini-batches' token counts").tolist()
+
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.dp.device)
         policy_metrics: list[dict[str, torch.Tensor]] = []
         extra = {"skipped_updates": 0.0, "critic_skipped_updates": 0.0, "empty_minibatches": 0.0}
         norms: list[float] = []
         critic_norms: list[float] = []
-        for _ in range(self.ppo_epochs):
-            order = torch.randperm(num_rows, generator=generator).tolist() if self.minibatches > 1 else list(range(num_rows))
-            for minibatch in (order[i :: self.minibatches] for i in range(self.minibatches)):
-                rows = sorted(minibatch)
-                loss, metrics, num_tokens = self._minibatch(
-                    batch, rows, adv, returns, old_values, old_logprobs, policy_optimizer, critic_optimizer
-                )
-                policy_metrics += metrics
-                loss = self.dp.all_reduce(loss.reshape(1), what="the mini-batch loss")[0]  # the global loss
-                loss_sum += loss
-                if num_tokens == 0:
-                    # Nothing to train (dropped uniform groups, fully masked responses): the gradient
-                    # is zero, yet an AdamW step would still move the weights (momentum, weight
-                    # decay). num_tokens is the global count, the same on every rank, so every rank
-                    # skips alike, clip_grad_norm's collective included.
-                    extra["empty_minibatches"] += 1
-                    continue
-                # A NaN/inf loss or gradient skips the update (counted) instead of poisoning the
-                # weights; the norm and the loss are global, so every rank decides alike.
-                grad_norm = clip_grad_norm([p for p in self.policy.parameters() if p.requires_grad], max_grad_norm)
-                norms.append(grad_norm)
-                if math.isfinite(grad_norm) and math.isfinite(float(loss)):
-                    policy_optimizer.step()
+        for (_, microbatches), (num_tokens, num_seqs) in zip(minibatches, counts):
+            loss, metrics = self._minibatch(batch, microbatches, num_tokens, num_seqs, adv, returns, old_values,
+                                            old_logprobs, policy_optimizer, critic_optimizer)
+            policy_metrics += metrics
+            loss = self.dp.all_reduce(loss.reshape(1), what="the mini-batch loss")[0]  # the global loss
+            loss_sum += loss
+            if num_tokens == 0:
+                # Nothing to train (dropped uniform groups, fully masked responses): the gradient
+                # is zero, yet an AdamW step would still move the weights (momentum, weight
+                # decay). num_tokens is the global count, the same on every rank, so every rank
+                # skips alike, clip_grad_norm's collective included.
+                extra["empty_minibatches"] += 1
+                continue
+            # A NaN/inf loss or gradient skips the update (counted) instead of poisoning the
+            # weights; the norm and the loss are global, so every rank decides alike.
+            grad_norm = clip_grad_norm([p for p in self.policy.parameters() if p.requires_grad], max_grad_norm)
+            norms.append(grad_norm)
+            if math.isfinite(grad_norm) and math.isfinite(float(loss)):
+                policy_optimizer.step()
+            else:
+                extra["skipped_updates"] += 1
+            if self.critic is not None and critic_optimizer is not None:
+                critic_norm = clip_grad_norm(list(self.critic.parameters()), max_grad_norm)
+                critic_norms.append(critic_norm)
+                if math.isfinite(critic_norm):
+                    critic_optimizer.step()
                 else:
-                    extra["skipped_updates"] += 1
-                if self.critic is not None and critic_optimizer is not None:
-                    critic_norm = clip_grad_norm(list(self.critic.parameters()), max_grad_norm)
-                    critic_norms.append(critic_norm)
-                    if math.isfinite(critic_norm):
-                        critic_optimizer.step()
-                    else:
-                        extra["critic_skipped_updates"] += 1
+                    extra["critic_skipped_updates"] += 1
         reduced = self.dp.reduce_metrics(algos.reduce_metrics(policy_metrics))
-        mask = batch.mask
         reduced.update(extra)
         # pre-clip norms, averaged over the updates (mini-batches × epochs) that had a token to train
         reduced["grad_norm"] = sum(norms) / len(norms) if norms else 0.0
         reduced["critic_grad_norm"] = sum(critic_norms) / len(critic_norms) if critic_norms else 0.0
         reduced["loss"] = float(loss_sum) / (self.ppo_epochs * self.minibatches)
-        reduced["advantage_mean"] = float(adv[mask].mean()) if mask.any() else 0.0
-        if uniform_frac is not None:
-            reduced["uniform_group_frac"] = uniform_frac
+        adv_sum, valid, kept = self.dp.all_reduce(
+            torch.tensor([float(adv[mask].double().sum()), float(mask.sum()), kept], dtype=torch.float64, device=self.dp.device),
+            what="the advantages' sum").tolist()
+        reduced["advantage_mean"] = adv_sum / valid if valid else 0.0
+        if algo.drop_uniform_groups:
+            reduced["uniform_group_frac"] = 1.0 - kept / total
         return reduced
 
-    def _minibatch(self, batch, rows, adv, returns, old_values, old_logprobs, policy_optimizer, critic_optimizer):
-        """Gradients of one mini-batch (this rank's share of ``rows``): its local loss and metrics,
-        and its global valid-token count."""
+    def _minibatch(self, batch, microbatches, num_tokens, num_seqs, adv, returns, old_values, old_logprobs,
+                   policy_optimizer, critic_optimizer):
+        """Gradients of one mini-batch from this rank's ``microbatches`` of it, its loss normalised
+        by the mini-batch's global valid-token (sequence) count: the local loss and metrics."""
         algo, device = self.algo, self.dp.device
-        # The global normaliser: every rank holds every row of the mini-batch, so counting here
-        # gives the all-ranks count without a collective (and the same number on every rank).
-        # Rows with no valid token (dropped uniform groups, fully masked responses) count in neither.
-        row_mask = batch.mask[torch.tensor(rows, device=device)]  # [b, R]
-        num_tokens, num_seqs = float(row_mask.sum()), float(row_mask.any(-1).sum())
         aggregate = algos.make_aggregator(
             algo.aggregation, num_tokens=max(num_tokens, 1.0), num_seqs=max(num_seqs, 1.0), max_tokens=self.max_new_tokens
         )
@@ -319,7 +368,7 @@ class PolicyUpdater:
         if critic_optimizer is not None:
             critic_optimizer.zero_grad(set_to_none=True)
         metrics, loss_sum = [], torch.zeros((), dtype=torch.float64, device=device)
-        for mb in self._microbatches(batch, rows):
+        for mb in microbatches:
             packed = _select(batch, mb) if mb is not None else _empty(batch)
             idx = torch.tensor(mb if mb is not None else [0], device=device)
             m = packed.response_mask > 0  # [b, R]; all False in a padding micro-batch
@@ -341,4 +390,4 @@ class PolicyUpdater:
                 pm = {**pm, **{k: v for k, v in vm.items() if k != "num_tokens"}}
             metrics.append(pm)
             loss_sum += loss.detach()  # micro-batch losses share the mini-batch normaliser: they add up
-        return loss_sum, metrics, num_tokens
+        return loss_sum, metrics

@@ -7,8 +7,9 @@ no process group is made and the models are plain modules.
 
 Endpoints and who calls them:
 
-- ``train_step(encoded_samples, version)``: on **every** rank, with the same batch (each rank
-  takes its share of the rows); returns the global metrics (same on every rank).
+- ``train_step(shares, version)``: on **every** rank; each fetches only its own share of the step
+  (whole groups, ``meshrl.queues.parcels.Shares``), or takes it from a whole batch; returns the
+  global metrics (same on every rank).
 - ``gather_weights()``: on every rank (a collective) before ``export_weights`` when dp > 1:
   rank 0 keeps the full tensors for the next export. At dp = 1 it is a no-op.
 - ``export_weights()``: on rank 0 only (``meshrl.reshard.push_weights`` does this) — the policy's
@@ -35,7 +36,7 @@ from meshrl.actors.policy_trainer import NonFiniteStepsError, PolicyTrainer, Tra
 from meshrl.actors.sglang_sync import SGLangSource
 from meshrl.actors.trainer_checkpoint import load_trainer_state, save_trainer_state
 from meshrl.mesh import Actor, current_rank, current_size, endpoint, init_torch_distributed
-from meshrl.queues.parcels import Batch, fetch_batch
+from meshrl.queues.parcels import Batch, Shares, fetch_batch
 from meshrl.reshard import DestLayout, GroupRanks, PushStats, ReshardConfig, SourceLayout
 from meshrl.reshard.meshes import SourceSide
 
@@ -73,11 +74,16 @@ class Trainer(Actor):
         self.sglang = SGLangSource(self.core.export_parameters, dp.rank)
 
     @endpoint
-    def train_step(self, batch: Batch | bytes, version: int) -> dict[str, float]:
-        """One optimisation step at policy ``version`` on a batch: by reference (the queue's
-        ``get_batch_refs``: this rank fetches the blobs itself) or in the queue's wire format."""
+    def train_step(self, batch: Shares | Batch | bytes, version: int) -> dict[str, float]:
+        """One optimisation step at policy ``version``: on ``Shares`` (the queue's
+        ``get_batch_refs(shares=dp)``: this rank fetches its own share's blobs, nothing else), or on
+        the whole batch by reference or in the queue's wire format (this rank takes its share)."""
         self._staged = None  # staged weights are stale once the policy changes
-        return self.core.train_step(fetch_batch(batch, self.core.cfg.collective_timeout_s), version)
+        timeout = self.core.cfg.collective_timeout_s
+        if isinstance(batch, Shares):
+            mine, start, count = batch.of(self.core.dp.rank)
+            return self.core.train_step(fetch_batch(mine, timeout), version, share=(start, count, batch.total))
+        return self.core.train_step(fetch_batch(batch, timeout), version)
 
     @endpoint
     def gather_weights(self) -> int:

@@ -17,13 +17,14 @@ Simplifications on purpose:
   cast back to the input's dtype, and a group (batch) whose rewards are all equal gets exactly 0:
   in float32 the rounded mean of seven 0.7s leaves r − mean ≈ 6e-8 and a std as small, whose
   ratio is a same-sign advantage of 0.056 on every sample. NaN/inf rewards still propagate.
-- REINFORCE++'s batch normalisation uses the batch passed in: pass the whole step's batch (or
-  all-gather it across dp ranks first) for the global statistics.
+- REINFORCE++'s batch normalisation uses the batch passed in, or, given ``all_reduce``, the
+  whole batch of which each data-parallel rank holds a part.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
@@ -141,6 +142,7 @@ def reinforce_pp_advantages(
     *,
     gamma: float = 1.0,
     eps: float = 1e-6,
+    all_reduce: Callable[[torch.Tensor, str], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """REINFORCE++ (Hu 2025): discounted reward-to-go, normalised over the batch's valid tokens.
 
@@ -154,6 +156,9 @@ def reinforce_pp_advantages(
         mask: ``[B, T]`` bool (or 0/1), valid response tokens.
         gamma: discount in [0, 1].
         eps: added to the std so it is never 0 (a constant batch gives exactly 0 regardless).
+        all_reduce: ``all_reduce(t, op)`` sums (``"sum"``) or maxes (``"max"``) a float64
+            tensor over the data-parallel ranks that hold the rest of the batch, whose
+            statistics are then the whole batch's; None: these rows are the whole batch.
 
     Returns:
         ``[B, T]`` advantages in the dtype of ``token_rewards``, 0 at masked positions (all 0 if
@@ -163,20 +168,26 @@ def reinforce_pp_advantages(
     check_coef(fn, "eps", eps, strict=True)
     returns = discounted_returns(token_rewards, mask, gamma=gamma)  # [B, T]
     mask = check_mask(fn, mask, "token_rewards", token_rewards)
-    if returns.numel() == 0:  # a shape check, no sync; amax below needs an element
+    if returns.numel() == 0 and all_reduce is None:  # a shape check, no sync; amax below needs an element
         return returns
+    reduce = all_reduce if all_reduce is not None else (lambda t, op: t)
     g = returns.double()  # float64 statistics (module docstring)
-    count = mask.sum().clamp(min=1).to(g.dtype)
-    mean = g.sum() / count  # masked positions of `returns` are already 0
+    sums = reduce(torch.stack([mask.sum().to(g.dtype), g.sum()]), "sum")  # masked positions of `returns` are 0
+    count = sums[0].clamp(min=1)
+    mean = sums[1] / count
     centred = torch.where(mask, g - mean, 0.0)  # [B, T]
     # second pass: `mean` is rounded at the returns' magnitude (1e6 → 1e-10), which the division by
     # a tiny std would blow up; the residuals' own mean is exact enough to remove it
-    centred = torch.where(mask, centred - centred.sum() / count, 0.0)
+    centred = torch.where(mask, centred - reduce(centred.sum().reshape(1), "sum")[0] / count, 0.0)
     # Exactly 0 for a constant batch whatever the rounding of its mean; a NaN/inf return leaves
     # the mean non-finite, so it still poisons the step (the trainer skips it).
-    spread = torch.where(mask, g, -math.inf).amax() - torch.where(mask, g, math.inf).amin()
+    neg_inf = g.new_tensor(-math.inf)
+    hi = torch.where(mask, g, -math.inf).amax() if g.numel() else neg_inf
+    neg_lo = torch.where(mask, -g, -math.inf).amax() if g.numel() else neg_inf
+    extremes = reduce(torch.stack([hi, neg_lo]), "max")
+    spread = extremes[0] + extremes[1]
     centred = torch.where((spread == 0) & mean.isfinite(), 0.0, centred)
-    std = (centred.square().sum() / count).sqrt()
+    std = (reduce(centred.square().sum().reshape(1), "sum")[0] / count).sqrt()
     return (centred / (std + eps)).to(returns.dtype)
 
 

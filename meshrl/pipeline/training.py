@@ -5,7 +5,7 @@ train loop, until run.total_steps or the run stops:
   queue.get_batch      waits for: samples_per_step samples (whole groups) within max_staleness
                                   of the current version
                        unblocked by: rollout loop put_ref (or queue.close when stopping)
-  trainer.train_step   (every dp rank fetches the batch by its refs; each trains its share)
+  trainer.train_step   (every dp rank fetches only its share, whole groups, by their refs)
   every sync_interval steps: version += 1 and a push to every engine (meshrl.pipeline.weight_sync). distributed:
   the engines' receives are armed while the step computes the version (reshard.meshes.arm), the
   trainer sends after it; at max_staleness ≥ 1 (staged apply, separate engines) the train loop
@@ -76,13 +76,14 @@ class TrainLoop:
             t0 = self.log.now()
             # waits for: samples_per_step samples within max_staleness of `version`;
             # unblocked by: rollout loop put_ref (or queue.close when the run stops)
-            # by reference: the blobs' refs, which every trainer rank fetches from the producers' nodes
-            batch = await bounded(queue.get_batch_refs.call_one(cfg.trainer.samples_per_step, self.version, timeout=timeout),
-                                  timeout + 30, "a batch from the queue")
+            # by reference: the blobs' refs, split into whole groups per trainer dp rank; each rank
+            # fetches its own share from the producers' nodes
+            batch = await bounded(queue.get_batch_refs.call_one(cfg.trainer.samples_per_step, self.version, timeout=timeout,
+                                                                shares=cfg.trainer.dp), timeout + 30, "a batch from the queue")
             t1 = self.log.now()
             if self._pushes_after(self.step + 1):
                 self.sync.arm(self.version + 1)  # the engines post their receives while the step computes
-            # every dp rank trains its share of the same batch; the metrics are global (rank 0's)
+            # every dp rank trains its own share; the metrics are global (rank 0's)
             metrics = (await self.roles.trainer.train_step.call(batch, self.version).within(timeout)).values()[0]
             t2 = self.log.now()
             self.log.span("trainer", "train_step", t1, t2)

@@ -4,10 +4,11 @@ A producer (the reward worker, or the reference worker after it) puts its ``enco
 into Ray's object store once and sends the queue only the blob's ``ObjectRef`` and each sample's
 ``SampleMeta`` (what admission schedules by). The queue holds one ``Parcel`` per sample (the ref
 and the sample's index in the blob) and hands a batch out as a ``Batch``: the refs, in batch
-order, with the indices each one contributes. Every trainer rank then fetches those blobs from
-the producers' nodes itself, and the process that drives the run (and the queue actor) move
-ids, counts and refs, never a sample's tokens: what they carry per step does not grow with the
-tokens.
+order, with the indices each one contributes, or as ``Shares``: one ``Batch`` per trainer dp
+rank, whole groups each (``share_groups``). A producer puts one blob per group, so a rank fetches
+the blobs of its own groups from the producers' nodes and nothing else, and the process that
+drives the run (and the queue actor) move ids, counts and refs, never a sample's tokens: what
+they carry per step does not grow with the tokens.
 
 Ray's distributed reference counting keeps a blob alive while any parcel, batch or fetch holds
 its ref (the producer owns it: a producer that dies takes its unconsumed blobs with it, which
@@ -25,7 +26,7 @@ import msgspec
 from meshrl.queues.sample import Sample
 from meshrl.queues.wire import decode_samples, encode_samples, split_encoded
 
-__all__ = ["Batch", "Parcel", "fetch_batch", "materialize", "to_batch"]
+__all__ = ["Batch", "Parcel", "Shares", "fetch_batch", "materialize", "share_groups", "to_batch", "to_shares"]
 
 
 class Parcel:
@@ -79,6 +80,59 @@ def to_batch(items: Sequence[Any]) -> Batch:
             local.append(item)
     flush_local()
     return Batch(parts, indices)
+
+
+class Shares(msgspec.Struct, frozen=True):
+    """One step's batch split over the trainer's dp ranks (``to_shares``): rank ``r`` fetches
+    ``batches[r]`` only, the step's samples ``starts[r] : starts[r] + counts[r]`` in the step's
+    order (groups by id). A rank with no group (fewer groups than ranks) gets the step's first
+    sample as padding, to train nothing (``counts[r] == 0``)."""
+
+    batches: list[Batch]
+    starts: list[int]
+    counts: list[int]
+    total: int
+
+    def of(self, rank: int) -> tuple[Batch, int, int]:
+        """``(batch, start, count)`` of dp rank ``rank``."""
+        if not 0 <= rank < len(self.batches):
+            raise ValueError(f"Shares.of({rank}): the step was split for {len(self.batches)} dp ranks")
+        return self.batches[rank], self.starts[rank], self.counts[rank]
+
+
+def share_groups(tokens: Sequence[int], ranks: int) -> list[range]:
+    """Contiguous runs of groups, one per rank, near-equal in tokens (``tokens[g]``: group ``g``'s).
+
+    Each cut is the group boundary nearest its ideal share of the tokens, keeping at least one
+    group per rank while there are enough; a rank past the last group gets an empty run. Trainer
+    ranks that hold the whole batch compute the same split (``PolicyTrainer.train_step``)."""
+    if ranks < 1:
+        raise ValueError(f"share_groups: ranks must be >= 1, got {ranks}")
+    n = len(tokens)
+    prefix = [0]
+    for t in tokens:
+        prefix.append(prefix[-1] + t)
+    total, cuts = prefix[-1], [0]
+    for k in range(1, ranks):
+        lo = min(cuts[-1] + 1, n)  # at least one group for the rank before this cut
+        hi = max(lo, n - (ranks - k))  # and one left for each rank after it
+        ideal = total * k / ranks
+        cuts.append(min(range(lo, hi + 1), key=lambda j: (abs(prefix[j] - ideal), j)))
+    cuts.append(n)
+    return [range(a, b) for a, b in zip(cuts, cuts[1:])]
+
+
+def to_shares(groups: Sequence[tuple[int, int, Sequence[Any]]], ranks: int) -> Shares:
+    """``Shares`` of ``groups`` (``(group_id, tokens, items)`` each, any order) for ``ranks`` dp ranks."""
+    ordered = sorted(groups, key=lambda g: g[0])
+    batches, starts, counts, start = [], [], [], 0
+    for run in share_groups([g[1] for g in ordered], ranks):
+        items = [item for g in ordered[run.start : run.stop] for item in g[2]]
+        starts.append(start)
+        counts.append(len(items))
+        start += len(items)
+        batches.append(to_batch(items if items else list(ordered[0][2][:1])))
+    return Shares(batches, starts, counts, start)
 
 
 def fetch_batch(batch: Batch | bytes, timeout_s: float | None = None) -> list[Sample]:

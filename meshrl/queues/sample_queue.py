@@ -29,7 +29,7 @@ import msgspec
 from meshrl.queues.admission import Admission
 from meshrl.queues.config import QueueConfig
 from meshrl.queues.groups import Group, GroupStore
-from meshrl.queues.parcels import Batch, Parcel, materialize, to_batch
+from meshrl.queues.parcels import Batch, Parcel, Shares, materialize, to_batch, to_shares
 from meshrl.queues.reservations import Reservation, ReservationState, check_put
 from meshrl.queues.sample import Sample
 from meshrl.queues.snapshot import FORMAT as SNAPSHOT_FORMAT
@@ -140,14 +140,20 @@ class SampleQueue:
         items, metas = split_encoded(blob)
         await self._put(items, metas, reservation_id, timeout)
 
-    async def put_ref(self, blob: list[Any], metas: list[SampleMeta], reservation_id: int, *,
+    async def put_ref(self, blobs: list[Any], metas: list[SampleMeta], reservation_id: int, *,
                       timeout: float | None = None) -> None:
-        """``put`` by reference (parcels.py): ``blob = [ref]`` of an ``encode_samples`` blob in
-        Ray's object store, and each of its samples' ``SampleMeta`` in order; the queue keeps the
-        ref, never the bytes."""
-        if len(blob) != 1:
-            raise ValueError(f"put_ref: blob must be [ObjectRef] (one ref in a list), got {len(blob)} items")
-        await self._put([Parcel(blob[0], i) for i in range(len(metas))], metas, reservation_id, timeout)
+        """``put`` by reference (parcels.py): ``blobs``, one ``ObjectRef`` of an ``encode_samples``
+        blob in Ray's object store per group, in the order the groups' samples come in ``metas``
+        (each sample's ``SampleMeta``; a group's samples one run); the queue keeps the refs, never
+        the bytes."""
+        runs = [i for i, m in enumerate(metas) if i == 0 or m.group_id != metas[i - 1].group_id]
+        if len(runs) != len(blobs) or len({metas[i].group_id for i in runs}) != len(runs):
+            raise ValueError(f"put_ref: {len(blobs)} blob refs for samples of {len(runs)} runs of group ids "
+                             f"{[metas[i].group_id for i in runs]}: give one blob per group, each group's samples one run")
+        items, bounds = [], runs + [len(metas)]
+        for ref, a, b in zip(blobs, bounds, bounds[1:]):
+            items += [Parcel(ref, i) for i in range(b - a)]
+        await self._put(items, metas, reservation_id, timeout)
 
     async def _put(self, items: list[Sample | msgspec.Raw | Parcel], metas: list[SampleMeta], rid: int,
                    timeout: float | None) -> None:
@@ -237,11 +243,17 @@ class SampleQueue:
         groups = await self._get_groups(n, current_version, timeout)
         return encode_samples(await materialize([item for g in groups for item in g.items]))
 
-    async def get_batch_refs(self, n: int, current_version: int, *, timeout: float | None = None) -> Batch:
-        """``get_batch`` by reference (parcels.py): the blobs' refs and indices, for each trainer
-        rank to fetch itself."""
+    async def get_batch_refs(self, n: int, current_version: int, *, timeout: float | None = None,
+                             shares: int | None = None) -> Batch | Shares:
+        """``get_batch`` by reference (parcels.py): the blobs' refs and indices, for the trainer
+        to fetch itself; with ``shares=dp``, split into whole groups per dp rank (``Shares``:
+        each rank fetches only its own)."""
+        if shares is not None and shares < 1:
+            raise ValueError(f"get_batch_refs(shares={shares}): shares must be >= 1 (the trainer's dp size)")
         groups = await self._get_groups(n, current_version, timeout)
-        return to_batch([item for g in groups for item in g.items])
+        if shares is None:
+            return to_batch([item for g in groups for item in g.items])
+        return to_shares([(g.group_id, g.tokens, g.items) for g in groups], shares)
 
     async def _get_groups(self, n: int, current_version: int, timeout: float | None) -> list[Group]:
         if n < 1 or current_version < 0:
