@@ -10,13 +10,14 @@ admits them, and two consumer actors (trainer ranks, dp = 2) each decode the bat
 - ``value``: the path before issue 27. The producer returns each request's encoded blob to the
   controller, which puts it to the queue (``put_encoded``), takes the batch back
   (``get_batch_encoded``) and sends it to every rank.
-- ``ref``: the pipeline's path. The producer keeps each blob in its object store and returns its
-  ref and ``SampleMeta``s; the controller puts those (``put_ref``), takes the batch's refs back
-  (``get_batch_refs``) and sends them to every rank, which fetches the blobs itself.
+- ``ref``: the pipeline's path. The producer keeps each group's blob in its object store and
+  returns its ref and ``SampleMeta``s; the controller puts those (``put_ref``), takes the step's
+  refs back split per rank (``get_batch_refs(shares=dp)``) and sends them to every rank, which
+  fetches its own share's blobs only.
 
 ``extra_info``: ``controller_bytes`` (per step: everything the driver sent or received, as Ray
-serializes it), ``samples_per_s`` (samples of a step over its wall time, decoding included) and
-``tokens``. A sample is 256 prompt tokens and the rest response, with a float log-prob per
+serializes it), ``rank_bytes`` (per step: the sample bytes the busiest rank decoded),
+``samples_per_s`` (samples of a step over its wall time, decoding included) and ``tokens``. A sample is 256 prompt tokens and the rest response, with a float log-prob per
 response token (msgpack: about 12 bytes per token).
 """
 
@@ -71,9 +72,17 @@ def _actor_classes() -> tuple[type, type]:
     class Rank:
         """A trainer rank's end: the batch decoded (by value) or fetched and decoded (by reference)."""
 
-        def take(self, batch) -> int:
-            samples = decode_samples(batch) if isinstance(batch, bytes) else fetch_batch(batch, 600)
-            return sum(len(s.response_ids) for s in samples)
+        def take(self, batch, rank: int) -> tuple[int, int]:
+            """Response tokens it trains and sample bytes it decoded: the whole batch by value,
+            its own share by reference."""
+            import ray
+
+            if isinstance(batch, bytes):
+                samples = decode_samples(batch)
+                return sum(len(s.response_ids) for s in samples), len(batch)
+            mine, _, count = batch.of(rank)
+            samples = fetch_batch(mine, 600)[:count]
+            return sum(len(s.response_ids) for s in samples), sum(len(b) for b in ray.get([p[0] for p in mine.parts]))
 
     return Producer, Rank
 
@@ -110,7 +119,7 @@ def test_dataplane(benchmark, cluster, path, samples, tokens):
     producer = ray.remote(Producer).options(num_cpus=0).remote(tokens)
     ranks = [ray.remote(Rank).options(num_cpus=0).remote() for _ in range(DP)]
     version = [0]
-    moved = []
+    moved, rank_bytes = [], []
 
     def step() -> None:
         v, sent = version[0], 0
@@ -130,17 +139,20 @@ def test_dataplane(benchmark, cluster, path, samples, tokens):
                 sent += 2 * _size((ref, metas))
                 puts.append(queue.put_ref.remote(ref, metas, r.id, timeout=600))
             ray.get(puts)
-            batch = ray.get(queue.get_batch_refs.remote(samples, v, timeout=600))
+            batch = ray.get(queue.get_batch_refs.remote(samples, v, timeout=600, shares=DP))
         sent += (1 + DP) * _size(batch)  # in from the queue, out to every rank
-        trained = ray.get([rank.take.remote(batch) for rank in ranks])
-        assert trained == [samples * (tokens - PROMPT)] * DP
+        took = ray.get([rank.take.remote(batch, i) for i, rank in enumerate(ranks)])
+        trained = sum(t for t, _ in took) if path == "ref" else took[0][0]
+        assert trained == samples * (tokens - PROMPT), (path, took)
+        rank_bytes.append(max(b for _, b in took))
         ray.get(queue.set_version.remote(v + 1))
         version[0] = v + 1
         moved.append(sent)
 
     benchmark.pedantic(step, rounds=3, iterations=1, warmup_rounds=1)
     mean = benchmark.stats.stats.mean
-    info = {"controller_bytes": float(moved[-1]), "samples_per_s": samples / mean, "tokens": float(samples * tokens)}
+    info = {"controller_bytes": float(moved[-1]), "rank_bytes": float(rank_bytes[-1]), "samples_per_s": samples / mean,
+            "tokens": float(samples * tokens)}
     benchmark.extra_info.update(info)
     _results[(path, samples, tokens)] = info
     for actor in (queue, producer, *ranks):
@@ -151,7 +163,8 @@ def _print_table() -> None:
     """The figures side by side, once every case ran."""
     if not _results:
         return
-    print("\n| samples x tokens | path | controller bytes / step | samples/s |")
-    print("|---|---|---:|---:|")
+    print("\n| samples x tokens | path | controller bytes / step | busiest rank decodes / step | samples/s |")
+    print("|---|---|---:|---:|---:|")
     for (path, samples, tokens), info in sorted(_results.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0] != "value")):
-        print(f"| {samples} x {tokens} | {path} | {info['controller_bytes'] / 1e6:,.3f} MB | {info['samples_per_s']:,.0f} |")
+        print(f"| {samples} x {tokens} | {path} | {info['controller_bytes'] / 1e6:,.3f} MB | "
+              f"{info['rank_bytes'] / 1e6:,.1f} MB | {info['samples_per_s']:,.0f} |")

@@ -143,11 +143,12 @@ def test_samples_go_by_reference_from_their_producer_to_each_consumer(ray_cluste
 
 
 def test_each_trainer_rank_gets_only_its_own_whole_groups(ray_cluster):
-    """get_batch_refs(shares=dp) (meshrl.queues.parcels.Shares): a producer puts one blob per group
-    (put_ref, as the reward worker's Scored.by_ref does); each dp rank's share holds the refs of its
-    own groups only, disjoint from the other ranks' and covering the batch; its samples are exactly
-    what a trainer rank given the whole batch takes as its share (policy_trainer.share_of), and a
-    rank with no group gets one padding sample. put_ref refuses a blob count that is not one per group."""
+    """get_batch_refs(shares=dp) (meshrl.queues.parcels.Shares): with one blob per group, each dp
+    rank's share holds the refs of its own groups only, disjoint from the other ranks' and covering
+    the batch, and its samples are what a trainer rank given the whole batch takes as its share
+    (policy_trainer.share_of); a blob of several groups (the reward worker puts one per request)
+    goes to one rank whole; a rank with no group gets one padding sample. put_ref refuses a blob
+    count that is neither one nor one per group."""
     import ray
 
     from meshrl.actors.policy_trainer import share_of
@@ -161,17 +162,18 @@ def test_each_trainer_rank_gets_only_its_own_whole_groups(ray_cluster):
                        behavior_logprobs=[-0.5] * (lengths[g] + i), behavior_version=0, reward=float(i)) for i in range(GROUP)]
 
     class Producer:
-        def put(self, queue, groups: list[int], rid: int, split: bool = True):
+        def put(self, queue, groups: list[int], rid: int, split: bool = True, blobs: int | None = None):
             samples = [s for g in groups for s in group(g)]
-            blobs = [ray.put(encode_samples(group(g))) for g in groups] if split else [ray.put(encode_samples(samples))]
+            blobs = ([ray.put(encode_samples(group(g))) for g in groups[:blobs]] if split or blobs
+                     else [ray.put(encode_samples(samples))])
             return ray.get(queue.put_ref.remote(blobs, [meta_of(s) for s in samples], rid, timeout=30))
 
     n = len(lengths) * GROUP
     queue = ray.remote(SampleQueue).options(num_cpus=0).remote(QueueConfig(max_staleness=0), samples_per_step=n)
     producer = ray.remote(Producer).options(num_cpus=0).remote()
     r = ray.get(queue.reserve.remote(n, timeout=30))
-    with pytest.raises(ValueError, match="2 runs of group ids"):
-        ray.get(producer.put.remote(queue, [4, 5], r.id, split=False))
+    with pytest.raises(ValueError, match="2 blob refs for samples of 3 runs"):
+        ray.get(producer.put.remote(queue, [4, 5, 0], r.id, blobs=2))
     ray.get([producer.put.remote(queue, [5, 2, 0], r.id), producer.put.remote(queue, [1, 3, 4], r.id)])
     shares = ray.get(queue.get_batch_refs.remote(n, 0, timeout=30, shares=2))
     assert isinstance(shares, Shares) and shares.total == n and sum(shares.counts) == n
@@ -186,6 +188,15 @@ def test_each_trainer_rank_gets_only_its_own_whole_groups(ray_cluster):
     tokens = [sum(s.num_tokens for s in fetch_batch(b, timeout_s=30)) for b in shares.batches]
     assert abs(tokens[0] - tokens[1]) <= max(sum(s.num_tokens for s in group(g)) for g in range(len(lengths)))
 
+    # a blob of several groups (a request's, as the reward worker puts it) goes to one rank whole
+    requests = ray.remote(SampleQueue).options(num_cpus=0).remote(QueueConfig(max_staleness=0), samples_per_step=n)
+    r = ray.get(requests.reserve.remote(n, timeout=30))
+    ray.get([producer.put.remote(requests, [0, 1, 2], r.id, split=False),
+             producer.put.remote(requests, [3, 4, 5], r.id, split=False)])
+    shares = ray.get(requests.get_batch_refs.remote(n, 0, timeout=30, shares=2))
+    assert [len(b.parts) for b in shares.batches] == [1, 1] and shares.batches[0].parts != shares.batches[1].parts
+    assert [s.group_id for b in shares.batches for s in fetch_batch(b, timeout_s=30)] == [g for g in range(6) for _ in range(GROUP)]
+
     # more ranks than groups: the last rank pads with the step's first sample and trains nothing
     small = ray.remote(SampleQueue).options(num_cpus=0).remote(QueueConfig(max_staleness=0), samples_per_step=GROUP)
     r = ray.get(small.reserve.remote(GROUP, timeout=30))
@@ -193,5 +204,5 @@ def test_each_trainer_rank_gets_only_its_own_whole_groups(ray_cluster):
     few = ray.get(small.get_batch_refs.remote(GROUP, 0, timeout=30, shares=2))
     assert few.counts == [GROUP, 0] and fetch_batch(few.batches[1], timeout_s=30) == group(0)[:1]
     assert share_of(group(0), 1, 2) == (group(0)[:1], (GROUP, 0, GROUP))
-    for actor in (queue, small, producer):
+    for actor in (queue, requests, small, producer):
         ray.kill(actor)

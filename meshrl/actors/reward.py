@@ -26,7 +26,7 @@ from meshrl.envs.reward_models import MeshReward
 from meshrl.envs.rewards import FunctionReward, HTTPReward, to_reward_output
 from meshrl.mesh import Actor, endpoint
 from meshrl.queues import Sample, encode_samples
-from meshrl.queues.wire import SampleMeta, meta_of, raw_samples
+from meshrl.queues.wire import SampleMeta, meta_of
 from meshrl.tasks import Problem, RewardOutput, Task
 
 __all__ = ["RewardConfig", "RewardWorker", "RolloutJob", "Scored", "call_reward", "score_job", "score_job_with",
@@ -72,8 +72,8 @@ class Scored(msgspec.Struct, kw_only=True):
     completion_tokens: int
     """Tokens the policy generated (environment text excluded)."""
     ref: list[Any] = []
-    """``score(by_ref=True)``: an ``ObjectRef`` per group of its encoded samples in Ray's object
-    store, which the queue takes by reference (meshrl.queues.parcels)."""
+    """``score(by_ref=True)``: ``[ObjectRef]`` of the encoded samples in Ray's object store, which
+    the queue takes by reference (meshrl.queues.parcels)."""
     metas: list[SampleMeta] = []
     """What the queue schedules each sample by, in order."""
     received: float = 0.0
@@ -81,15 +81,13 @@ class Scored(msgspec.Struct, kw_only=True):
     a caller that passed them by reference."""
 
     def by_ref(self) -> "Scored":
-        """The samples moved into Ray's object store (owned by this process), one blob per group
-        (a trainer rank fetches its own groups' only): their refs and ``SampleMeta``s travel on
-        with the scores."""
+        """The samples moved into Ray's object store as one blob (owned by this process: a worker
+        that dies takes the blobs the queue holds with it, ``parcels.SamplesLost``): only its ref
+        and the ``SampleMeta``s travel on with the scores. A blob holds whole groups, so the queue
+        hands it to one trainer rank (``parcels.to_shares``)."""
         import ray
 
-        raws, metas = raw_samples(self.encoded), self.metas
-        starts = [i for i, m in enumerate(metas) if i == 0 or m.group_id != metas[i - 1].group_id] + [len(metas)]
-        refs = [ray.put(encode_samples(raws[a:b])) for a, b in zip(starts, starts[1:])]
-        return msgspec.structs.replace(self, encoded=b"", ref=refs)
+        return msgspec.structs.replace(self, encoded=b"", ref=[ray.put(self.encoded)])
 
 
 def call_reward(task: Task, problem: Problem, completion: str) -> tuple[RewardOutput, bool]:

@@ -252,12 +252,13 @@ def read_run_state(path: Path) -> RunState:
 
 
 def read_records(path: Path) -> list[dict]:
-    """The step and eval records of the run up to the checkpoint at ``path`` (oldest first)."""
+    """The records of the run up to the checkpoint at ``path`` that a resumed run carries on
+    (oldest first): steps, evaluations, the audit ledger and earlier resumes."""
     file = Path(path) / "metrics.jsonl"
     if not file.is_file():
         return []
     records = [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
-    return [r for r in records if r.get("kind") in ("step", "eval")]
+    return [r for r in records if r.get("kind") in ("step", "eval", "audit", "restart", "worker_restart")]
 
 
 def _complete(output_dir: str | Path) -> list[tuple[int, Path]]:

@@ -70,6 +70,19 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True):
     resume: str | None = None
     """latest: continue from the newest checkpoint under output_dir/checkpoints (a fresh start
     if there is none); a path: that checkpoint directory; null: start fresh."""
+    auto_resume: bool = False
+    """When a role's process dies (the trainer, the queue, a rollout worker past its restarts: any
+    ``ActorFailure``), tear the run down and resume it from its newest checkpoint by itself, redoing
+    at most checkpoint_every steps; a bug (an exception a role raised) still stops the run."""
+    max_restarts: int = 3
+    """auto_resume: the most resumes of one run; the next death stops it with the first failure."""
+    max_worker_restarts: int = 3
+    """Reward and reference workers are restarted in place (Ray re-creates the process) up to this
+    many times each, the calls they had in flight sent again, while the rest of the run goes on."""
+    audit: bool = False
+    """Keep the ledger of samples (meshrl.pipeline.audit): the groups the queue accepted and each
+    step trained, as ``audit`` records in metrics.jsonl; the summary says whether any group was
+    trained twice or accepted and lost."""
 
 
 class RolePlacement(msgspec.Struct, frozen=True, kw_only=True):
@@ -190,6 +203,9 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
             if not tensorboard_available():
                 raise ConfigError("`run.tensorboard`: true, but the tensorboard package is not installed "
                                   "(pip install tensorboard), or set it to null to write scalars only when it is")
+        for key in ("max_restarts", "max_worker_restarts"):
+            if not 0 <= getattr(self.run, key) <= 100:
+                raise ConfigError(f"`run.{key}`: must be 0 to 100, got {getattr(self.run, key)}")
         if self.run.keep_checkpoints < 0:
             raise ConfigError(f"`run.keep_checkpoints`: must be >= 0, got {self.run.keep_checkpoints}")
         resume = self.run.resume

@@ -13,7 +13,7 @@
  train loop:  queue.get_batch_refs waits for: samples_per_step samples (whole groups) SampleQueue
                                    within max_staleness of the current version
                                    unblocked by: rollout loop put_ref
-              trainer.train_step   (every dp rank fetches the batch's blobs by their refs)
+              trainer.train_step   (every dp rank fetches only its share's blobs, whole groups, by their refs)
               every sync_interval steps: version += 1; trainer.gather_weights (dp > 1: full
               tensors onto rank 0) → reshard.push_weights → engines
               every checkpoint_every steps and at the end: checkpoint (trainer state, queue
@@ -49,14 +49,17 @@ import uuid
 from pathlib import Path
 from typing import Any, AsyncIterator, Sequence
 
+import msgspec
+
 from meshrl.actors import ReferenceWorker, RewardWorker, RolloutWorker, Trainer
 from meshrl.actors.hybrid import HybridWorker
 from meshrl.config import ConfigError, to_yaml
 from meshrl.embedded import warm_start
 from meshrl.envs import EnvFactory
-from meshrl.mesh import ActorMesh, ProcMesh, actor_address, spawn_procs
+from meshrl.mesh import ActorFailure, ActorMesh, ProcMesh, RestartEvent, actor_address, spawn_procs
 from meshrl.pipeline import checkpoint as ckpt
 from meshrl.pipeline import evaluation
+from meshrl.pipeline.audit import check as audit_check
 from meshrl.pipeline.config import PipelineConfig
 from meshrl.pipeline.metrics import RunLog
 from meshrl.pipeline.rollout_loop import Roles, RolloutDriver, bounded
@@ -65,6 +68,7 @@ from meshrl.pipeline.startup import (WORKER_ENV, check_prompts, colocated_mem_fr
 from meshrl.pipeline.storage import check_storage
 from meshrl.pipeline.training import TrainLoop
 from meshrl.queues import QueueClosed
+from meshrl.queues.parcels import SamplesLost
 from meshrl.queues.actor import QueueActor
 from meshrl.reshard import meshes as reshard_meshes
 from meshrl.tasks import NamedFunction, Task, build_task, load_reward_function, source_split
@@ -72,6 +76,13 @@ from meshrl.tasks import NamedFunction, Task, build_task, load_reward_function, 
 __all__ = ["Pipeline"]
 
 logger = logging.getLogger(__name__)
+
+async def _enumerate(items: AsyncIterator[Any]) -> AsyncIterator[tuple[int, Any]]:
+    i = 0
+    async for item in items:
+        yield i, item
+        i += 1
+
 
 def _run_name(out_dir: Path) -> str:
     """The output directory's name, as a Ray namespace may hold it."""
@@ -119,6 +130,8 @@ class Pipeline:
         self._train: TrainLoop | None = None
         self._summary: dict[str, Any] | None = None
         self._closed = False  # the run closed its log and stops its roles
+        self._restarts: list[dict[str, Any]] = []
+        """run.auto_resume: one entry per resume (the dead role, its cause, the recovery seconds)."""
 
     @property
     def policy_version(self) -> int:
@@ -158,6 +171,16 @@ class Pipeline:
         self._procs.append(mesh)
         return mesh.spawn(name, cls, *args, **kwargs)
 
+    def _worker_restarted(self, event: RestartEvent) -> None:
+        """Ray re-created a reward or reference worker (run.max_worker_restarts): its calls that
+        failed are sent again by the rollout loops; said and recorded here."""
+        self._echo(f"restarted {event.mesh}/{event.rank} (restart {event.restarts} of run.max_worker_restarts="
+                   f"{self.cfg.run.max_worker_restarts}): {event.cause[:200]}")
+        if self.log is not None and not self._closed:
+            self.log.record("worker_restart", role=event.mesh, rank=event.rank, restarts=event.restarts,
+                            cause=event.cause[:500], step=self.step)
+            self.log.span(event.mesh, "restart", self.log.now(), self.log.now(), worker=event.rank)
+
     def _placement_line(self) -> str:
         """Where each role's processes were reserved: one node address per rank, in rank order; and
         the Ray namespace of the run's actors (named role/rank in it)."""
@@ -195,7 +218,9 @@ class Pipeline:
             await self.reward.start(self._spawn)
         # without an environment the task's reward is the default; an environment's rewards stand alone
         reward = self.reward if self.reward is not None else None if env else self.task
-        rewards = self._spawn("reward", RewardWorker, reward, model_dir, cfg.reward.timeout_s, procs=cfg.reward.num_workers)
+        restarts = {"max_restarts": cfg.run.max_worker_restarts, "on_restart": self._worker_restarted} if cfg.run.max_worker_restarts else {}
+        rewards = self._spawn("reward", RewardWorker, reward, model_dir, cfg.reward.timeout_s, procs=cfg.reward.num_workers,
+                              **restarts)
         if cfg.placement != "colocated" or sglang:
             trainer = self._spawn(
                 "trainer", Trainer, model_dir, cfg.trainer, cfg.algo, temperature=cfg.rollout.temperature,
@@ -205,7 +230,7 @@ class Pipeline:
         reference = None
         if cfg.algo.kl_coef > 0 and not cfg.trainer.reference_in_trainer:
             reference = self._spawn("reference", ReferenceWorker, model_dir, temperature=cfg.rollout.temperature,
-                                    tokens_per_microbatch=cfg.trainer.tokens_per_microbatch)
+                                    tokens_per_microbatch=cfg.trainer.tokens_per_microbatch, **restarts)
         meshes = [queue, rollouts, rewards] + ([trainer] if trainer is not rollouts else []) + ([reference] if reference else [])
         await asyncio.gather(*(m.ready().within(self.cfg.run.step_timeout_s) for m in meshes))
         engines = rollouts  # every engine rank: weight pushes reach them all
@@ -287,10 +312,55 @@ class Pipeline:
             raise RuntimeError("Pipeline.run() was already called: a Pipeline runs once (build a new one to resume)")
         self._started.set()
         try:
-            self._summary = await self._run()
-            return self._summary
+            while True:
+                try:
+                    self._summary = await self._run()
+                    return self._summary
+                except (ActorFailure, SamplesLost) as exc:  # a process died (or took queued samples with it)
+                    if not self._may_resume(exc):
+                        raise
+                    self._prepare_resume(exc)
         finally:
             self._finished.set()
+
+    def _may_resume(self, exc: BaseException) -> bool:
+        """run.auto_resume: a role's process died, the restart budget is not spent, nobody asked to stop."""
+        run = self.cfg.run
+        if not run.auto_resume or self._stop_requested.is_set():
+            return False
+        if len(self._restarts) >= run.max_restarts:
+            exc.add_note(f"run.auto_resume: the run was resumed {len(self._restarts)} times (run.max_restarts="
+                         f"{run.max_restarts}) and failed again; the first failure was: {self._restarts[0]['cause']}")
+            return False
+        return True
+
+    def _prepare_resume(self, exc: BaseException) -> None:
+        """Reset the per-attempt state so that ``_run`` resumes from the newest checkpoint."""
+        role, rank, cause = ((exc.mesh, exc.rank, exc.cause) if isinstance(exc, ActorFailure)
+                             else ("samples", -1, str(exc).splitlines()[0]))  # SamplesLost: their producer died
+        self._restarts.append({"restart": len(self._restarts) + 1, "role": role, "rank": rank, "cause": cause,
+                               "failed_at_step": self.step, "failed_at": time.time()})
+        self._echo(f"recovering: {str(exc).splitlines()[0][:300]}; resuming from the newest checkpoint (restart {len(self._restarts)} of "
+                   f"run.max_restarts={self.cfg.run.max_restarts})")
+        self.cfg = msgspec.structs.replace(self.cfg, run=msgspec.structs.replace(self.cfg.run, resume="latest"))
+        self._stopping.clear()
+        self._log_ready.clear()
+        self._roles_ready.clear()
+        self._failure, self._procs, self._servers, self._closed = None, [], None, False
+        self._rollout = self._train = None
+        self._namespace = f"meshrl-{_run_name(self.out_dir)}-{uuid.uuid4().hex[:6]}"  # the dead run's names may linger
+
+    def _record_restart(self, log: RunLog) -> None:
+        """After a resume by run.auto_resume: its record (cause, steps lost, recovery seconds) and a
+        marker on the dead role's lane of the timeline."""
+        r = self._restarts[-1]
+        r["recovery_s"] = round(time.time() - r["failed_at"], 3)
+        r["resumed_at_step"] = self.step
+        log.record("restart", **r)
+        log.span(r["role"], "restart", 0.0, log.now(), restart=r["restart"])
+        who = "samples the queue held were lost" if r["role"] == "samples" else f"{r['role']}/{r['rank']} died"
+        self._echo(f"recovered in {r['recovery_s']:.1f}s: {who} at step {r['failed_at_step']}, the run goes on from "
+                   f"step {self.step}")
 
     async def _run(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -346,6 +416,8 @@ class Pipeline:
                 before = await self._evaluate()
                 train.accuracy_before = before["accuracy"]
                 self._echo(f"held-out accuracy before RL: {before['accuracy']:.1%} ({before['problems']} problems)")
+            if self._restarts and "recovery_s" not in self._restarts[-1]:
+                self._record_restart(log)
             loops = [
                 asyncio.create_task(self._guard(rollout.loop(roles.rollouts.slice(procs=i), i)))
                 for i in range(cfg.rollout.num_workers) for _ in range(cfg.rollout.requests_in_flight)
@@ -385,6 +457,7 @@ class Pipeline:
                 after = None
             else:
                 after = (await self._evaluate())["accuracy"]
+            audit = await self._audit(roles) if cfg.run.audit else None
             # every dp rank takes part (the full weights are gathered); rank 0 writes
             final_dir = (await roles.trainer.save_hf.call(str(self.out_dir / "final")).within(cfg.run.step_timeout_s)).values()[0]
         finally:
@@ -402,10 +475,23 @@ class Pipeline:
             "plot": str(plot), "timeline": str(self.out_dir / "timeline.png"), "metrics": str(self.out_dir / "metrics.jsonl"),
             "stopped": stopped, "steady_state": run_summary(self.out_dir),  # idle per role, phase times (meshrl.pipeline.timeline)
             "last_checkpoint": str(ckpt.latest_checkpoint(self.out_dir)),
+            "restarts": self._restarts, **({"audit": audit} if audit is not None else {}),
         }
         with (self.out_dir / "metrics.jsonl").open("a") as f:
             f.write(json.dumps({"kind": "summary", **summary}) + "\n")
         return summary
+
+    async def _audit(self, roles: Roles) -> dict[str, Any]:
+        """The ledger's verdict on this run's history (meshrl.pipeline.audit), said in a line."""
+        queued = await bounded(roles.queue.held_groups.call_one(), self.cfg.run.step_timeout_s, "the queue's groups")
+        verdict = audit_check(self.log.records, queued)
+        if verdict["ok"]:
+            self._echo(f"audit: {verdict['trained_samples']} samples trained, each once; {verdict['accepted_samples']} "
+                       f"accepted, none lost ({sum(queued.values())} still queued)")
+        else:
+            logger.error("audit: groups trained twice %s, accepted and lost %s", verdict["trained_twice"][:20],
+                         verdict["lost"][:20])
+        return verdict
 
     async def _guard(self, coro, *, always_fails: bool = False, what: str | None = None) -> None:
         """Run a loop (or a periodic evaluation); on an unexpected error remember it and close the
@@ -503,11 +589,43 @@ class Pipeline:
     async def metrics(self) -> AsyncIterator[dict[str, Any]]:
         """Every metrics record (steps, evals) of the run, from its first, as the run writes them;
         ends when the run ends. Iterate it beside ``run()``, from the loop turn its task is created in
-        (``asyncio.create_task(pipeline.run())`` first) or any time after."""
+        (``asyncio.create_task(pipeline.run())`` first) or any time after. After a resume by
+        run.auto_resume it goes on with the resumed run's records: a ``restart`` record, then the
+        steps from the checkpoint's on (the steps past it are done again)."""
         await self._wait_for(self._log_ready, "Pipeline.metrics", self._startup_timeout_s())
-        if self.log is not None:
-            async for rec in self.log.stream(replay=True):
-                yield rec
+        log, first = self.log, True
+        while log is not None:
+            skip = 0 if first else log.replayed  # the checkpoint's records were streamed by the earlier log
+            async for i, rec in _enumerate(log.stream(replay=True)):
+                if i >= skip:
+                    yield rec
+            first = False
+            # the log closed: the run ended, or run.auto_resume starts the next attempt's log (seconds)
+            while not self._finished.is_set() and (self.log is log or not self._log_ready.is_set()):
+                await asyncio.sleep(0.05)
+            log = None if self._finished.is_set() else self.log
+
+    async def processes(self) -> dict[str, int]:
+        """``{"role/rank": pid}`` of every role's process (queue, rollout, reward, trainer, reference)
+        of the running attempt: what an operator (or a fault-injection test) signals."""
+        roles = (await self._running("Pipeline.processes")).roles
+        meshes = {"queue": roles.queue, "rollout": roles.engines, "reward": roles.rewards, "trainer": roles.trainer,
+                  **({"reference": roles.reference} if roles.reference is not None else {})}
+        out: dict[str, int] = {}
+        for name, mesh in meshes.items():
+            if name == "trainer" and mesh is roles.engines:
+                continue  # colocated: the hybrid workers are listed as rollout
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    pids = (await mesh._run_all(os.getpid, what="their process ids").within(60)).values()
+                    break
+                except ActorFailure as exc:  # a supervised worker being restarted answers once it is back
+                    if "temporarily unavailable" not in exc.cause or time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.5)
+            out.update({f"{name}/{rank}": pid for rank, pid in enumerate(pids)})
+        return out
 
     async def _running(self, what: str) -> RolloutDriver:
         if not await self._wait_for(self._roles_ready, what, self._startup_timeout_s()) or self._closed:

@@ -32,7 +32,7 @@ async def evaluate(driver: RolloutDriver, task: Task, log: RunLog, *, step: int,
     async def part(problems: list[Problem]) -> Any:
         async with gate:
             job = await driver.play(roles.rollouts, problems, greedy=True, n=1, group_ids=None, what="held-out generation")
-        return await bounded(roles.rewards.score.choose(job, within_s=timeout), timeout, "held-out scoring")
+        return await driver.again(lambda: roles.rewards.score.choose(job, within_s=timeout), timeout, "held-out scoring")
 
     scored = await asyncio.gather(*(part(problems[i : i + chunk]) for i in range(0, len(problems), chunk)))
     rewards = [x for s in scored for x in s.rewards]

@@ -62,6 +62,8 @@ class RunLog:
         self._timeline = (out_dir / "timeline.jsonl").open("w")
         self.t0 = time.perf_counter()
         self.records: list[dict[str, Any]] = []
+        self.replayed = 0
+        """Records replayed from the checkpoint this run resumed from (the first ones of ``records``)."""
         self._subscribers: list[asyncio.Queue] = []
         self._closed = False
         self._bar = None
@@ -94,6 +96,7 @@ class RunLog:
         """A record of the checkpointed run this one continues, as written then: into metrics.jsonl
         and the streams, and into TensorBoard from the resumed step on (the purged ones)."""
         rec = dict(rec)
+        self.replayed += 1
         self._write(rec)
         if rec.get("step", -1) >= self._resumed_step:
             self._scalars(rec)

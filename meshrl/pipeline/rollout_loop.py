@@ -20,6 +20,8 @@ checkpoint knows what was in flight. A request interrupted by ``Pipeline.stop`` 
 from __future__ import annotations
 
 import asyncio
+import collections
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -27,13 +29,16 @@ from typing import Any
 from meshrl.actors import RolloutJob
 from meshrl.engines import GenerateRequest, SamplingParams
 from meshrl.envs import EpisodeRequest
-from meshrl.mesh import ActorMesh
+from meshrl.mesh import ActorFailure, ActorMesh
 from meshrl.pipeline import checkpoint as ckpt
+from meshrl.pipeline.audit import AuditLog
 from meshrl.pipeline.config import PipelineConfig
 from meshrl.pipeline.metrics import RunLog
 from meshrl.tasks import Problem
 
 __all__ = ["Roles", "RolloutDriver", "bounded"]
+
+logger = logging.getLogger("meshrl.pipeline")
 
 
 async def bounded(future, seconds: float, what: str):
@@ -76,6 +81,10 @@ class RolloutDriver:
         self.taking.set()
         self.generated_tokens = 0
         """Policy tokens generated for training so far."""
+        self.reissued_calls = 0
+        """Reward and reference calls sent again because their worker died (``_again``)."""
+        self.audit = AuditLog(log, cfg.run.audit)
+        """The ledger of samples accepted and trained (run.audit)."""
 
     def _sampling(self, *, greedy: bool, n: int, seed: int | None, max_new_tokens: int | None = None) -> SamplingParams:
         r = self.cfg.rollout
@@ -162,19 +171,20 @@ class RolloutDriver:
                 # reward worker answers within `timeout` of getting them, marking what a slow reward
                 # has not scored by then.
                 generating, job_in, kind = self.start_play(worker, problems, greedy=False, n=n, group_ids=group_ids)
-                scored = await bounded(self.roles.rewards.score.choose(job_in, within_s=timeout, by_ref=True,
-                                                                       **{kind: generating.ref()}),
-                                       2 * timeout, f"rollout worker {worker_index} to generate and a reward worker "
-                                       "to score")
+                scored = await self.again(
+                    lambda: self.roles.rewards.score.choose(job_in, within_s=timeout, by_ref=True, **{kind: generating.ref()}),
+                    2 * timeout, f"rollout worker {worker_index} to generate and a reward worker to score", generating)
                 t1 = t0 + max(0.0, scored.received - wall0)  # when the generations reached the reward worker
                 self.log.span("rollout", "generate", t0, t1, worker=worker_index)
                 ref = scored.ref
                 if self.roles.reference is not None:
-                    ref = await bounded(self.roles.reference.annotate.choose(ref), timeout, "the reference worker")
+                    ref = await self.again(lambda: self.roles.reference.annotate.choose(scored.ref), timeout,
+                                            "the reference worker")
                 self.log.span("reward", "score", t1, self.log.now(), worker=worker_index)
                 # waits for: room under capacity_tokens; unblocked by: train loop get_batch_refs
                 await bounded(queue.put_ref.call_one(ref, scored.metas, job.reservation_id),
                               self.cfg.queue.put_timeout_s + 30, "the queue to accept samples")
+                self.audit.accepted(collections.Counter(m.group_id for m in scored.metas).items())
                 self.generated_tokens += scored.completion_tokens
             except BaseException:
                 if not self.stopping.is_set():
@@ -183,6 +193,28 @@ class RolloutDriver:
                 # stopping: the request stays in the ledger, so the checkpoint re-issues it on resume
                 raise
             self.ledger.done(job.reservation_id)
+
+    async def again(self, call, seconds: float, what: str, inputs: Any = None) -> Any:
+        """``bounded(call(), ...)``, sent again while the reward or reference worker that took it
+        is being restarted by Ray (run.max_worker_restarts): its inputs are refs that outlive it,
+        and a call in flight is never run twice by Ray (max_task_retries=0). A worker past its
+        restarts is dead for good: that failure is raised. ``inputs``: the future the call's inputs
+        come from; when that one failed (a dead rollout worker) its failure is raised."""
+        deadline, pause = time.monotonic() + seconds, 0.1
+        while True:
+            try:
+                return await bounded(call(), max(1.0, deadline - time.monotonic()), what)
+            except ActorFailure as exc:
+                if inputs is not None:
+                    await bounded(inputs, seconds, what)  # raises the rollout worker's own failure, if it is one
+                restarting = "temporarily unavailable" in exc.cause or "restarting" in exc.cause
+                if (exc.mesh not in ("reward", "reference") or not restarting or not self.cfg.run.max_worker_restarts
+                        or time.monotonic() + pause > deadline):
+                    raise
+                self.reissued_calls += 1
+                logger.warning("%s; sending its call again in %.1fs", exc.cause.splitlines()[0][:200], pause)
+                await asyncio.sleep(pause)
+                pause = min(2 * pause, 2.0)
 
     async def drain(self, timeout_s: float) -> int:
         """Wait until every request in flight has put its samples (call with ``stopping`` set);

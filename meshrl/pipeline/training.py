@@ -90,6 +90,7 @@ class TrainLoop:
             if "colocated/switch_to_train_s" in metrics:  # placement=colocated: the step began by freeing the KV cache
                 self.log.span("colocated", "switch_to_train", t1, t1 + metrics["colocated/switch_to_train_s"])
             self.step += 1
+            self.rollout.audit.trained(self.step, batch.groups)
             sync_s, pushed = 0.0, self._pushes_after(self.step)
             every = cfg.run.checkpoint_every
             last = self.step == cfg.run.total_steps and cfg.run.checkpoint_at_end
@@ -106,6 +107,7 @@ class TrainLoop:
                 "step_time_s": now - last_end, "batch_wait_s": t1 - t0, "sync_time_s": sync_s,
                 **self.sync.phases(),
                 "tokens_per_s": (generated - window[0][1]) / max(now - window[0][0], 1e-9), "generated_tokens": generated,
+                "reissued_calls": self.rollout.reissued_calls,
                 **{f"queue/{k}": v for k, v in queue_m.items() if isinstance(v, (int, float))},
             })
             last_end = now
@@ -157,6 +159,7 @@ class TrainLoop:
         self.rollout.taking.clear()  # no new prompts are taken until the state below is captured
         try:
             snapshot = await bounded(self.roles.queue.snapshot.call_one(), timeout, "the queue's snapshot")
+            self.rollout.audit.trained(self.step, ())  # what the queue took until now, into this checkpoint's lineage
             state = ckpt.RunState(
                 step=self.step, version=self.version, prompt_position=ledger.stream.position,
                 next_group=ledger.next_group, generated_tokens=self.rollout.generated_tokens,

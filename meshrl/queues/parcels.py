@@ -5,10 +5,10 @@ into Ray's object store once and sends the queue only the blob's ``ObjectRef`` a
 ``SampleMeta`` (what admission schedules by). The queue holds one ``Parcel`` per sample (the ref
 and the sample's index in the blob) and hands a batch out as a ``Batch``: the refs, in batch
 order, with the indices each one contributes, or as ``Shares``: one ``Batch`` per trainer dp
-rank, whole groups each (``share_groups``). A producer puts one blob per group, so a rank fetches
-the blobs of its own groups from the producers' nodes and nothing else, and the process that
-drives the run (and the queue actor) move ids, counts and refs, never a sample's tokens: what
-they carry per step does not grow with the tokens.
+rank, whole groups each (``to_shares``): a producer's blob holds whole groups (a request's) and
+goes to one rank, so a rank fetches its own blobs from the producers' nodes and nothing else,
+and the process that drives the run (and the queue actor) move ids, counts and refs, never a
+sample's tokens: what they carry per step does not grow with the tokens.
 
 Ray's distributed reference counting keeps a blob alive while any parcel, batch or fetch holds
 its ref (the producer owns it: a producer that dies takes its unconsumed blobs with it, which
@@ -26,7 +26,13 @@ import msgspec
 from meshrl.queues.sample import Sample
 from meshrl.queues.wire import decode_samples, encode_samples, split_encoded
 
-__all__ = ["Batch", "Parcel", "Shares", "fetch_batch", "materialize", "share_groups", "to_batch", "to_shares"]
+__all__ = ["Batch", "Parcel", "SamplesLost", "Shares", "fetch_batch", "materialize", "share_groups", "to_batch", "to_shares"]
+
+
+class SamplesLost(RuntimeError):
+    """Blobs a batch needs are gone with the process that put them (a reward or reference worker
+    that died): the step cannot train them. ``run.auto_resume`` resumes from the newest checkpoint,
+    whose queue snapshot holds the samples accepted until then (the later ones are generated again)."""
 
 
 class Parcel:
@@ -92,6 +98,8 @@ class Shares(msgspec.Struct, frozen=True):
     starts: list[int]
     counts: list[int]
     total: int
+    groups: list[tuple[int, int]] = []
+    """``(group_id, samples)`` of every group of the step, in the step's order (the run's audit)."""
 
     def of(self, rank: int) -> tuple[Batch, int, int]:
         """``(batch, start, count)`` of dp rank ``rank``."""
@@ -123,16 +131,35 @@ def share_groups(tokens: Sequence[int], ranks: int) -> list[range]:
 
 
 def to_shares(groups: Sequence[tuple[int, int, Sequence[Any]]], ranks: int) -> Shares:
-    """``Shares`` of ``groups`` (``(group_id, tokens, items)`` each, any order) for ``ranks`` dp ranks."""
+    """``Shares`` of ``groups`` (``(group_id, tokens, items)`` each, any order) for ``ranks`` dp ranks.
+
+    The groups go in id order, and the split (``share_groups``) is over runs of groups that share
+    one blob (a producer's request), so each rank fetches its own blobs only; with fewer such
+    runs than ranks, over single groups (then a blob may go to two ranks)."""
     ordered = sorted(groups, key=lambda g: g[0])
+
+    def blob(g: tuple[int, int, Sequence[Any]]) -> Any:
+        """The one blob all of the group's parcels are in, else None."""
+        first = g[2][0]
+        same = isinstance(first, Parcel) and all(isinstance(it, Parcel) and it.ref == first.ref for it in g[2])
+        return first.ref if same else None
+
+    units: list[list[int]] = []  # runs of group indices, one blob each
+    for i, g in enumerate(ordered):
+        if units and blob(g) is not None and blob(g) == blob(ordered[units[-1][-1]]):
+            units[-1].append(i)
+        else:
+            units.append([i])
+    if len(units) < ranks:
+        units = [[i] for i in range(len(ordered))]
     batches, starts, counts, start = [], [], [], 0
-    for run in share_groups([g[1] for g in ordered], ranks):
-        items = [item for g in ordered[run.start : run.stop] for item in g[2]]
+    for run in share_groups([sum(ordered[i][1] for i in u) for u in units], ranks):
+        items = [item for u in units[run.start : run.stop] for i in u for item in ordered[i][2]]
         starts.append(start)
         counts.append(len(items))
         start += len(items)
         batches.append(to_batch(items if items else list(ordered[0][2][:1])))
-    return Shares(batches, starts, counts, start)
+    return Shares(batches, starts, counts, start, [(g[0], len(g[2])) for g in ordered])
 
 
 def fetch_batch(batch: Batch | bytes, timeout_s: float | None = None) -> list[Sample]:
@@ -148,6 +175,8 @@ def fetch_batch(batch: Batch | bytes, timeout_s: float | None = None) -> list[Sa
     except ray.exceptions.GetTimeoutError:
         raise TimeoutError(f"gave up after {timeout_s:g}s fetching a batch's {len(refs)} sample blob(s) from the "
                            "object store (their producers' nodes)") from None
+    except ray.exceptions.ObjectLostError as exc:
+        raise SamplesLost(f"a batch's sample blobs were lost with the worker that put them: {str(exc)[:300]}") from None
     out: list[Sample] = []
     for blob, wanted in zip(blobs, batch.indices):
         samples = decode_samples(blob)
@@ -157,6 +186,12 @@ def fetch_batch(batch: Batch | bytes, timeout_s: float | None = None) -> list[Sa
 
 async def materialize(items: Sequence[Any]) -> list[Any]:
     """``items`` with every parcel replaced by its raw sample (a snapshot stores the bytes)."""
+    import ray
+
     refs = list(dict.fromkeys(p.ref for p in items if isinstance(p, Parcel)))
-    raws = {ref: split_encoded(blob)[0] for ref, blob in zip(refs, await asyncio.gather(*refs))} if refs else {}
+    try:
+        blobs = await asyncio.gather(*refs)
+    except ray.exceptions.ObjectLostError as exc:
+        raise SamplesLost(f"queued sample blobs were lost with the worker that put them: {str(exc)[:300]}") from None
+    raws = {ref: split_encoded(blob)[0] for ref, blob in zip(refs, blobs)}
     return [raws[item.ref][item.index] if isinstance(item, Parcel) else item for item in items]

@@ -142,14 +142,17 @@ class SampleQueue:
 
     async def put_ref(self, blobs: list[Any], metas: list[SampleMeta], reservation_id: int, *,
                       timeout: float | None = None) -> None:
-        """``put`` by reference (parcels.py): ``blobs``, one ``ObjectRef`` of an ``encode_samples``
-        blob in Ray's object store per group, in the order the groups' samples come in ``metas``
-        (each sample's ``SampleMeta``; a group's samples one run); the queue keeps the refs, never
-        the bytes."""
+        """``put`` by reference (parcels.py): ``blobs``, ``ObjectRef``s of ``encode_samples`` blobs
+        in Ray's object store, either one holding every sample of ``metas`` or one per group, in
+        the order the groups' samples come in ``metas`` (each sample's ``SampleMeta``; a group's
+        samples one run); the queue keeps the refs, never the bytes."""
         runs = [i for i, m in enumerate(metas) if i == 0 or m.group_id != metas[i - 1].group_id]
-        if len(runs) != len(blobs) or len({metas[i].group_id for i in runs}) != len(runs):
+        if len(blobs) == 1:
+            runs = runs[:1]
+        elif len(runs) != len(blobs) or len({metas[i].group_id for i in runs}) != len(runs):
             raise ValueError(f"put_ref: {len(blobs)} blob refs for samples of {len(runs)} runs of group ids "
-                             f"{[metas[i].group_id for i in runs]}: give one blob per group, each group's samples one run")
+                             f"{[metas[i].group_id for i in runs]}: give one blob, or one per group with each "
+                             "group's samples one run")
         items, bounds = [], runs + [len(metas)]
         for ref, a, b in zip(blobs, bounds, bounds[1:]):
             items += [Parcel(ref, i) for i in range(b - a)]
@@ -291,6 +294,10 @@ class SampleQueue:
         """
         self._closed = True
         self._notify()
+
+    async def held_groups(self) -> dict[int, int]:
+        """``{group_id: samples}`` of every group the queue holds (taken, not handed out yet)."""
+        return {gid: len(g.items) for gid, g in self._store.groups.items()}
 
     async def metrics(self) -> dict[str, float]:
         c, s, a = self._counters, self._store, self._adm

@@ -109,12 +109,6 @@ def split_encoded(blob: bytes) -> tuple[list[msgspec.Raw], list[SampleMeta]]:
     return [r.copy() for r in _raw_list_decoder.decode(blob)], metas
 
 
-def raw_samples(blob: bytes) -> list[msgspec.Raw]:
-    """One raw slice per sample of an ``encode_samples`` blob, views into it (``encode_samples``
-    takes them back verbatim: regrouping a blob without decoding its samples)."""
-    return _raw_list_decoder.decode(blob)
-
-
 def encoded_metas(blob: bytes) -> list[SampleMeta]:
     """The ``SampleMeta`` of each sample of an ``encode_samples`` blob (its arrays stay undecoded)."""
     try:
