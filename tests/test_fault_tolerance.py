@@ -54,7 +54,11 @@ async def _run_with_kills(cfg: PipelineConfig, kills: list[tuple[int, str]], see
     pending, killed, records = sorted(kills), [], []
     async for rec in pipeline.metrics():
         records.append((time.time(), rec))
-        if rec["kind"] == "step" and pending and rec["step"] >= pending[0][0]:
+        # a supervised worker is killed again only once its last restart was reported (Ray's restart
+        # is seconds on 2 busy cores; meshrl.mesh watches each incarnation from its restart on)
+        last = max((t for k, t in killed if k.startswith("reward")), default=None)
+        back = last is None or any(t > last and r["kind"] in ("worker_restart", "restart") for t, r in records)
+        if rec["kind"] == "step" and pending and rec["step"] >= pending[0][0] and (back or not pending[0][1].startswith("reward")):
             _, role = pending.pop(0)
             await asyncio.sleep(rng.uniform(0.0, rec["step_time_s"]))
             os.kill(await _pid(pipeline, role), signal.SIGKILL)

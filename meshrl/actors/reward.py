@@ -44,9 +44,17 @@ class RewardConfig(msgspec.Struct, frozen=True, kw_only=True):
     whole job is bounded too: samples not scored within run.step_timeout_s (less a tenth, at most
     30 s) are marked, so a slow reward marks samples instead of ending the run."""
 
+    inline_bytes: int = 65536
+    """A request's samples whose encoded size is under this many bytes go on by value (through the
+    process driving the run, as Ray sends any small message); larger ones stay in the reward
+    worker's object store and go by reference, each trainer rank fetching its own. The driver then
+    moves at most this much per request, however long the samples are. 0: always by reference."""
+
     def __post_init__(self) -> None:
         if self.num_workers < 1 or not self.timeout_s > 0:
             raise ValueError(f"reward: need num_workers >= 1 and timeout_s > 0, got {self.num_workers}, {self.timeout_s}")
+        if self.inline_bytes < 0:
+            raise ValueError(f"reward.inline_bytes: must be >= 0, got {self.inline_bytes}")
 
 
 class RolloutJob(msgspec.Struct, kw_only=True):
@@ -232,11 +240,12 @@ class RewardWorker(Actor):
         self.timeout_s = timeout_s
 
     @endpoint
-    async def score(self, job: RolloutJob, within_s: float | None = None, by_ref: bool = False,
+    async def score(self, job: RolloutJob, within_s: float | None = None, by_ref: bool | int = False,
                     results: list[GenerateResult] | None = None, episodes: list[list[Episode]] | None = None) -> Scored:
         """``within_s``: how long the caller waits for the scoring (its timeout); the job answers
         within it, marking the samples a slow reward has not scored by then, so a slow reward never
-        ends the run. ``by_ref``: the samples stay in this node's object store (``Scored.by_ref``).
+        ends the run. ``by_ref``: the samples stay in this node's object store (``Scored.by_ref``);
+        a number: only if they encode to at least that many bytes.
         ``results`` / ``episodes``: the job's generations, when the caller passes the generate
         call's ref (``Future.ref``): Ray fetches them from the rollout worker's node for this call,
         so they never pass through the caller."""
@@ -247,5 +256,6 @@ class RewardWorker(Actor):
             job.episodes, job.prompt_ids = episodes, [group[0].prompt_ids for group in episodes]
         scored = await score_job_with(self.reward, self.tokenizer, job, self.timeout_s, within_s=within_s)
         scored.received = received
+        by_ref = by_ref and len(scored.encoded) >= (by_ref if type(by_ref) is int else 0)
         return scored.by_ref() if by_ref else scored
 

@@ -77,6 +77,22 @@ __all__ = ["Pipeline"]
 
 logger = logging.getLogger(__name__)
 
+def _death(exc: BaseException) -> BaseException | None:
+    """The role's death behind ``exc`` (an ``ActorFailure``, or ``SamplesLost``), through causes,
+    contexts and exception groups; None when it is not one (a bug stops the run)."""
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, (ActorFailure, SamplesLost)):
+            return e
+        todo += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]
+    return None
+
+
 async def _enumerate(items: AsyncIterator[Any]) -> AsyncIterator[tuple[int, Any]]:
     i = 0
     async for item in items:
@@ -316,10 +332,11 @@ class Pipeline:
                 try:
                     self._summary = await self._run()
                     return self._summary
-                except (ActorFailure, SamplesLost) as exc:  # a process died (or took queued samples with it)
-                    if not self._may_resume(exc):
+                except Exception as exc:
+                    death = _death(exc)  # a process died (or took queued samples with it), maybe mid-push
+                    if death is None or not self._may_resume(exc):
                         raise
-                    self._prepare_resume(exc)
+                    self._prepare_resume(death)
         finally:
             self._finished.set()
 
@@ -409,6 +426,7 @@ class Pipeline:
             self._rollout = rollout = RolloutDriver(cfg, roles, tokenizer, ledger, log, stopping=self._stopping,
                                                     environment=self.environment is not None)
             self._train = train = TrainLoop(cfg, roles, rollout, log, self.out_dir, evaluate=self._periodic_evaluation)
+            train.restarts = len(self._restarts)
             self._roles_ready.set()
             if resume_from is not None:
                 self._echo(await train.restore(resume_from))

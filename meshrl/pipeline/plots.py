@@ -17,7 +17,7 @@ from meshrl.pipeline.timeline import lane_of, merge, steady_window, timeline_sum
 
 __all__ = ["plot_run", "draw_timeline", "plot_timeline"]
 
-_ACTIVITY_COLORS = {"generate": "tab:blue", "score": "tab:orange", "train_step": "tab:green", "push_weights": "tab:red",
+_ACTIVITY_COLORS = {"restart": "black", "generate": "tab:blue", "score": "tab:orange", "train_step": "tab:green", "push_weights": "tab:red",
                     "checkpoint": "tab:brown", "held-out": "tab:purple", "switch_to_train": "tab:gray"}
 
 

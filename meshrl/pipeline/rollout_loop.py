@@ -171,19 +171,21 @@ class RolloutDriver:
                 # reward worker answers within `timeout` of getting them, marking what a slow reward
                 # has not scored by then.
                 generating, job_in, kind = self.start_play(worker, problems, greedy=False, n=n, group_ids=group_ids)
+                inline = max(1, self.cfg.reward.inline_bytes)  # by reference from this size on (reward.inline_bytes)
                 scored = await self.again(
-                    lambda: self.roles.rewards.score.choose(job_in, within_s=timeout, by_ref=True, **{kind: generating.ref()}),
+                    lambda: self.roles.rewards.score.choose(job_in, within_s=timeout, by_ref=inline, **{kind: generating.ref()}),
                     2 * timeout, f"rollout worker {worker_index} to generate and a reward worker to score", generating)
                 t1 = t0 + max(0.0, scored.received - wall0)  # when the generations reached the reward worker
                 self.log.span("rollout", "generate", t0, t1, worker=worker_index)
-                ref = scored.ref
+                samples = scored.ref or scored.encoded  # refs, or a small request's bytes
                 if self.roles.reference is not None:
-                    ref = await self.again(lambda: self.roles.reference.annotate.choose(scored.ref), timeout,
-                                            "the reference worker")
+                    samples = await self.again(lambda: self.roles.reference.annotate.choose(scored.ref or scored.encoded),
+                                               timeout, "the reference worker")
                 self.log.span("reward", "score", t1, self.log.now(), worker=worker_index)
                 # waits for: room under capacity_tokens; unblocked by: train loop get_batch_refs
-                await bounded(queue.put_ref.call_one(ref, scored.metas, job.reservation_id),
-                              self.cfg.queue.put_timeout_s + 30, "the queue to accept samples")
+                put = (queue.put_ref.call_one(samples, scored.metas, job.reservation_id) if scored.ref
+                       else queue.put_encoded.call_one(samples, job.reservation_id))
+                await bounded(put, self.cfg.queue.put_timeout_s + 30, "the queue to accept samples")
                 self.audit.accepted(collections.Counter(m.group_id for m in scored.metas).items())
                 self.generated_tokens += scored.completion_tokens
             except BaseException:

@@ -57,6 +57,8 @@ class TrainLoop:
         self.accuracy_before: float | None = None
         self.evals: list[asyncio.Task] = []
         """Held-out evaluations started every run.eval_every steps."""
+        self.restarts = 0
+        """Resumes of this run by run.auto_resume so far (the controller sets it)."""
         self.sync = weight_sync(cfg, roles, self._publish)
         """How the weights reach the engines: arm, push, settle (meshrl.pipeline.weight_sync)."""
 
@@ -107,7 +109,7 @@ class TrainLoop:
                 "step_time_s": now - last_end, "batch_wait_s": t1 - t0, "sync_time_s": sync_s,
                 **self.sync.phases(),
                 "tokens_per_s": (generated - window[0][1]) / max(now - window[0][0], 1e-9), "generated_tokens": generated,
-                "reissued_calls": self.rollout.reissued_calls,
+                "reissued_calls": self.rollout.reissued_calls, "restarts": self.restarts,
                 **{f"queue/{k}": v for k, v in queue_m.items() if isinstance(v, (int, float))},
             })
             last_end = now

@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from meshrl.mesh.errors import ActorFailure
 from meshrl.reshard.layout import DestLayout, SourceLayout, dest_layout, local_tensors, source_layout
 from meshrl.reshard.push import PushStats, ReshardConfig, ReshardError, Resharder
 from meshrl.reshard.transport import GroupRanks
@@ -149,18 +150,31 @@ class Push:
 
     async def sent(self) -> None:
         """Until every trainer rank has sent: its weights may change again from here on. A failed
-        send raises (with the receive's error, if any) as ``finish`` does."""
+        send raises (with the receive's error, if any) as ``finish`` does, and so does a process
+        of either side that died (the other side would only wait for its timeout)."""
+        await asyncio.wait([self.sending, self.receiving], return_when=asyncio.FIRST_EXCEPTION)
+        self._raise_death()
         await asyncio.wait([self.sending])
         if self.sending.exception() is not None:
             await self.finish()
 
+    def _raise_death(self) -> None:
+        """A side that failed because one of its processes died: the push fails now, naming it."""
+        for side in (self.sending, self.receiving):
+            exc = side.exception() if side.done() and not side.cancelled() else None
+            if isinstance(exc, ActorFailure):
+                raise ReshardError(f"push of v{self.version} failed: {exc}") from exc
+
     async def finish(self) -> PushStats:
         """Until every engine serves ``version``; the push's parts, the slowest process's of each."""
+        await asyncio.wait([self.sending, self.receiving], return_when=asyncio.FIRST_EXCEPTION)
+        self._raise_death()
         sent, got = await asyncio.gather(self.sending, self.receiving, return_exceptions=True)
         errors = [e for e in (sent, got) if isinstance(e, BaseException)]
         if errors:
+            death = next((e for e in errors if isinstance(e, ActorFailure)), errors[0])
             raise ReshardError(f"push of v{self.version} failed: " + "; ".join(f"{type(e).__name__}: {e}"
-                                                                             for e in errors)) from errors[0]
+                                                                             for e in errors)) from death
         stale = [s.version for s in got.values() if s.version != self.version]
         if stale:
             raise ReshardError(f"push of v{self.version}: engines report versions {stale}")
