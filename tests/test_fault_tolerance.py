@@ -88,10 +88,14 @@ def test_a_killed_reward_worker_is_restarted_in_place_and_loses_nothing(ray_clus
     # the rest of the run went on; a resume only where the dead worker's process held samples the
     # queue had accepted (SamplesLost: the checkpoint's snapshot has them)
     assert summary["steps"] == 16 and {r["role"] for r in summary["restarts"]} <= {"samples"}, summary["restarts"]
-    restarts = [(t, r) for t, r in records if r["kind"] == "worker_restart"]
-    assert [r["role"] for _, r in restarts] == ["reward", "reward"] and [r["restarts"] for _, r in restarts] == [1, 2]
-    for (_, t_kill), (t_back, _) in zip(killed, restarts):
+    # each kill is answered by the worker's restart in place, or (when the next step needed samples
+    # the dead process held) by a resume; either within 30 s
+    back = [(t, r) for t, r in records if r["kind"] == "worker_restart" or (r["kind"] == "restart" and r["role"] == "samples")]
+    assert len(killed) == 2 and len(back) >= 2, back
+    for _, t_kill in killed:
+        t_back = min(t for t, _ in back if t > t_kill)
         assert t_back - t_kill < 30, f"the reward worker was back after {t_back - t_kill:.1f}s"
+    assert all(r["role"] == "reward" for _, r in back if r["kind"] == "worker_restart")
     audit = summary["audit"]
     assert audit["ok"] and audit["trained_samples"] == 16 * 8, audit
 

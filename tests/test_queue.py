@@ -449,8 +449,8 @@ def test_metrics_report_waits_depth_and_throughput():
 @given(st.lists(st.integers(1, 50), min_size=1, max_size=30), st.integers(1, 8))
 def test_shares_are_contiguous_cover_every_group_and_cut_near_equal_tokens(tokens, ranks):
     """parcels.share_groups: one contiguous run per rank, in order, covering every group once; every
-    rank gets a group while there are enough (else the first ranks one each); each cut lies within
-    the largest group of its ideal share."""
+    rank gets a group while there are enough (else the first ranks one each); each cut is the group
+    boundary nearest its ideal share among those that leave every rank a group."""
     from meshrl.queues.parcels import share_groups
 
     runs = share_groups(tokens, ranks)
@@ -462,5 +462,8 @@ def test_shares_are_contiguous_cover_every_group_and_cut_near_equal_tokens(token
     assert all(len(r) >= 1 for r in runs)
     total = sum(tokens)
     for k, r in enumerate(runs[1:], start=1):
-        before, ideal = sum(tokens[: r.start]), total * k / ranks
-        assert abs(before - ideal) <= max(tokens)
+        # the boundary nearest the ideal among those that leave every rank a group
+        allowed = range(runs[k - 1].start + 1, len(tokens) - (ranks - k) + 1)
+        ideal = total * k / ranks
+        best = min(abs(sum(tokens[:j]) - ideal) for j in allowed)
+        assert r.start in allowed and abs(sum(tokens[: r.start]) - ideal) == best
