@@ -34,6 +34,12 @@ class ActorFailure(Exception):
     def __str__(self) -> str:
         return f"actor {self.mesh}/{self.rank} failed: {self.cause}"
 
+    @property
+    def restarting(self) -> bool:
+        """Ray is restarting the actor (a supervised one within its restarts): a call made again
+        reaches the new process; False once it is dead for good."""
+        return "temporarily unavailable" in self.cause or "restarting" in self.cause
+
 
 def translate(exc: BaseException, mesh: str, rank: int, method: str) -> BaseException:
     """The exception to raise at the caller for ``exc`` from ``mesh``/``rank``'s ``method``."""

@@ -639,7 +639,7 @@ class Pipeline:
                     pids = (await mesh._run_all(os.getpid, what="their process ids").within(60)).values()
                     break
                 except ActorFailure as exc:  # a supervised worker being restarted answers once it is back
-                    if "temporarily unavailable" not in exc.cause or time.monotonic() > deadline:
+                    if not exc.restarting or time.monotonic() > deadline:
                         raise
                     await asyncio.sleep(0.5)
             out.update({f"{name}/{rank}": pid for rank, pid in enumerate(pids)})

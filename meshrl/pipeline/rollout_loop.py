@@ -209,8 +209,7 @@ class RolloutDriver:
             except ActorFailure as exc:
                 if inputs is not None:
                     await bounded(inputs, seconds, what)  # raises the rollout worker's own failure, if it is one
-                restarting = "temporarily unavailable" in exc.cause or "restarting" in exc.cause
-                if (exc.mesh not in ("reward", "reference") or not restarting or not self.cfg.run.max_worker_restarts
+                if (exc.mesh not in ("reward", "reference") or not exc.restarting or not self.cfg.run.max_worker_restarts
                         or time.monotonic() + pause > deadline):
                     raise
                 self.reissued_calls += 1
