@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import random
 import sys
 from pathlib import Path
@@ -29,7 +30,7 @@ import ray.cloudpickle
 from meshrl.config import load_config
 from meshrl.mesh import Actor, endpoint, spawn_procs
 from meshrl.pipeline import PipelineConfig
-from meshrl.pipeline.checkpoint import InFlight, PromptLedger, read_run_state
+from meshrl.pipeline.checkpoint import InFlight, PromptLedger, read_records, read_run_state
 from meshrl.pipeline.metrics import RunLog
 from meshrl.pipeline.rollout_loop import Roles, RolloutDriver, bounded
 from meshrl.pipeline.training import TrainLoop
@@ -79,16 +80,22 @@ async def _put(rollout: RolloutDriver, job: InFlight) -> None:
     rollout.ledger.done(job.reservation_id)
 
 
+def _accepted_in_lineage(path: Path) -> list[int]:
+    """The group of every sample the audit records kept by the checkpoint at ``path`` say the queue took
+    (its ledger, read up to the snapshot)."""
+    return sorted(g for r in read_records(path) if r["kind"] == "audit" for g, n in r["accepted"] for _ in range(n))
+
+
 @contextlib.asynccontextmanager
 async def _controller(out: Path, queue_cls: type) -> AsyncIterator[TrainLoop]:
     """A train loop (and its rollout driver) over a real queue actor and a checkpoint-writing trainer."""
     cfg = load_config(PipelineConfig, None, [
         f"run.output_dir={out}", "run.keep_checkpoints=0", "run.step_timeout_s=60", "run.progress=false",
         f"trainer.samples_per_step={STEP}", f"algo.samples_per_prompt={N}", f"rollout.prompts_per_request={PROMPTS}",
-        f"queue.max_staleness={ETA}", "queue.stale_policy=keep",
+        f"queue.max_staleness={ETA}", "queue.stale_policy=keep", "run.audit=true",
     ])
     procs = [spawn_procs({"procs": 1}, cpus_per_proc=0.01, name=name) for name in ("queue", "trainer")]
-    queue = procs[0].spawn("queue", queue_cls, cfg.queue, samples_per_step=STEP)
+    queue = procs[0].spawn("queue", queue_cls, cfg.queue, samples_per_step=STEP, ledger=True)
     trainer = procs[1].spawn("trainer", CheckpointDir)
     log = RunLog(out, total_steps=1, progress=False)
     try:
@@ -105,7 +112,8 @@ async def _controller(out: Path, queue_cls: type) -> AsyncIterator[TrainLoop]:
 
 async def _resumed(path: Path, consumed: list[int]) -> tuple[list[int], list[int]]:
     """(the group of every sample a resume from ``path`` trains, counting those trained before it;
-    the group of every sample handed out before it), both sorted."""
+    the group of every sample handed out before it; the group of every sample the run's audit
+    records say the queue took, counting the resume's puts), all sorted."""
     state = read_run_state(path)
     snap = msgspec.msgpack.decode(state.queue_snapshot, type=QueueSnapshot)
     queued = [s.group_id for g in snap.groups for s in g.samples]
@@ -121,7 +129,8 @@ async def _resumed(path: Path, consumed: list[int]) -> tuple[list[int], list[int
         reissued += [s.group_id for s in _samples(taken[0])]
     # one consumer of whole batches: the first consumed_position samples it got were taken before the snapshot
     trained = consumed[:snap.consumed_position] + queued + reissued
-    return sorted(trained), sorted(g for g in range(state.next_group) for _ in range(N))
+    return (sorted(trained), sorted(g for g in range(state.next_group) for _ in range(N)),
+            sorted(_accepted_in_lineage(path) + reissued))
 
 
 def test_a_put_answered_before_the_snapshot_but_applied_after_it_is_reissued(ray_cluster, tmp_path):
@@ -141,13 +150,19 @@ def test_a_put_answered_before_the_snapshot_but_applied_after_it_is_reissued(ray
                     await asyncio.sleep(0.001)
             await _put(rollout, job)
             assert not checkpoint.done()  # the put's reply came first
-            return await asyncio.wait_for(checkpoint, 60)
+            path = await asyncio.wait_for(checkpoint, 60)
+            await train.audit.record(2, [])  # the next step's record
+            return path
 
     path = asyncio.run(main())
     snap = msgspec.msgpack.decode(read_run_state(path).queue_snapshot, type=QueueSnapshot)
     assert [r.filled for r in snap.reservations] == [0] and snap.groups == []  # the put missed the snapshot
-    trained, handed_out = asyncio.run(_resumed(path, []))
-    assert trained == handed_out == [0, 0, 1, 1]
+    trained, handed_out, accepted = asyncio.run(_resumed(path, []))
+    assert trained == handed_out == accepted == [0, 0, 1, 1]  # the resume's put is the one the audit counts
+    assert _accepted_in_lineage(path) == []
+    live = [(r["step"], r["accepted"]) for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+            if r["kind"] == "audit"]
+    assert live == [(2, [[0, N], [1, N]])]  # the run that goes on took them
 
 
 def test_checkpoints_taken_while_producers_put_account_for_every_sample_once(ray_cluster, tmp_path):
@@ -185,7 +200,8 @@ def test_checkpoints_taken_while_producers_put_account_for_every_sample_once(ray
     assert len(consumed) >= 4 * STEP
     in_flight = 0
     for path in written:
-        trained, handed_out = asyncio.run(_resumed(path, consumed))
+        trained, handed_out, accepted = asyncio.run(_resumed(path, consumed))
         assert trained == handed_out, f"{path.name}: a sample is lost or trained twice after a resume"
+        assert accepted == handed_out, f"{path.name}: the audit would count a put twice, or miss one, after a resume"
         in_flight += len(read_run_state(path).in_flight)
     assert in_flight > 0  # requests were in flight at checkpoints: the race was there to lose

@@ -17,6 +17,7 @@ mid-score, mid-push, mid-train-step or during a checkpoint write, wherever the d
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -45,13 +46,24 @@ def _config(model_dir: str, out: Path, *extra: str) -> PipelineConfig:
     ])
 
 
-async def _run_with_kills(cfg: PipelineConfig, kills: list[tuple[int, str]], seed: int = 0, **kwargs):
-    """Run ``cfg``, killing ``role/rank`` with SIGKILL after step ``s`` (plus a seeded delay of up
-    to a step) for each ``(s, role/rank)``; the summary, each kill's (role, time), and the records."""
+async def _run_with_kills(cfg: PipelineConfig, kills: list[tuple[int, str]], seed: int = 0,
+                          sig: signal.Signals = signal.SIGKILL, **kwargs):
+    """Run ``cfg``, killing ``role/rank`` with ``sig`` after step ``s`` (plus a seeded delay of up
+    to a step) for each ``(s, role/rank)``; the summary, each kill's (role, time), and the records.
+    (SIGSTOP: a process that hangs; one left stopped at the end is let go.)"""
     rng = random.Random(seed)
     pipeline = Pipeline(cfg, **kwargs)
     run = asyncio.create_task(pipeline.run())
-    pending, killed, records = sorted(kills), [], []
+    pending, killed, records, pids = sorted(kills), [], [], []
+    try:
+        return await _watch_and_kill(pipeline, run, pending, killed, records, pids, rng, sig)
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+async def _watch_and_kill(pipeline, run, pending, killed, records, pids, rng, sig):
     async for rec in pipeline.metrics():
         records.append((time.time(), rec))
         # a supervised worker is killed again only once its last restart was reported (Ray's restart
@@ -61,7 +73,8 @@ async def _run_with_kills(cfg: PipelineConfig, kills: list[tuple[int, str]], see
         if rec["kind"] == "step" and pending and rec["step"] >= pending[0][0] and (back or not pending[0][1].startswith("reward")):
             _, role = pending.pop(0)
             await asyncio.sleep(rng.uniform(0.0, rec["step_time_s"]))
-            os.kill(await _pid(pipeline, role), signal.SIGKILL)
+            pids.append(await _pid(pipeline, role))
+            os.kill(pids[-1], sig)
             killed.append((role, time.time()))
     return await run, killed, records
 
@@ -98,6 +111,21 @@ def test_a_killed_reward_worker_is_restarted_in_place_and_loses_nothing(ray_clus
     assert all(r["role"] == "reward" for _, r in back if r["kind"] == "worker_restart")
     audit = summary["audit"]
     assert audit["ok"] and audit["trained_samples"] == 16 * 8, audit
+
+
+def test_a_hung_reward_worker_misses_its_heartbeat_and_is_restarted(ray_cluster, tmp_path, tiny_model):
+    """A reward worker that stops answering (SIGSTOP: its calls and its heartbeat wait forever) is
+    killed after run.heartbeat_timeout_s and restarted in place; the run completes, nothing lost."""
+    cfg = _config(tiny_model, tmp_path / "hung", "run.max_worker_restarts=2", "run.total_steps=10",
+                  "run.heartbeat_timeout_s=5")
+    summary, stopped, records = asyncio.run(_run_with_kills(cfg, [(2, "reward/0")], seed=3, sig=signal.SIGSTOP))
+    assert summary["steps"] == 10 and {r["role"] for r in summary["restarts"]} <= {"samples"}, summary["restarts"]
+    hung = [r for _, r in records if r["kind"] == "hung"]
+    assert [(r["role"], r["rank"], r["timeout_s"]) for r in hung] == [("reward", 0, 5)], hung
+    t_stop = stopped[0][1]
+    t_back = min(t for t, r in records if t > t_stop and r["kind"] in ("worker_restart", "restart"))
+    assert t_back - t_stop < 30, f"the hung reward worker was back after {t_back - t_stop:.1f}s"
+    assert summary["audit"]["ok"] and summary["audit"]["trained_samples"] == 10 * 8, summary["audit"]
 
 
 def test_trainer_and_queue_deaths_resume_from_the_newest_checkpoint_as_if_uninterrupted(ray_cluster, tmp_path, tiny_model):

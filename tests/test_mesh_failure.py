@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -131,6 +132,48 @@ def test_supervised_actor_restarts_and_tells_the_owner(procs):
     assert mesh.ping.call_one().get(timeout=60) == 1
     mesh.stop()
     first_failure(lambda: mesh.ping.call_one().get(timeout=60))
+
+
+class Busy(Actor):
+    """A sync actor (one thread) and an async one: each answers its heartbeat during a long call."""
+
+    @endpoint
+    def work(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return os.getpid()
+
+
+class BusyAsync(Actor):
+    @endpoint
+    async def work(self, seconds: float) -> int:
+        time.sleep(seconds)  # blocks its event loop: the heartbeat has a loop of its own
+        return os.getpid()
+
+
+@pytest.mark.parametrize("cls", [Busy, BusyAsync])
+def test_a_frozen_process_misses_its_heartbeat_and_is_restarted_a_busy_one_does_not(procs, cls):
+    restarted = threading.Event()
+    mesh = procs.spawn(f"heart-{cls.__name__}", cls, max_restarts=1, on_restart=lambda _: restarted.set(), share=0.25)
+    pids = mesh.work.call(0).get(timeout=60).values()
+    busy = mesh.work.call(4)  # both ranks in a long call
+    assert asyncio.run(mesh.heartbeat(2.0)) == {0: "alive", 1: "alive"}
+    assert busy.get(timeout=60).values() == pids
+    os.kill(pids[1], signal.SIGSTOP)
+    try:
+        assert asyncio.run(mesh.heartbeat(2.0)) == {0: "alive", 1: "hung"}
+        mesh.kill(1)  # what the pipeline does with a hung rank
+        assert restarted.wait(60), "the killed rank was not restarted"
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the kill did not land: never leave a stopped process
+            os.kill(pids[1], signal.SIGCONT)
+    again = mesh.work.call(0).get(timeout=60).values()
+    assert again[0] == pids[0] and again[1] != pids[1]
+    assert asyncio.run(mesh.heartbeat(10.0)) == {0: "alive", 1: "alive"}
+    mesh.stop()  # (Ray kills asynchronously)
+    deadline = time.monotonic() + FAIL_WITHIN_S
+    while (beat := asyncio.run(mesh.heartbeat(2.0))) != {0: "down", 1: "down"} and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert beat == {0: "down", 1: "down"}
 
 
 def test_async_on_restart_runs_after_the_spawning_loop_has_closed(procs):

@@ -285,6 +285,47 @@ def test_cancel_drops_unfinished_groups_of_that_reservation():
     run(main())
 
 
+def test_the_ledger_books_every_put_drop_and_cancel_in_order_up_to_a_snapshot():
+    """The queue's ledger (run.audit): what a put gave it, what it dropped, read in pieces from a
+    position; a snapshot's ledger_mark splits what it holds from what came after."""
+    from meshrl.queues.snapshot import ledger_mark
+
+    async def main():
+        q = SampleQueue(QueueConfig(max_staleness=1), samples_per_step=4, ledger=True)
+        r = await q.reserve(2, timeout=0)
+        await q.put(group(0, 2, 0), r.id)  # stale by the time the trainer is at version 2
+        await q.set_version(2)
+        r = await q.reserve(4, timeout=0)
+        await q.put(group(1, 2, 2) + group(2, 2, 2)[:1], r.id)
+        assert await q.ledger(0) == ([(0, 2, False), (1, 2, False), (2, 1, False)], 3)
+        mark = ledger_mark(await q.snapshot())
+        assert await q.cancel(r.id) == 1  # group 2 left incomplete: dropped
+        assert {s.group_id for s in await q.get_batch(2, 2, timeout=0)} == {1}  # group 0 dropped as stale
+        assert mark == 3 and await q.ledger(3, mark) == ([], 3)
+        assert await q.ledger(3) == ([(2, 1, True), (0, 2, True)], 5)
+        with pytest.raises(ValueError, match="holds positions 3..5"):
+            await q.ledger(1)  # forgotten: the caller had read past it
+        with pytest.raises(ValueError, match="keeps no ledger"):
+            await make().ledger(0)
+
+    run(main())
+
+
+def test_the_audit_verdict_finds_double_training_losses_and_groups_never_accepted():
+    from meshrl.pipeline.audit import check
+
+    def rec(accepted=(), trained=(), dropped=()):
+        return {"kind": "audit", "accepted": [list(a) for a in accepted], "trained": [list(t) for t in trained],
+                "dropped": [list(d) for d in dropped]}
+
+    good = [rec(accepted=[(0, 2), (1, 2), (2, 2)]), rec(trained=[(0, 2)], dropped=[(1, 2)]), {"kind": "step"}]
+    assert check(good, {2: 2}) == {"trained_samples": 2, "accepted_samples": 6, "dropped_samples": 2,
+                                   "trained_twice": [], "lost": [], "unaccounted": [], "ok": True}
+    bad = good + [rec(accepted=[(3, 2)], trained=[(0, 2), (4, 2)])]
+    verdict = check(bad, {})
+    assert (verdict["trained_twice"], verdict["lost"], verdict["unaccounted"], verdict["ok"]) == ([0], [2, 3], [0, 4], False)
+
+
 # -- capacity, waits, close ------------------------------------------------------------------
 
 

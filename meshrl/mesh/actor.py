@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import threading
 import weakref
 from collections.abc import Mapping
@@ -51,6 +52,9 @@ R = TypeVar("R")
 _ENDPOINT_MARK = "_meshrl_endpoint"
 WATCH_GROUP = "meshrl_watch"
 """Ray concurrency group of the supervision sentinel, so it never occupies the actor's own slot."""
+HEARTBEAT_GROUP = "meshrl_heartbeat"
+"""Ray concurrency group of ``_meshrl_ping`` (a thread, or an event loop, of its own): a process
+busy in a long call still answers, a frozen one does not (``ActorMesh.heartbeat``)."""
 
 
 @overload
@@ -204,6 +208,15 @@ async def _watch_async(self: Any) -> None:
     await asyncio.Event().wait()
 
 
+def _ping_sync(self: Any) -> int:
+    """The heartbeat: answered from its own concurrency group, whatever the actor is doing."""
+    return os.getpid()
+
+
+async def _ping_async(self: Any) -> int:
+    return os.getpid()
+
+
 _ray_classes: weakref.WeakKeyDictionary[type, dict[bool, Any]] = weakref.WeakKeyDictionary()
 
 
@@ -221,7 +234,8 @@ def ray_actor_class(cls: type, supervised: bool) -> Any:
             self._meshrl_sync_thread = ThreadPoolExecutor(1, thread_name_prefix=f"{ctx.mesh}-sync")
         user_init(self, *args, **kwargs)
 
-    ns: dict[str, Any] = {"__init__": __init__, "_meshrl_watch": _watch_async if is_async else _watch_sync}
+    ns: dict[str, Any] = {"__init__": __init__, "_meshrl_watch": _watch_async if is_async else _watch_sync,
+                          "_meshrl_ping": _ping_async if is_async else _ping_sync}
     ns["_meshrl_run"] = _off_loop(_run) if is_async else _run
     if is_async:
         for name in endpoint_names(cls):
@@ -232,6 +246,7 @@ def ray_actor_class(cls: type, supervised: bool) -> Any:
     sub.__qualname__ = cls.__qualname__
     sub.__module__ = cls.__module__
     sub.__doc__ = cls.__doc__
-    remote = ray.remote(concurrency_groups={WATCH_GROUP: 1}) if supervised else ray.remote  # type: ignore[call-overload]
+    groups = {HEARTBEAT_GROUP: 1, **({WATCH_GROUP: 1} if supervised else {})}
+    remote = ray.remote(concurrency_groups=groups)  # type: ignore[call-overload]
     per_cls[supervised] = remote(sub)
     return per_cls[supervised]

@@ -16,13 +16,14 @@ Names an endpoint must not have, because the mesh itself uses them: see ``RESERV
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import TYPE_CHECKING, Annotated, Any, Generic, TypeVar
 
 import ray
 
 from meshrl.mesh import supervision
-from meshrl.mesh.actor import Actor
+from meshrl.mesh.actor import HEARTBEAT_GROUP, Actor
 from meshrl.mesh.adverbs import Endpoint, Future
 from meshrl.mesh.state import Flush, MeshState, state_for
 from meshrl.mesh.shape import Shape
@@ -137,6 +138,30 @@ class _ActorMeshImpl(Generic[A]):
                 ray.kill(handle, no_restart=True)
             except Exception as exc:  # already dead, or Ray shut down: nothing left to stop
                 log.debug("stopping an actor of %s: %s", self._name, exc)
+
+    async def heartbeat(self, timeout_s: float) -> dict[int, str]:
+        """Ping every actor of this mesh, from a concurrency group of its own (a long call does not
+        delay the answer); ``{rank: "alive" | "hung" | "down"}``: it answered within ``timeout_s``;
+        it did not (stopped, stuck in a call that holds the GIL, on a node cut off); it is dead or
+        being restarted (supervision and the callers' failures tell of that)."""
+        refs = [h._meshrl_ping.options(concurrency_group=HEARTBEAT_GROUP).remote() for h in self._handles]
+        if refs:
+            await asyncio.wait([asyncio.wrap_future(r.future()) for r in refs], timeout=timeout_s)
+        states = {}
+        for rank, ref in zip(self._shape.ranks, refs):
+            try:
+                ray.get(ref, timeout=0)
+                states[rank] = "alive"
+            except ray.exceptions.GetTimeoutError:
+                states[rank] = "hung"
+            except ray.exceptions.RayError:
+                states[rank] = "down"
+        return states
+
+    def kill(self, rank: int) -> None:
+        """Kill the actor of ``rank`` as if its process died: Ray restarts it if it has restarts
+        left (``spawn(max_restarts=)``), its callers' calls fail with ``ActorFailure``."""
+        ray.kill(self._handles[self._shape.ranks.index(rank)], no_restart=False)
 
     def _run_all(self, fn: Any, *args: Any, what: str | None = None) -> Future[Any]:
         """``fn(*args)`` in every actor (library helpers, e.g. ``init_torch_distributed_on``); errors

@@ -3,72 +3,87 @@
 A sample is known by its prompt position and its index in its group: the prompt ledger hands out
 group ids and prompt positions together (``PromptLedger.take``: group ``g`` is the prompt at
 position ``g``), so ``(group_id, index)`` names it, and the queue keeps and hands out whole groups.
-The controller writes one ``audit`` record per train step into metrics.jsonl::
 
-    {"kind": "audit", "step": 7, "accepted": [[group_id, samples], ...], "trained": [[group_id, samples], ...]}
+The queue is the one that accepts, so it keeps the book: ``SampleQueue(ledger=True)`` notes every
+group a put gave it and every group it dropped (stale past ``max_staleness`` under
+``stale_policy=drop``, or left incomplete by a cancel), in order. The train loop reads the new
+entries after each step and writes one ``audit`` record into metrics.jsonl::
 
-``accepted``: the groups whose samples the queue took (``put_ref`` answered) since the previous
-record; ``trained``: the groups of this step's batch. The records are part of the run's lineage:
-a checkpoint keeps the records up to its step and a resumed run replays them (work of steps past
-the checkpoint was discarded with the trainer state they produced, and is done again), so the
-metrics.jsonl of a finished run, with however many resumes, is the history of the weights it
-exported.
+    {"kind": "audit", "step": 7, "accepted": [[group_id, samples], ...], "dropped": [...], "trained": [[group_id, samples], ...]}
+
+A checkpoint reads them up to its snapshot's ``ledger_mark``, so its lineage holds exactly the
+puts its snapshot holds, however the replies of puts and snapshot cross. The records are part of
+the run's lineage: a checkpoint keeps the records up to its step and a resumed run replays them
+(work of steps past the checkpoint was discarded with the trainer state they produced, and is done
+again), so the metrics.jsonl of a finished run, with however many resumes, is the history of the
+weights it exported.
 
 ``check`` reads that history: a group trained in two steps is a double count; a group accepted
-but neither trained nor still in the queue at the end is lost.
+but neither trained, dropped nor still in the queue at the end is lost.
 """
 
 from __future__ import annotations
 
+import collections
 from typing import Any, Iterable
+
+from meshrl.pipeline.rollout_loop import bounded
 
 __all__ = ["AuditLog", "check"]
 
 
 class AuditLog:
-    """The controller's side: accepted groups gathered between steps, one record per step."""
+    """The train loop's side: the queue's ledger read after every step and at every checkpoint."""
 
-    def __init__(self, log: Any, enabled: bool) -> None:
-        self.log, self.enabled = log, enabled
-        self._accepted: list[list[int]] = []
+    def __init__(self, log: Any, queue: Any, enabled: bool, timeout_s: float) -> None:
+        self.log, self.queue, self.enabled, self.timeout_s = log, queue, enabled, timeout_s
+        self._position = 0  # the queue's ledger, read up to here
 
-    def accepted(self, groups: Iterable[tuple[int, int]]) -> None:
-        """Groups the queue took (``(group_id, samples)``), a ``put_ref`` that answered."""
-        if self.enabled:
-            self._accepted += [[int(g), int(n)] for g, n in groups]
-
-    def trained(self, step: int, groups: Iterable[tuple[int, int]]) -> None:
-        """The record of train step ``step``, whose batch held ``groups``; ``groups=()`` at a
-        checkpoint of step ``step``: the groups accepted until its queue snapshot, into its lineage."""
-        if self.enabled:
-            accepted, self._accepted = self._accepted, []
-            trained = [[int(g), int(n)] for g, n in groups]
-            if accepted or trained:
-                self.log.record("audit", step=step, accepted=accepted, trained=trained)
+    async def record(self, step: int, trained: Iterable[tuple[int, int]], *, upto: int | None = None) -> None:
+        """The record of train step ``step``, whose batch held ``trained`` (``(group_id, samples)``);
+        ``trained=()`` and ``upto`` at a checkpoint of step ``step``: what the queue took and dropped
+        until its snapshot (``ledger_mark``), into its lineage."""
+        if not self.enabled:
+            return
+        # waits for: the queue actor (it answers at once)
+        entries, self._position = await bounded(self.queue.ledger.call_one(self._position, upto), self.timeout_s,
+                                                "the queue's ledger")
+        accepted, dropped = collections.Counter(), collections.Counter()
+        for g, n, was_dropped in entries:
+            (dropped if was_dropped else accepted)[g] += n
+        trained = [[int(g), int(n)] for g, n in trained]
+        if accepted or dropped or trained:
+            self.log.record("audit", step=step, accepted=[[g, n] for g, n in accepted.items()],
+                            dropped=[[g, n] for g, n in dropped.items()], trained=trained)
 
 
 def check(records: Iterable[dict[str, Any]], queued: dict[int, int]) -> dict[str, Any]:
     """The ledger's verdict over a run's records; ``queued``: ``{group_id: samples}`` the queue
-    still held at the end (accepted, not trained yet).
+    still held at the end (accepted, not trained yet; read after the last record).
 
-    Returns ``trained_samples``, ``accepted_samples``, ``trained_twice`` (group ids trained in more
-    than one step) and ``lost`` (group ids accepted and neither trained nor queued), sorted, and
-    ``ok``. (A group the queue took in the moment between a checkpoint's last record and its queue
-    snapshot is trained without an ``accepted`` entry: not an error.)"""
-    accepted: dict[int, int] = {}
-    trained: dict[int, int] = {}
+    Returns ``trained_samples``, ``accepted_samples``, ``dropped_samples``, ``trained_twice``
+    (group ids trained in more than one step), ``lost`` (group ids accepted and neither trained,
+    dropped nor queued) and ``unaccounted`` (group ids trained, or queued, but never accepted),
+    sorted, and ``ok``."""
+    accepted: dict[int, int] = collections.Counter()
+    dropped: dict[int, int] = collections.Counter()
+    trained: dict[int, int] = collections.Counter()
     twice: set[int] = set()
     for rec in records:
         if rec.get("kind") != "audit":
             continue
         for g, n in rec["accepted"]:
-            accepted[g] = accepted.get(g, 0) + n
+            accepted[g] += n
+        for g, n in rec.get("dropped", ()):
+            dropped[g] += n
         for g, n in rec["trained"]:
             if g in trained:
                 twice.add(g)
-            trained[g] = trained.get(g, 0) + n
-    lost = sorted(g for g, n in accepted.items() if trained.get(g, 0) + queued.get(g, 0) < n)
+            trained[g] += n
+    lost = sorted(g for g, n in accepted.items() if trained[g] + dropped[g] + queued.get(g, 0) < n)
+    unaccounted = sorted(g for g in set(trained) | set(queued) if trained[g] + queued.get(g, 0) > accepted[g])
     return {
         "trained_samples": sum(trained.values()), "accepted_samples": sum(accepted.values()),
-        "trained_twice": sorted(twice), "lost": lost, "ok": not twice and not lost,
+        "dropped_samples": sum(dropped.values()), "trained_twice": sorted(twice), "lost": lost,
+        "unaccounted": unaccounted, "ok": not twice and not lost and not unaccounted,
     }

@@ -258,7 +258,7 @@ def read_records(path: Path) -> list[dict]:
     if not file.is_file():
         return []
     records = [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
-    return [r for r in records if r.get("kind") in ("step", "eval", "audit", "restart", "worker_restart")]
+    return [r for r in records if r.get("kind") in ("step", "eval", "audit", "restart", "worker_restart", "hung")]
 
 
 def _complete(output_dir: str | Path) -> list[tuple[int, Path]]:

@@ -79,6 +79,11 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_worker_restarts: int = 3
     """Reward and reference workers are restarted in place (Ray re-creates the process) up to this
     many times each, the calls they had in flight sent again, while the rest of the run goes on."""
+    heartbeat_timeout_s: float = 60.0
+    """A role's process that answers no heartbeat within this many seconds is hung (stopped, stuck
+    holding the GIL, on a node cut off): it is killed, then restarted in place (reward, reference) or
+    the run resumed (run.auto_resume) or stopped, naming it. Answered from a thread of its own, so a
+    long step does not count. 0: no heartbeat."""
     audit: bool = False
     """Keep the ledger of samples (meshrl.pipeline.audit): the groups the queue accepted and each
     step trained, as ``audit`` records in metrics.jsonl; the summary says whether any group was
@@ -206,6 +211,8 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
         for key in ("max_restarts", "max_worker_restarts"):
             if not 0 <= getattr(self.run, key) <= 100:
                 raise ConfigError(f"`run.{key}`: must be 0 to 100, got {getattr(self.run, key)}")
+        if not (self.run.heartbeat_timeout_s == 0 or self.run.heartbeat_timeout_s >= 1):
+            raise ConfigError(f"`run.heartbeat_timeout_s`: 0 (off) or at least 1 second, got {self.run.heartbeat_timeout_s:g}")
         if self.run.keep_checkpoints < 0:
             raise ConfigError(f"`run.keep_checkpoints`: must be >= 0, got {self.run.keep_checkpoints}")
         resume = self.run.resume

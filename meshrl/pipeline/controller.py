@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -56,7 +57,7 @@ from meshrl.actors.hybrid import HybridWorker
 from meshrl.config import ConfigError, to_yaml
 from meshrl.embedded import warm_start
 from meshrl.envs import EnvFactory
-from meshrl.mesh import ActorFailure, ActorMesh, ProcMesh, RestartEvent, actor_address, spawn_procs
+from meshrl.mesh import ActorFailure, ActorMesh, ProcMesh, actor_address, spawn_procs
 from meshrl.pipeline import checkpoint as ckpt
 from meshrl.pipeline import evaluation
 from meshrl.pipeline.audit import check as audit_check
@@ -65,10 +66,10 @@ from meshrl.pipeline.metrics import RunLog
 from meshrl.pipeline.rollout_loop import Roles, RolloutDriver, bounded
 from meshrl.pipeline.startup import (WORKER_ENV, check_prompts, colocated_mem_fraction, ensure_ray, settle_devices,
                                      sglang_transport)
+from meshrl.pipeline.recovery import Recovery
 from meshrl.pipeline.storage import check_storage
 from meshrl.pipeline.training import TrainLoop
 from meshrl.queues import QueueClosed
-from meshrl.queues.parcels import SamplesLost
 from meshrl.queues.actor import QueueActor
 from meshrl.reshard import meshes as reshard_meshes
 from meshrl.tasks import NamedFunction, Task, build_task, load_reward_function, source_split
@@ -76,22 +77,6 @@ from meshrl.tasks import NamedFunction, Task, build_task, load_reward_function, 
 __all__ = ["Pipeline"]
 
 logger = logging.getLogger(__name__)
-
-def _death(exc: BaseException) -> BaseException | None:
-    """The role's death behind ``exc`` (an ``ActorFailure``, or ``SamplesLost``), through causes,
-    contexts and exception groups; None when it is not one (a bug stops the run)."""
-    seen: set[int] = set()
-    todo = [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, (ActorFailure, SamplesLost)):
-            return e
-        todo += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]
-    return None
-
 
 async def _enumerate(items: AsyncIterator[Any]) -> AsyncIterator[tuple[int, Any]]:
     i = 0
@@ -146,8 +131,9 @@ class Pipeline:
         self._train: TrainLoop | None = None
         self._summary: dict[str, Any] | None = None
         self._closed = False  # the run closed its log and stops its roles
-        self._restarts: list[dict[str, Any]] = []
-        """run.auto_resume: one entry per resume (the dead role, its cause, the recovery seconds)."""
+        self.recovery = Recovery(self._echo)
+        """Resumes, in-place restarts and the heartbeat (meshrl.pipeline.recovery)."""
+        self.recovery.step = lambda: self.step
 
     @property
     def policy_version(self) -> int:
@@ -187,16 +173,6 @@ class Pipeline:
         self._procs.append(mesh)
         return mesh.spawn(name, cls, *args, **kwargs)
 
-    def _worker_restarted(self, event: RestartEvent) -> None:
-        """Ray re-created a reward or reference worker (run.max_worker_restarts): its calls that
-        failed are sent again by the rollout loops; said and recorded here."""
-        self._echo(f"restarted {event.mesh}/{event.rank} (restart {event.restarts} of run.max_worker_restarts="
-                   f"{self.cfg.run.max_worker_restarts}): {event.cause[:200]}")
-        if self.log is not None and not self._closed:
-            self.log.record("worker_restart", role=event.mesh, rank=event.rank, restarts=event.restarts,
-                            cause=event.cause[:500], step=self.step)
-            self.log.span(event.mesh, "restart", self.log.now(), self.log.now(), worker=event.rank)
-
     def _placement_line(self) -> str:
         """Where each role's processes were reserved: one node address per rank, in rank order; and
         the Ray namespace of the run's actors (named role/rank in it)."""
@@ -206,7 +182,7 @@ class Pipeline:
     async def _start_roles(self, model_dir: str) -> Roles:
         cfg, env = self.cfg, self.environment
         queue = self._spawn("queue", QueueActor, cfg.queue, samples_per_step=cfg.trainer.samples_per_step,
-                            steps_per_version=cfg.trainer.sync_interval)
+                            steps_per_version=cfg.trainer.sync_interval, ledger=cfg.run.audit)
         max_new_tokens = cfg.rollout.episode.max_tokens if env else cfg.rollout.max_new_tokens
         sglang = cfg.rollout.engine.backend == "sglang"
         # colocated SGLang: each trainer rank and one server share a GPU (half of it each, for Ray)
@@ -234,7 +210,8 @@ class Pipeline:
             await self.reward.start(self._spawn)
         # without an environment the task's reward is the default; an environment's rewards stand alone
         reward = self.reward if self.reward is not None else None if env else self.task
-        restarts = {"max_restarts": cfg.run.max_worker_restarts, "on_restart": self._worker_restarted} if cfg.run.max_worker_restarts else {}
+        restarts = ({"max_restarts": cfg.run.max_worker_restarts,
+                     "on_restart": functools.partial(self.recovery.restarted, cfg)} if cfg.run.max_worker_restarts else {})
         rewards = self._spawn("reward", RewardWorker, reward, model_dir, cfg.reward.timeout_s, procs=cfg.reward.num_workers,
                               **restarts)
         if cfg.placement != "colocated" or sglang:
@@ -333,32 +310,16 @@ class Pipeline:
                     self._summary = await self._run()
                     return self._summary
                 except Exception as exc:
-                    death = _death(exc)  # a process died (or took queued samples with it), maybe mid-push
-                    if death is None or not self._may_resume(exc):
+                    # a process died (or took queued samples with it), maybe mid-push
+                    if not self.recovery.resumes(self.cfg, exc, stop_requested=self._stop_requested.is_set()):
                         raise
-                    self._prepare_resume(death)
+                    self._prepare_resume(exc)
         finally:
             self._finished.set()
 
-    def _may_resume(self, exc: BaseException) -> bool:
-        """run.auto_resume: a role's process died, the restart budget is not spent, nobody asked to stop."""
-        run = self.cfg.run
-        if not run.auto_resume or self._stop_requested.is_set():
-            return False
-        if len(self._restarts) >= run.max_restarts:
-            exc.add_note(f"run.auto_resume: the run was resumed {len(self._restarts)} times (run.max_restarts="
-                         f"{run.max_restarts}) and failed again; the first failure was: {self._restarts[0]['cause']}")
-            return False
-        return True
-
     def _prepare_resume(self, exc: BaseException) -> None:
         """Reset the per-attempt state so that ``_run`` resumes from the newest checkpoint."""
-        role, rank, cause = ((exc.mesh, exc.rank, exc.cause) if isinstance(exc, ActorFailure)
-                             else ("samples", -1, str(exc).splitlines()[0]))  # SamplesLost: their producer died
-        self._restarts.append({"restart": len(self._restarts) + 1, "role": role, "rank": rank, "cause": cause,
-                               "failed_at_step": self.step, "failed_at": time.time()})
-        self._echo(f"recovering: {str(exc).splitlines()[0][:300]}; resuming from the newest checkpoint (restart {len(self._restarts)} of "
-                   f"run.max_restarts={self.cfg.run.max_restarts})")
+        self.recovery.failed(self.cfg, exc, self.step)
         self.cfg = msgspec.structs.replace(self.cfg, run=msgspec.structs.replace(self.cfg.run, resume="latest"))
         self._stopping.clear()
         self._log_ready.clear()
@@ -366,18 +327,6 @@ class Pipeline:
         self._failure, self._procs, self._servers, self._closed = None, [], None, False
         self._rollout = self._train = None
         self._namespace = f"meshrl-{_run_name(self.out_dir)}-{uuid.uuid4().hex[:6]}"  # the dead run's names may linger
-
-    def _record_restart(self, log: RunLog) -> None:
-        """After a resume by run.auto_resume: its record (cause, steps lost, recovery seconds) and a
-        marker on the dead role's lane of the timeline."""
-        r = self._restarts[-1]
-        r["recovery_s"] = round(time.time() - r["failed_at"], 3)
-        r["resumed_at_step"] = self.step
-        log.record("restart", **r)
-        log.span(r["role"], "restart", 0.0, log.now(), restart=r["restart"])
-        who = "samples the queue held were lost" if r["role"] == "samples" else f"{r['role']}/{r['rank']} died"
-        self._echo(f"recovered in {r['recovery_s']:.1f}s: {who} at step {r['failed_at_step']}, the run goes on from "
-                   f"step {self.step}")
 
     async def _run(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -415,6 +364,7 @@ class Pipeline:
         for rec in ckpt.read_records(resume_from) if resume_from is not None else []:
             log.replay(rec)  # the log continues the checkpointed run's
         self._log_ready.set()
+        self.recovery.log = log
         stopped = False
         try:
             # seconds: not on the caller's event loop
@@ -426,7 +376,7 @@ class Pipeline:
             self._rollout = rollout = RolloutDriver(cfg, roles, tokenizer, ledger, log, stopping=self._stopping,
                                                     environment=self.environment is not None)
             self._train = train = TrainLoop(cfg, roles, rollout, log, self.out_dir, evaluate=self._periodic_evaluation)
-            train.restarts = len(self._restarts)
+            train.restarts = len(self.recovery.restarts)
             self._roles_ready.set()
             if resume_from is not None:
                 self._echo(await train.restore(resume_from))
@@ -434,13 +384,13 @@ class Pipeline:
                 before = await self._evaluate()
                 train.accuracy_before = before["accuracy"]
                 self._echo(f"held-out accuracy before RL: {before['accuracy']:.1%} ({before['problems']} problems)")
-            if self._restarts and "recovery_s" not in self._restarts[-1]:
-                self._record_restart(log)
+            self.recovery.recovered(log, train.step)
             loops = [
                 asyncio.create_task(self._guard(rollout.loop(roles.rollouts.slice(procs=i), i)))
                 for i in range(cfg.rollout.num_workers) for _ in range(cfg.rollout.requests_in_flight)
             ]
             training = asyncio.create_task(self._guard(train.run(), always_fails=True))
+            heartbeat = asyncio.create_task(self._guard(self.recovery.watch(cfg, roles, log), what="the heartbeat"))
             stop = asyncio.create_task(self._stop_requested.wait())
             try:
                 # waits for: the last train step, a failure, or stop(); unblocked by: the train loop, stop()
@@ -453,6 +403,7 @@ class Pipeline:
                                    "the checkpoint records them and a resumed run generates them again")
             finally:
                 stop.cancel()
+                heartbeat.cancel()
                 self._stopping.set()
                 await roles.queue.close.call_one().within(60)  # wakes get_batch and every reserve/put
                 await training
@@ -461,7 +412,7 @@ class Pipeline:
                     # failed: a loop may be blocked in a role that will not answer (the run ends anyway)
                     for t in loops:
                         t.cancel()
-                await asyncio.gather(*loops, return_exceptions=True)
+                await asyncio.gather(*loops, heartbeat, return_exceptions=True)
                 if self._failure is not None:
                     for t in train.evals:
                         t.cancel()
@@ -475,11 +426,12 @@ class Pipeline:
                 after = None
             else:
                 after = (await self._evaluate())["accuracy"]
-            audit = await self._audit(roles) if cfg.run.audit else None
+            audit = await self._audit(roles, train) if cfg.run.audit else None
             # every dp rank takes part (the full weights are gathered); rank 0 writes
             final_dir = (await roles.trainer.save_hf.call(str(self.out_dir / "final")).within(cfg.run.step_timeout_s)).values()[0]
         finally:
             self._closed = True  # a user's call still running fails from here as "shut down" (_user_call)
+            self.recovery.log = None
             log.close()
             await self._close_servers()
             self._shutdown()
@@ -493,22 +445,23 @@ class Pipeline:
             "plot": str(plot), "timeline": str(self.out_dir / "timeline.png"), "metrics": str(self.out_dir / "metrics.jsonl"),
             "stopped": stopped, "steady_state": run_summary(self.out_dir),  # idle per role, phase times (meshrl.pipeline.timeline)
             "last_checkpoint": str(ckpt.latest_checkpoint(self.out_dir)),
-            "restarts": self._restarts, **({"audit": audit} if audit is not None else {}),
+            "restarts": self.recovery.restarts, **({"audit": audit} if audit is not None else {}),
         }
         with (self.out_dir / "metrics.jsonl").open("a") as f:
             f.write(json.dumps({"kind": "summary", **summary}) + "\n")
         return summary
 
-    async def _audit(self, roles: Roles) -> dict[str, Any]:
+    async def _audit(self, roles: Roles, train: TrainLoop) -> dict[str, Any]:
         """The ledger's verdict on this run's history (meshrl.pipeline.audit), said in a line."""
+        await train.audit.record(train.step, ())  # puts after the last step's record: all the rollout loops are done
         queued = await bounded(roles.queue.held_groups.call_one(), self.cfg.run.step_timeout_s, "the queue's groups")
         verdict = audit_check(self.log.records, queued)
         if verdict["ok"]:
             self._echo(f"audit: {verdict['trained_samples']} samples trained, each once; {verdict['accepted_samples']} "
                        f"accepted, none lost ({sum(queued.values())} still queued)")
         else:
-            logger.error("audit: groups trained twice %s, accepted and lost %s", verdict["trained_twice"][:20],
-                         verdict["lost"][:20])
+            logger.error("audit: groups trained twice %s, accepted and lost %s, trained but never accepted %s",
+                         verdict["trained_twice"][:20], verdict["lost"][:20], verdict["unaccounted"][:20])
         return verdict
 
     async def _guard(self, coro, *, always_fails: bool = False, what: str | None = None) -> None:

@@ -20,7 +20,6 @@ checkpoint knows what was in flight. A request interrupted by ``Pipeline.stop`` 
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import time
 from dataclasses import dataclass
@@ -31,7 +30,6 @@ from meshrl.engines import GenerateRequest, SamplingParams
 from meshrl.envs import EpisodeRequest
 from meshrl.mesh import ActorFailure, ActorMesh
 from meshrl.pipeline import checkpoint as ckpt
-from meshrl.pipeline.audit import AuditLog
 from meshrl.pipeline.config import PipelineConfig
 from meshrl.pipeline.metrics import RunLog
 from meshrl.tasks import Problem
@@ -83,8 +81,6 @@ class RolloutDriver:
         """Policy tokens generated for training so far."""
         self.reissued_calls = 0
         """Reward and reference calls sent again because their worker died (``_again``)."""
-        self.audit = AuditLog(log, cfg.run.audit)
-        """The ledger of samples accepted and trained (run.audit)."""
 
     def _sampling(self, *, greedy: bool, n: int, seed: int | None, max_new_tokens: int | None = None) -> SamplingParams:
         r = self.cfg.rollout
@@ -186,7 +182,6 @@ class RolloutDriver:
                 put = (queue.put_ref.call_one(samples, scored.metas, job.reservation_id) if scored.ref
                        else queue.put_encoded.call_one(samples, job.reservation_id))
                 await bounded(put, self.cfg.queue.put_timeout_s + 30, "the queue to accept samples")
-                self.audit.accepted(collections.Counter(m.group_id for m in scored.metas).items())
                 self.generated_tokens += scored.completion_tokens
             except BaseException:
                 if not self.stopping.is_set():

@@ -36,6 +36,8 @@ from meshrl.pipeline.config import PipelineConfig
 from meshrl.pipeline.metrics import RunLog
 from meshrl.pipeline.rollout_loop import Roles, RolloutDriver, bounded
 from meshrl.pipeline.weight_sync import weight_sync
+from meshrl.pipeline.audit import AuditLog
+from meshrl.queues.snapshot import ledger_mark
 
 __all__ = ["TrainLoop"]
 
@@ -59,6 +61,8 @@ class TrainLoop:
         """Held-out evaluations started every run.eval_every steps."""
         self.restarts = 0
         """Resumes of this run by run.auto_resume so far (the controller sets it)."""
+        self.audit = AuditLog(log, roles.queue, cfg.run.audit, cfg.run.step_timeout_s)
+        """The ledger of samples accepted, dropped and trained (run.audit, meshrl.pipeline.audit)."""
         self.sync = weight_sync(cfg, roles, self._publish)
         """How the weights reach the engines: arm, push, settle (meshrl.pipeline.weight_sync)."""
 
@@ -92,7 +96,7 @@ class TrainLoop:
             if "colocated/switch_to_train_s" in metrics:  # placement=colocated: the step began by freeing the KV cache
                 self.log.span("colocated", "switch_to_train", t1, t1 + metrics["colocated/switch_to_train_s"])
             self.step += 1
-            self.rollout.audit.trained(self.step, batch.groups)
+            await self.audit.record(self.step, batch.groups)
             sync_s, pushed = 0.0, self._pushes_after(self.step)
             every = cfg.run.checkpoint_every
             last = self.step == cfg.run.total_steps and cfg.run.checkpoint_at_end
@@ -161,7 +165,8 @@ class TrainLoop:
         self.rollout.taking.clear()  # no new prompts are taken until the state below is captured
         try:
             snapshot = await bounded(self.roles.queue.snapshot.call_one(), timeout, "the queue's snapshot")
-            self.rollout.audit.trained(self.step, ())  # what the queue took until now, into this checkpoint's lineage
+            # what the queue took until its snapshot, into this checkpoint's lineage
+            await self.audit.record(self.step, (), upto=ledger_mark(snapshot))
             state = ckpt.RunState(
                 step=self.step, version=self.version, prompt_position=ledger.stream.position,
                 next_group=ledger.next_group, generated_tokens=self.rollout.generated_tokens,

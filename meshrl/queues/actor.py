@@ -15,7 +15,7 @@ __all__ = ["QueueActor"]
 
 _ENDPOINTS = (
     "reserve", "put", "put_encoded", "put_ref", "cancel", "get_batch", "get_batch_encoded", "get_batch_refs", "set_version",
-    "close", "metrics", "held_groups", "snapshot", "restore",
+    "close", "metrics", "held_groups", "ledger", "snapshot", "restore",
 )
 
 

@@ -20,6 +20,7 @@ of already consumed groups.
 from __future__ import annotations
 
 import asyncio
+import collections
 import math
 import time
 from typing import Any, Callable, TypeVar
@@ -53,7 +54,8 @@ class QueueClosed(RuntimeError):
 class SampleQueue:
     """Bounded, staleness-aware, checkpointable sample queue (module docstring)."""
 
-    def __init__(self, config: QueueConfig, *, samples_per_step: int, steps_per_version: int = 1) -> None:
+    def __init__(self, config: QueueConfig, *, samples_per_step: int, steps_per_version: int = 1,
+                 ledger: bool = False) -> None:
         self.config = config
         self._adm = Admission(max_staleness=config.max_staleness, samples_per_step=samples_per_step,
                               steps_per_version=steps_per_version)
@@ -66,6 +68,10 @@ class SampleQueue:
         self._throughput = ThroughputWindow()
         self._waiters: set[asyncio.Future] = set()
         self._closed = False
+        self._ledger: list[tuple[int, int, bool]] | None = [] if ledger else None
+        """(group_id, samples, dropped) of every group taken by a put, or dropped (stale, or left
+        incomplete by a cancel), in order: what ``ledger`` hands out (run.audit)."""
+        self._ledger_base = 0  # the position of _ledger[0]
 
     # -- producers ---------------------------------------------------------------------------
 
@@ -201,6 +207,8 @@ class SampleQueue:
         if res.filled == res.info.n:
             del self._res[rid]
         self._counters.samples_put += len(items)
+        if self._ledger is not None:
+            self._ledger += [(gid, n, False) for gid, n in collections.Counter(m.group_id for m in metas).items()]
         self._notify()
 
     async def cancel(self, reservation_id: int) -> int:
@@ -217,7 +225,9 @@ class SampleQueue:
         self._unfilled -= remaining
         self._counters.slots_cancelled += remaining
         for gid in res.open_groups:
-            self._counters.dropped_incomplete += len(self._store.remove_incomplete(gid).items)
+            dropped = len(self._store.remove_incomplete(gid).items)
+            self._counters.dropped_incomplete += dropped
+            self._note_dropped(gid, dropped)
         self._notify()
         return remaining
 
@@ -299,6 +309,25 @@ class SampleQueue:
         """``{group_id: samples}`` of every group the queue holds (taken, not handed out yet)."""
         return {gid: len(g.items) for gid, g in self._store.groups.items()}
 
+    async def ledger(self, since: int, upto: int | None = None) -> tuple[list[tuple[int, int, bool]], int]:
+        """The ledger's entries from position ``since`` up to ``upto`` (a snapshot's
+        ``ledger_mark``; default: all) and the position after them; those before ``since`` are
+        forgotten (the caller has them). Only for a queue made with ``ledger=True``."""
+        if self._ledger is None:
+            raise ValueError("ledger: this queue keeps no ledger; make it with SampleQueue(..., ledger=True) (run.audit)")
+        end = self._ledger_base + len(self._ledger)
+        upto = end if upto is None else upto
+        if not self._ledger_base <= since <= upto <= end:
+            raise ValueError(f"ledger(since={since}, upto={upto}): the ledger holds positions "
+                             f"{self._ledger_base}..{end}; ask from where the last answer ended")
+        del self._ledger[:since - self._ledger_base]
+        self._ledger_base = since
+        return self._ledger[:upto - since], upto
+
+    def _note_dropped(self, group_id: int, samples: int) -> None:
+        if self._ledger is not None and samples:
+            self._ledger.append((group_id, samples, True))
+
     async def metrics(self) -> dict[str, float]:
         c, s, a = self._counters, self._store, self._adm
         hist_total = sum(c.staleness_hist.values())
@@ -328,14 +357,16 @@ class SampleQueue:
         return {k: float(v) for k, v in out.items()}
 
     async def snapshot(self) -> bytes:
-        """Queued samples, outstanding reservations, counters and version, msgpack-encoded."""
+        """Queued samples, outstanding reservations, counters and version, msgpack-encoded: the
+        state as this call began (puts applied while it reads the samples are not in it)."""
         groups = self._store.ready_in_order()
         groups += [g for g in self._store.groups.values() if not g.complete]
         snap = QueueSnapshot(
             published_version=self._adm.published_version,
             consumed_position=self._adm.consumed_position,
             next_reservation_id=self._next_res_id,
-            counters=self._counters,
+            ledger_mark=self._ledger_base + len(self._ledger or ()),
+            counters=msgspec.structs.replace(self._counters),  # a copy: puts go on while the samples are read
             reservations=[SnapshotReservation(reservation=r.info, filled=r.filled)
                           for r in self._res.values()],
             # Raw members encode verbatim, so the snapshot decodes as plain Samples.
@@ -385,6 +416,7 @@ class SampleQueue:
             dropped = False
             while (g := store.oldest_ready()) is not None and version - g.min_behavior_version > eta:
                 self._counters.dropped_stale += store.pop_oldest_ready().group_size
+                self._note_dropped(g.group_id, g.group_size)
                 dropped = True
             if dropped:
                 self._notify()  # the dropped groups' positions are free for new reservations

@@ -15,7 +15,7 @@ from meshrl.queues.reservations import Reservation
 from meshrl.queues.sample import Sample
 from meshrl.queues.stats import QueueCounters
 
-__all__ = ["FORMAT", "QueueSnapshot", "SnapshotGroup", "SnapshotReservation"]
+__all__ = ["FORMAT", "QueueSnapshot", "SnapshotGroup", "SnapshotReservation", "ledger_mark"]
 
 
 FORMAT = 1
@@ -38,6 +38,19 @@ class QueueSnapshot(msgspec.Struct, kw_only=True):
     published_version: int
     consumed_position: int
     next_reservation_id: int
+    ledger_mark: int = 0
+    """The position of the queue's ledger (run.audit) when the snapshot was taken; not restored:
+    a queue restored from it starts a ledger of its own."""
     counters: QueueCounters
     reservations: list[SnapshotReservation]
     groups: list[SnapshotGroup]
+
+
+
+class _Mark(msgspec.Struct):
+    ledger_mark: int = 0
+
+
+def ledger_mark(blob: bytes) -> int:
+    """A snapshot's ``ledger_mark`` (its samples are not read)."""
+    return msgspec.msgpack.decode(blob, type=_Mark).ledger_mark
