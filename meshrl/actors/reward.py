@@ -20,6 +20,7 @@ from typing import Any, Sequence
 
 import msgspec
 
+from meshrl import faults
 from meshrl.engines import GenerateResult
 from meshrl.envs import Episode, Reward, as_reward
 from meshrl.envs.reward_models import MeshReward
@@ -256,6 +257,7 @@ class RewardWorker(Actor):
             job.episodes, job.prompt_ids = episodes, [group[0].prompt_ids for group in episodes]
         scored = await score_job_with(self.reward, self.tokenizer, job, self.timeout_s, within_s=within_s)
         scored.received = received
+        faults.point("reward.score")
         by_ref = by_ref and len(scored.encoded) >= (by_ref if type(by_ref) is int else 0)
         return scored.by_ref() if by_ref else scored
 

@@ -30,6 +30,7 @@ from typing import Any, Literal, Sequence
 
 import msgspec
 
+from meshrl import faults
 from meshrl.engines import GenerateRequest, GenerateResult
 from meshrl.engines.engine_config import TorchEngineConfig
 from meshrl.engines.sglang_server import SGLangServerConfig
@@ -204,6 +205,7 @@ class RolloutWorker(Actor):
 
     @endpoint
     async def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
+        faults.point("rollout.generate")
         return await self._calling(self.engine.generate(requests))
 
     @endpoint

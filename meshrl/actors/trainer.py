@@ -30,6 +30,7 @@ import math
 
 import torch
 
+from meshrl import faults
 from meshrl.actors.algo_config import AlgoConfig
 from meshrl.actors.data_parallel import DataParallel
 from meshrl.actors.policy_trainer import NonFiniteStepsError, PolicyTrainer, TrainerConfig, batch_stats, lr_lambda
@@ -82,8 +83,11 @@ class Trainer(Actor):
         timeout = self.core.cfg.collective_timeout_s
         if isinstance(batch, Shares):
             mine, start, count = batch.of(self.core.dp.rank)
-            return self.core.train_step(fetch_batch(mine, timeout), version, share=(start, count, batch.total))
-        return self.core.train_step(fetch_batch(batch, timeout), version)
+            samples, share = fetch_batch(mine, timeout), (start, count, batch.total)
+        else:
+            samples, share = fetch_batch(batch, timeout), None
+        faults.point("trainer.train_step")
+        return self.core.train_step(samples, version, share=share)
 
     @endpoint
     def gather_weights(self) -> int:
@@ -120,6 +124,7 @@ class Trainer(Actor):
     @endpoint
     def reshard_send(self, version: int) -> PushStats:
         """Send this rank's shards of the current policy as ``version``."""
+        faults.point("trainer.reshard_send")
         return self.reshard.send(version)
 
     @endpoint
@@ -156,6 +161,7 @@ class Trainer(Actor):
     def save_checkpoint(self, path: str) -> str:
         """Sharded training state (models, optimisers, schedule, RNG, counters) under ``path``."""
         save_trainer_state(self.core, path)
+        faults.point("trainer.save_checkpoint")
         return path
 
     @endpoint

@@ -8,8 +8,9 @@ arguments in the same placement-group bundle; the new incarnation starts from a 
 To notice deaths without polling, the owner keeps one *sentinel* call pending on every supervised
 actor: ``_meshrl_watch`` never returns and runs in its own Ray concurrency group, so it never
 takes the actor's own execution slot. One daemon thread per owner process waits on all sentinels
-with ``ray.wait``. When a sentinel fails, the actor died; the thread waits for ``__ray_ready__`` of
-the restarted actor and then calls ``on_restart(RestartEvent(...))``. If the restart budget is
+with ``ray.wait``. When a sentinel fails, the actor died; the thread probes the restarting actor
+with ``__ray_ready__`` (every ``REPROBE_S`` while Ray says it is restarting, anew when a probe stays
+unanswered ``REPROBE_AFTER_S``) and once it answers calls ``on_restart(RestartEvent(...))``. If the restart budget is
 spent, the death is logged and callers get ``ActorFailure`` from Ray as usual.
 
 Where the callback runs: on the event loop that was running when ``spawn`` was called (via
@@ -26,6 +27,7 @@ import asyncio
 import inspect
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -38,6 +40,10 @@ log = logging.getLogger("meshrl.mesh")
 
 POLL_S = 0.5
 """How often the supervision thread looks for newly watched actors while none has failed."""
+REPROBE_S = 0.1
+"""How often a restarting actor is asked whether it is up."""
+REPROBE_AFTER_S = 1.0
+"""A probe unanswered this long is sent anew."""
 
 
 class RestartEvent(msgspec.Struct, frozen=True):
@@ -65,15 +71,22 @@ class _Watched:
     restarts: int = 0
     cause: str = ""
     ref: Any = field(default=None)
+    probed: float = 0.0
 
     def arm(self) -> None:
         self.ref = self.handle._meshrl_watch.options(concurrency_group=WATCH_GROUP).remote()
+
+    def revive(self) -> None:
+        """Ask the restarting actor whether it is up (``_revival``)."""
+        self.ref, self.probed = _revival(self.handle), time.monotonic()
 
 
 class _Supervisor:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._by_ref: dict[Any, _Watched] = {}
+        self._later: list[tuple[float, _Watched]] = []
+        """Entries whose restarted actor did not answer yet: probed again when due."""
         self._thread: threading.Thread | None = None
 
     def watch(self, entries: list[_Watched]) -> None:
@@ -89,18 +102,24 @@ class _Supervisor:
         with self._lock:
             for ref in [r for r, e in self._by_ref.items() if match(e)]:
                 del self._by_ref[ref]
+            self._later = [(due, e) for due, e in self._later if not match(e)]
 
     def _run(self) -> None:
         while True:
             with self._lock:
+                self._reprobe(time.monotonic())
                 refs = list(self._by_ref)
-                if not refs:
+                if not refs and not self._later:
                     self._thread = None
                     return
+            if not refs:
+                time.sleep(REPROBE_S)
+                continue
             try:
-                ready, _ = ray.wait(refs, num_returns=1, timeout=POLL_S)
+                reviving = self._later or any(self._by_ref[r].cause for r in refs if r in self._by_ref)
+                ready, _ = ray.wait(refs, num_returns=1, timeout=REPROBE_S if reviving else POLL_S)
             except Exception as exc:  # Ray was shut down under us: nothing left to supervise
-                log.debug("supervision stops: %s", exc)
+                (log.warning if ray.is_initialized() else log.debug)("supervision stops: %s", exc)
                 with self._lock:
                     self._by_ref.clear()
                     self._thread = None
@@ -117,6 +136,29 @@ class _Supervisor:
                     if self._by_ref.pop(ref, None) is entry and keep:
                         self._by_ref[entry.ref] = entry
 
+    def _reprobe(self, now: float) -> None:
+        """Probe the restarting actors that are due (under the lock). An entry leaves its old place
+        only once its new probe is sent, so a probe that cannot be sent is tried again next round."""
+        for due, entry in [x for x in self._later if x[0] <= now]:
+            if self._probe(entry):
+                self._later.remove((due, entry))
+                self._by_ref[entry.ref] = entry
+        # a probe of a restarting actor can stay unanswered after the actor is back (seen with
+        # Ray 2.56 to 2.60 when it was sent as the old process's connection closed): ask anew
+        for ref, entry in [(r, e) for r, e in self._by_ref.items() if e.cause and now - e.probed > REPROBE_AFTER_S]:
+            if self._probe(entry):
+                del self._by_ref[ref]
+                self._by_ref[entry.ref] = entry
+
+    @staticmethod
+    def _probe(entry: _Watched) -> bool:
+        try:
+            entry.revive()
+            return True
+        except Exception as exc:  # never let the supervision thread die: the actor goes unwatched
+            log.warning("probing restarting actor %s/%d: %s; trying again", entry.mesh, entry.rank, exc)
+            return False
+
     def _advance(self, entry: _Watched, ref: Any) -> bool:
         """Act on ``entry``'s ready ``ref``; re-arm ``entry.ref`` and return True to watch on."""
         try:
@@ -129,12 +171,18 @@ class _Supervisor:
             else:  # a sentinel returned: only happens if someone called it by hand; re-arm
                 entry.arm()
         except ray.exceptions.RayActorError as exc:
-            if entry.cause:
+            if entry.cause and not isinstance(exc, ray.exceptions.ActorUnavailableError):
                 log.error("actor %s/%d died and was not restarted: %s", entry.mesh, entry.rank, exc)
                 return False
-            entry.cause = str(exc)
-            log.warning("actor %s/%d died (%s); waiting for its restart", entry.mesh, entry.rank, entry.cause)
-            entry.ref = _revival(entry.handle)
+            if not entry.cause:  # the sentinel failed: the actor died; is it back yet?
+                entry.cause = str(exc)
+                log.warning("actor %s/%d died (%s); waiting for its restart", entry.mesh, entry.rank, entry.cause)
+                if self._probe(entry):
+                    return True
+            with self._lock:  # still restarting: probed again after REPROBE_S
+                if self._by_ref.get(ref) is entry:  # (not unwatched meanwhile)
+                    self._later.append((time.monotonic() + REPROBE_S, entry))
+            return False
         except Exception as exc:
             log.error("supervising actor %s/%d: %s", entry.mesh, entry.rank, exc)
             return False
@@ -173,8 +221,10 @@ class _Supervisor:
 
 
 def _revival(handle: Any) -> Any:
-    """A call that answers once the restarted actor is up (Ray retries it while it restarts)."""
-    return handle.__ray_ready__.options(max_task_retries=-1).remote()
+    """A call that answers once the restarted actor is up, or fails at once while it restarts
+    (then the supervisor probes again after REPROBE_S: Ray's own retries of a call to a restarting
+    actor back off, and the restart would be told of seconds after callers use the actor again)."""
+    return handle.__ray_ready__.options(max_task_retries=0).remote()
 
 
 async def _awaited(result: Any) -> Any:

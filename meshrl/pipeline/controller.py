@@ -52,6 +52,7 @@ from typing import Any, AsyncIterator, Sequence
 
 import msgspec
 
+from meshrl import faults
 from meshrl.actors import ReferenceWorker, RewardWorker, RolloutWorker, Trainer
 from meshrl.actors.hybrid import HybridWorker
 from meshrl.config import ConfigError, to_yaml
@@ -168,7 +169,7 @@ class Pipeline:
         # rollout: each TP group on one node, replicas wherever they fit; others: all on one node
         pack: bool | str = where.pack and ("tp" if "tp" in dims else name != "rollout")
         mesh = spawn_procs(dims, gpus_per_proc=gpus_per_proc, resources=where.resources, labels=where.labels,
-                           pack=pack, env=WORKER_ENV, name=name, namespace=self._namespace,
+                           pack=pack, env={**WORKER_ENV, **faults.env()}, name=name, namespace=self._namespace,
                            timeout=self.cfg.cluster.placement_timeout_s)
         self._procs.append(mesh)
         return mesh.spawn(name, cls, *args, **kwargs)
