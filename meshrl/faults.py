@@ -15,6 +15,7 @@ processes. Points, each inside its call, before it answers:
 ``reward.score``           the samples are scored, not yet handed back (nor put into the queue)
 ``trainer.train_step``     the rank has fetched its share of the batch, and not trained on it
 ``trainer.reshard_send``   the engines have posted their receives; the trainer sends nothing
+``rollout.reshard_receive`` the trainer sends (or is about to); this engine takes nothing of it
 ``trainer.save_checkpoint`` the rank wrote its state into the partial checkpoint, not committed
 =========================  ======================================================================
 
@@ -31,7 +32,8 @@ from pathlib import Path
 
 __all__ = ["POINTS", "env", "point", "schedule"]
 
-POINTS = ("rollout.generate", "reward.score", "trainer.train_step", "trainer.reshard_send", "trainer.save_checkpoint")
+POINTS = ("rollout.generate", "reward.score", "trainer.train_step", "trainer.reshard_send", "rollout.reshard_receive",
+          "trainer.save_checkpoint")
 VARIABLES = ("MESHRL_FAULTS", "MESHRL_FAULTS_DIR")
 
 

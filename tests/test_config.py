@@ -286,3 +286,17 @@ def test_each_role_has_its_placement_and_reward_workers_spread():
     assert cfg.cluster.trainer.resources == {"trainer_node": 0.01} and cfg.cluster.role("hybrid") is cfg.cluster.trainer
     assert cfg.cluster.rollout.labels == {"accelerator": "H200"} and cfg.cluster.rollout.pack
     assert not cfg.cluster.reward.pack and cfg.cluster.role("reward_model") is cfg.cluster.reward
+
+
+@pytest.mark.parametrize("overrides, in_place", [
+    ([], True),
+    (["run.max_worker_restarts=0"], False),
+    (["trainer.sync_interval=2", "run.checkpoint_every=10"], False),  # one worker, loaded only at a push
+    (["trainer.sync_interval=2", "run.checkpoint_every=10", "rollout.num_workers=2"], True),
+    (["rollout.tp_size=2", "rollout.num_workers=1"], False),
+    (["placement=colocated"], False),
+])
+def test_where_a_rollout_worker_is_restarted_in_place_rather_than_resumed(overrides, in_place):
+    from meshrl.pipeline.revival import restarts_rollout_in_place
+
+    assert restarts_rollout_in_place(load_config(PipelineConfig, None, overrides)) is in_place

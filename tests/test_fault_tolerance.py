@@ -8,7 +8,9 @@ mid-train-step, mid-push, during a checkpoint write); a hang is a SIGSTOP:
   call it had in flight is sent again and the rest of the run goes on; the samples its process
   held for the queue died with it, and the step that needs them resumes from the checkpoint
   (``SamplesLost``); a hung one misses its heartbeat (``run.heartbeat_timeout_s``) and is killed;
-- the trainer, the queue or a rollout worker: ``run.auto_resume`` tears the run down and resumes it
+- a rollout worker is restarted in place too: loaded with the current weights (a new transfer
+  group, the version pushed again) before it takes requests, the ones it had in flight re-issued;
+- the trainer or the queue: ``run.auto_resume`` tears the run down and resumes it
   from its newest checkpoint (at most ``run.max_restarts`` times); at ``max_staleness=0`` the run
   trains exactly as the uninterrupted one;
 - the ledger (``run.audit``) proves every group was trained at most once and nothing the queue
@@ -69,9 +71,10 @@ async def _watch_and_kill(pipeline, run, pending, killed, records, pids, rng, si
         records.append((time.time(), rec))
         # a supervised worker is killed again only once its last restart was reported (Ray's restart
         # is seconds on 2 busy cores; meshrl.mesh watches each incarnation from its restart on)
-        last = max((t for k, t in killed if k.startswith("reward")), default=None)
-        back = last is None or any(t > last and r["kind"] in ("worker_restart", "restart") for t, r in records)
-        if rec["kind"] == "step" and pending and rec["step"] >= pending[0][0] and (back or not pending[0][1].startswith("reward")):
+        last = max((t for k, t in killed if k.startswith(("reward", "rollout"))), default=None)
+        back = last is None or any(t > last and r["kind"] in ("worker_revived", "worker_restart", "restart")
+                                   and (r["kind"] != "worker_restart" or r["role"] != "rollout") for t, r in records)
+        if rec["kind"] == "step" and pending and rec["step"] >= pending[0][0] and (back or not pending[0][1].startswith(("reward", "rollout"))):
             _, role = pending.pop(0)
             await asyncio.sleep(rng.uniform(0.0, rec["step_time_s"]))
             pids.append(await _pid(pipeline, role))
@@ -112,6 +115,26 @@ def test_a_killed_reward_worker_is_restarted_in_place_and_loses_nothing(ray_clus
     assert all(r["role"] == "reward" for _, r in back if r["kind"] == "worker_restart")
     audit = summary["audit"]
     assert audit["ok"] and audit["trained_samples"] == 16 * 8, audit
+
+
+def test_killed_rollout_workers_are_restarted_in_place_with_the_current_weights(ray_cluster, tmp_path, tiny_model):
+    """Two rollout workers; each is killed once mid-run: Ray re-creates it, the train loop loads it
+    with the current weights (a new transfer group, the version pushed again), and the requests it
+    had in flight are re-issued, while the other worker keeps generating. No resume, nothing lost."""
+    cfg = _config(tiny_model, tmp_path / "rollout", "run.max_worker_restarts=2", "run.total_steps=14",
+                  "rollout.num_workers=2")
+    summary, killed, records = asyncio.run(_run_with_kills(cfg, [(2, "rollout/0"), (7, "rollout/1")], seed=5))
+    assert summary["steps"] == 14 and {r["role"] for r in summary["restarts"]} <= {"samples"}, summary["restarts"]
+    revived = [(t, r) for t, r in records if r["kind"] == "worker_revived"]
+    assert sorted(r["rank"] for _, r in revived) == [0, 1], revived
+    for (role, t_kill), (t_back, r) in zip(killed, revived):
+        assert role == f"rollout/{r['rank']}" and 0 < t_back - t_kill < 30, (role, r, t_back - t_kill)
+        assert r["version"] >= 2 and r["recovery_s"] < 30, r  # loaded with a trained version, not the checkpoint's
+    steps = _steps(tmp_path / "rollout")
+    assert steps[14]["revived_workers"] == 2 and steps[14]["restarts"] == 0, steps[14]
+    print({"revived": [(r["rank"], r["version"], r["recovery_s"]) for _, r in revived],
+           "reissued_requests": steps[14]["reissued_requests"], "audit": summary["audit"]})
+    assert summary["audit"]["ok"] and summary["audit"]["trained_samples"] == 14 * 8, summary["audit"]
 
 
 def test_a_hung_reward_worker_misses_its_heartbeat_and_is_restarted(ray_cluster, tmp_path, tiny_model):
@@ -155,7 +178,7 @@ def test_soak_kills_at_every_fault_point_and_of_the_queue(ray_cluster, tmp_path,
     the queue is killed from outside; the run completes its steps and the ledger holds."""
     rng = random.Random(28)
     calls = {"rollout.generate": (4, 24), "reward.score": (4, 24), "trainer.train_step": (2, 12),
-             "trainer.reshard_send": (2, 12), "trainer.save_checkpoint": (1, 5)}  # each well inside a 16-step run
+             "trainer.reshard_send": (2, 12), "rollout.reshard_receive": (2, 12), "trainer.save_checkpoint": (1, 5)}  # each well inside a 16-step run
     plan = {name: rng.randint(*span) for name, span in calls.items()}
     monkeypatch.setenv("MESHRL_FAULTS", ",".join(f"{k}={v}" for k, v in plan.items()))
     monkeypatch.setenv("MESHRL_FAULTS_DIR", str(tmp_path / "faults"))
@@ -166,14 +189,15 @@ def test_soak_kills_at_every_fault_point_and_of_the_queue(ray_cluster, tmp_path,
     fired = {name: (tmp_path / "faults" / name).stat().st_size for name in plan}
     assert all(fired[name] >= n for name, n in plan.items()), (plan, fired)  # every point was reached and fired
     resumed = sorted(r["role"] for r in summary["restarts"] if r["role"] != "samples")
-    # the trainer's three points and the rollout worker's resume the run, as the queue's death does;
-    # the reward worker is restarted in place (a point that fires while its attempt is failing
-    # takes that attempt's end, not a record of its own)
-    assert resumed.count("queue") == 1 and 2 <= resumed.count("trainer") <= 3 and resumed.count("rollout") <= 1, summary["restarts"]
+    # the trainer's three points resume the run, as the queue's death does; the reward and rollout
+    # workers are restarted in place (a point that fires while its attempt is failing takes that
+    # attempt's end, not a record of its own)
+    assert resumed.count("queue") == 1 and 2 <= resumed.count("trainer") <= 3 and "rollout" not in resumed, summary["restarts"]
     assert len(summary["restarts"]) <= 8
     assert summary["audit"]["ok"] and summary["audit"]["trained_samples"] == 16 * 8, summary["audit"]
-    print({"plan": plan, "restarts": [(r["role"], r["failed_at_step"], r["recovery_s"]) for r in summary["restarts"]],
-           "worker_restarts": [r["role"] for _, r in records if r["kind"] == "worker_restart"], "audit": summary["audit"]})
+    print({"plan": plan, "restarts": [(r["role"], r["failed_at_step"], r.get("recovery_s")) for r in summary["restarts"]],
+           "worker_restarts": [r["role"] for _, r in records if r["kind"] == "worker_restart"],
+           "revived": [(r["rank"], r["recovery_s"]) for _, r in records if r["kind"] == "worker_revived"], "audit": summary["audit"]})
 
 
 def dying_reward(problem, completion: str) -> float:

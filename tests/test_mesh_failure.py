@@ -48,6 +48,10 @@ class Fragile(Actor):
         os.kill(os.getpid(), signal.SIGKILL)
 
     @endpoint
+    def report_failure(self, mesh: str, rank: int) -> None:
+        raise ActorFailure(mesh, rank, "restarting: told by another actor")
+
+    @endpoint
     def die_on_rank0_else_wait(self) -> int:
         if current_rank().rank == 0:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -89,6 +93,16 @@ def test_ray_kill_surfaces_as_actor_failure_with_the_rank(procs):
     ray.kill(ray.get_actor("killed/1"))
     failure, _ = first_failure(lambda: mesh.ping.call().get(timeout=60))
     assert failure.mesh == "killed" and failure.rank == 1
+    mesh.stop()
+
+
+def test_an_actor_failure_raised_in_an_endpoint_reaches_the_caller_as_itself(procs):
+    # an actor that tells of a death (its own restart, a peer's) is read like Ray's own: mesh, rank, cause
+    mesh = procs.slice(procs=0).spawn("teller", Fragile, share=0.25)
+    with pytest.raises(ActorFailure) as info:
+        mesh.report_failure.call_one("rollout", 3).get(timeout=60)
+    assert type(info.value) is ActorFailure and (info.value.mesh, info.value.rank) == ("rollout", 3)
+    assert info.value.restarting and any("teller/0" in n for n in info.value.__notes__)
     mesh.stop()
 
 

@@ -36,7 +36,8 @@ from meshrl.engines.engine_config import TorchEngineConfig
 from meshrl.engines.sglang_server import SGLangServerConfig
 from meshrl.engines.types import GREEDY_TEMPERATURE
 from meshrl.envs import EnvFactory, Episode, EpisodeConfig, EpisodeRequest, run_episodes
-from meshrl.mesh import Actor, current_rank, endpoint
+from meshrl.mesh import Actor, ActorFailure, current_rank, endpoint
+from meshrl.mesh.actor import mesh_context
 from meshrl.reshard import DestLayout, GroupRanks, PushStats, ReshardConfig, SourceLayout
 from meshrl.reshard.meshes import DestSide
 
@@ -248,6 +249,20 @@ class RolloutWorker(Actor):
                                "from the trainer over SGLang's own group (Trainer.sglang_push), not reshard")
         return self.reshard
 
+    def _joined(self, what: str) -> DestSide:
+        """The transfer side of a worker in the trainer's group; a process Ray re-created in place
+        (run.max_worker_restarts) is not in it until the controller connects it again: its failure
+        says so as a restart, which the train loop answers by that connect and the push again."""
+        side = self._torch(what)
+        if side.resharder is None:
+            import ray
+
+            if ray.get_runtime_context().was_current_actor_reconstructed:
+                ctx = mesh_context()
+                raise ActorFailure(ctx.mesh, ctx.rank, f"{what}: this process was restarting (re-created by Ray) "
+                                   "and has not joined the trainer's transfer group yet")
+        return side
+
     @endpoint
     async def reshard_dest_layout(self, num_ranks: int) -> DestLayout:
         """The layout of ``num_ranks`` engine ranks like this one (its declared TP plan and dtype)."""
@@ -262,16 +277,17 @@ class RolloutWorker(Actor):
     @endpoint
     async def reshard_receive(self, version: int) -> PushStats:
         """Receive a whole version from the trainer ranks and serve it from the next step on."""
-        return await self._torch("reshard_receive").receive(version)
+        faults.point("rollout.reshard_receive")
+        return await self._joined("reshard_receive").receive(version)
 
     @endpoint
     async def reshard_arm(self, version: int, timeout_s: float) -> None:
         """Post the receive of ``version`` now, before the trainer sends it (``Resharder.arm``)."""
-        await self._torch("reshard_arm").arm(version, timeout_s)
+        await self._joined("reshard_arm").arm(version, timeout_s)
 
     @endpoint
     async def reshard_disarm(self) -> None:
-        await self._torch("reshard_disarm").disarm()
+        await self._joined("reshard_disarm").disarm()
 
 
 def _exit_unless_stopped(task: asyncio.Task) -> None:

@@ -46,6 +46,9 @@ def translate(exc: BaseException, mesh: str, rank: int, method: str) -> BaseExce
     if isinstance(exc, ray.exceptions.RayActorError):
         return ActorFailure(mesh, rank, _ANSI.sub("", str(exc)))
     if isinstance(exc, ray.exceptions.RayTaskError):
+        if isinstance(exc.cause, ActorFailure):  # an actor's failure, told by another (or by itself, restarted)
+            exc.cause.add_note(f"raised by endpoint `{method}` of actor {mesh}/{rank}")
+            return exc.cause
         exc = exc.as_instanceof_cause()
     if isinstance(exc, Exception):
         exc.add_note(f"raised by endpoint `{method}` of actor {mesh}/{rank}")

@@ -68,6 +68,7 @@ from meshrl.pipeline.rollout_loop import Roles, RolloutDriver, bounded
 from meshrl.pipeline.startup import (WORKER_ENV, check_prompts, colocated_mem_fraction, ensure_ray, settle_devices,
                                      sglang_transport)
 from meshrl.pipeline.recovery import Recovery
+from meshrl.pipeline.revival import Revivals, restarts_rollout_in_place
 from meshrl.pipeline.storage import check_storage
 from meshrl.pipeline.training import TrainLoop
 from meshrl.queues import QueueClosed
@@ -182,6 +183,8 @@ class Pipeline:
 
     async def _start_roles(self, model_dir: str) -> Roles:
         cfg, env = self.cfg, self.environment
+        restarts = ({"max_restarts": cfg.run.max_worker_restarts,
+                     "on_restart": functools.partial(self.recovery.restarted, cfg)} if cfg.run.max_worker_restarts else {})
         queue = self._spawn("queue", QueueActor, cfg.queue, samples_per_step=cfg.trainer.samples_per_step,
                             steps_per_version=cfg.trainer.sync_interval, ledger=cfg.run.audit)
         max_new_tokens = cfg.rollout.episode.max_tokens if env else cfg.rollout.max_new_tokens
@@ -205,14 +208,13 @@ class Pipeline:
             rollouts = self._spawn("rollout", RolloutWorker, model_dir, cfg.rollout.engine, cfg.rollout.threads,
                                    dims=dims, gpus_per_proc=engine_gpus * (tp if sglang else 1), tp_size=tp,
                                    tp_timeout_s=cfg.run.step_timeout_s,
-                                   **({"environment": env, "episode": cfg.rollout.episode} if env else {}))
+                                   **({"environment": env, "episode": cfg.rollout.episode} if env else {}),
+                                   **(restarts if restarts_rollout_in_place(cfg) else {}))
             self._servers = rollouts if sglang else None
         if callable(getattr(self.reward, "start", None)):  # a reward served by a mesh of its own
             await self.reward.start(self._spawn)
         # without an environment the task's reward is the default; an environment's rewards stand alone
         reward = self.reward if self.reward is not None else None if env else self.task
-        restarts = ({"max_restarts": cfg.run.max_worker_restarts,
-                     "on_restart": functools.partial(self.recovery.restarted, cfg)} if cfg.run.max_worker_restarts else {})
         rewards = self._spawn("reward", RewardWorker, reward, model_dir, cfg.reward.timeout_s, procs=cfg.reward.num_workers,
                               **restarts)
         if cfg.placement != "colocated" or sglang:
@@ -374,8 +376,10 @@ class Pipeline:
             roles = await self._start_roles(model_dir)
             self._echo(await asyncio.to_thread(self._placement_line))
             await self._check_storage(roles, model_dir)
+            revivals = Revivals(cfg, len(roles.rollouts), record=self.recovery.revived)
             self._rollout = rollout = RolloutDriver(cfg, roles, tokenizer, ledger, log, stopping=self._stopping,
-                                                    environment=self.environment is not None)
+                                                    environment=self.environment is not None, revivals=revivals)
+            self.recovery.revivals = revivals
             self._train = train = TrainLoop(cfg, roles, rollout, log, self.out_dir, evaluate=self._periodic_evaluation)
             train.restarts = len(self.recovery.restarts)
             self._roles_ready.set()
@@ -392,6 +396,8 @@ class Pipeline:
             ]
             training = asyncio.create_task(self._guard(train.run(), always_fails=True))
             heartbeat = asyncio.create_task(self._guard(self.recovery.watch(cfg, roles, log), what="the heartbeat"))
+            reviver = asyncio.create_task(self._guard(train.revive(), always_fails=True,
+                                                      what="the restart of a rollout worker in place"))
             stop = asyncio.create_task(self._stop_requested.wait())
             try:
                 # waits for: the last train step, a failure, or stop(); unblocked by: the train loop, stop()
@@ -405,6 +411,7 @@ class Pipeline:
             finally:
                 stop.cancel()
                 heartbeat.cancel()
+                reviver.cancel()
                 self._stopping.set()
                 await roles.queue.close.call_one().within(60)  # wakes get_batch and every reserve/put
                 await training
@@ -413,7 +420,7 @@ class Pipeline:
                     # failed: a loop may be blocked in a role that will not answer (the run ends anyway)
                     for t in loops:
                         t.cancel()
-                await asyncio.gather(*loops, heartbeat, return_exceptions=True)
+                await asyncio.gather(*loops, heartbeat, reviver, return_exceptions=True)
                 if self._failure is not None:
                     for t in train.evals:
                         t.cancel()
@@ -432,7 +439,7 @@ class Pipeline:
             final_dir = (await roles.trainer.save_hf.call(str(self.out_dir / "final")).within(cfg.run.step_timeout_s)).values()[0]
         finally:
             self._closed = True  # a user's call still running fails from here as "shut down" (_user_call)
-            self.recovery.log = None
+            self.recovery.log = self.recovery.revivals = None
             log.close()
             await self._close_servers()
             self._shutdown()

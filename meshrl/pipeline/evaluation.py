@@ -31,7 +31,7 @@ async def evaluate(driver: RolloutDriver, task: Task, log: RunLog, *, step: int,
 
     async def part(problems: list[Problem]) -> Any:
         async with gate:
-            job = await driver.play(roles.rollouts, problems, greedy=True, n=1, group_ids=None, what="held-out generation")
+            job = await driver.play(problems, greedy=True, n=1, group_ids=None, what="held-out generation")
         return await driver.again(lambda: roles.rewards.score.choose(job, within_s=timeout), timeout, "held-out scoring")
 
     scored = await asyncio.gather(*(part(problems[i : i + chunk]) for i in range(0, len(problems), chunk)))
@@ -57,7 +57,14 @@ async def generate(driver: RolloutDriver, prompts: Sequence[str], *, max_new_tok
         r = driver.cfg.rollout
         requests = [msgspec.structs.replace(q, sampling=msgspec.structs.replace(q.sampling, temperature=temperature, top_p=r.top_p,
                                                                                  top_k=r.top_k)) for q in requests]
-    rollouts = driver.roles.rollouts
-    adverb = rollouts.generate.call_one if len(rollouts) == 1 else rollouts.generate.choose
-    results = await bounded(adverb(requests), driver.cfg.run.step_timeout_s, "generation for Pipeline.generate")
+    while True:  # sent again to another worker while the one that took it is restarted
+        rollouts = await driver.serving_rollouts("Pipeline.generate")
+        adverb = rollouts.generate.call_one if len(rollouts) == 1 else rollouts.generate.choose
+        try:
+            results = await bounded(adverb(requests), driver.cfg.run.step_timeout_s, "generation for Pipeline.generate")
+            break
+        except Exception as exc:
+            if (rank := driver.revivals.restartable(exc)) is None:
+                raise
+            driver.revivals.died(rank)
     return [driver.tokenizer.decode(r.completions[0].output_ids, skip_special_tokens=True) for r in results]

@@ -5,7 +5,9 @@ death(exc)          the role's death behind a failure (ActorFailure, SamplesLost
 Recovery.resumes    run.auto_resume: may this failure be resumed from the newest checkpoint?
 Recovery.failed     one resume begins: its record, said in a line
 Recovery.recovered  the resumed run is back: the recovery seconds, a marker on the dead role's lane
-Recovery.restarted  Ray re-created a reward or reference worker in place (run.max_worker_restarts)
+Recovery.restarted  Ray re-created a worker in place (run.max_worker_restarts); a rollout worker
+                    serves again once loaded with the current weights (meshrl.pipeline.revival)
+Recovery.revived    that rollout worker is back: its record and the recovery seconds
 Recovery.watch      the heartbeat: a process that answers none within run.heartbeat_timeout_s is
                     hung; it is killed, and its death takes one of the ways above
 ```
@@ -27,26 +29,10 @@ from typing import Any, Callable
 from meshrl.mesh import ActorFailure, RestartEvent
 from meshrl.pipeline.config import PipelineConfig
 from meshrl.pipeline.metrics import RunLog
+from meshrl.pipeline.revival import Revivals, death
 from meshrl.pipeline.rollout_loop import Roles
-from meshrl.queues.parcels import SamplesLost
 
 __all__ = ["Recovery", "death"]
-
-
-def death(exc: BaseException) -> BaseException | None:
-    """The role's death behind ``exc`` (an ``ActorFailure``, or ``SamplesLost``), through causes,
-    contexts and exception groups; None when it is not one (a bug stops the run)."""
-    seen: set[int] = set()
-    todo = [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, (ActorFailure, SamplesLost)):
-            return e
-        todo += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]
-    return None
 
 
 class Recovery:
@@ -59,6 +45,8 @@ class Recovery:
         self.log: RunLog | None = None
         """The running attempt's log (None between attempts: a late event is only said)."""
         self.step: Callable[[], int] = lambda: 0
+        self.revivals: Revivals | None = None
+        """The running attempt's rollout workers, told of a restart (None between attempts)."""
 
     def resumes(self, cfg: PipelineConfig, exc: BaseException, *, stop_requested: bool) -> bool:
         """run.auto_resume: a role's process died, the restart budget is not spent, nobody asked to stop."""
@@ -95,14 +83,24 @@ class Recovery:
         self.echo(f"recovered in {r['recovery_s']:.1f}s: {who} at step {r['failed_at_step']}, the run goes on from step {step}")
 
     def restarted(self, cfg: PipelineConfig, event: RestartEvent) -> None:
-        """Ray re-created a reward or reference worker (run.max_worker_restarts): its calls that
-        failed are sent again by the rollout loops; said and recorded here."""
+        """Ray re-created a worker (run.max_worker_restarts): a reward or reference worker's calls
+        that failed are sent again by the rollout loops; a rollout worker takes requests again once
+        the train loop has loaded it (``Revivals``). Said and recorded here."""
+        if event.mesh == "rollout" and self.revivals is not None:
+            self.revivals.died(event.rank)  # it serves the checkpoint's weights until loaded
         self.echo(f"restarted {event.mesh}/{event.rank} (restart {event.restarts} of run.max_worker_restarts="
                   f"{cfg.run.max_worker_restarts}): {event.cause[:200]}")
         if (log := self.log) is not None:
             log.record("worker_restart", role=event.mesh, rank=event.rank, restarts=event.restarts,
                        cause=event.cause[:500], step=self.step())
             log.span(event.mesh, "restart", log.now(), log.now(), worker=event.rank)
+
+    def revived(self, *, rank: int, version: int, step: int, recovery_s: float) -> None:
+        """A restarted rollout worker serves ``version`` again, ``recovery_s`` after its death."""
+        self.echo(f"rollout/{rank} is back in {recovery_s:.1f}s, serving v{version}; its requests in flight are re-issued")
+        if (log := self.log) is not None:
+            log.record("worker_revived", role="rollout", rank=rank, version=version, step=step, recovery_s=recovery_s)
+            log.span("rollout", "revived", log.now(), log.now(), worker=rank)
 
     async def watch(self, cfg: PipelineConfig, roles: Roles, log: RunLog) -> None:
         """The heartbeat of every role's processes, until cancelled (module docstring)."""

@@ -13,7 +13,9 @@ rollout loop (× workers × requests_in_flight), until the run stops:
 ```
 
 Every request is recorded in the ``PromptLedger`` until its samples are in the queue, so a
-checkpoint knows what was in flight. A request interrupted by ``Pipeline.stop`` stays recorded
+checkpoint knows what was in flight. A rollout worker that dies and is restarted in place
+(``meshrl.pipeline.revival``) has its requests re-issued once it serves the current weights: the
+same reservation, prompts and group ids (so the same seeds); the other workers keep generating. A request interrupted by ``Pipeline.stop`` stays recorded
 (its reservation stays outstanding in the queue snapshot) and is re-issued on resume.
 """
 
@@ -32,6 +34,7 @@ from meshrl.mesh import ActorFailure, ActorMesh
 from meshrl.pipeline import checkpoint as ckpt
 from meshrl.pipeline.config import PipelineConfig
 from meshrl.pipeline.metrics import RunLog
+from meshrl.pipeline.revival import Revivals
 from meshrl.tasks import Problem
 
 __all__ = ["Roles", "RolloutDriver", "bounded"]
@@ -69,7 +72,7 @@ class RolloutDriver:
     """Builds requests and runs the rollout loops of one pipeline run (module docstring)."""
 
     def __init__(self, cfg: PipelineConfig, roles: Roles, tokenizer: Any, ledger: ckpt.PromptLedger, log: RunLog, *,
-                 stopping: asyncio.Event, environment: bool) -> None:
+                 stopping: asyncio.Event, environment: bool, revivals: Revivals | None = None) -> None:
         self.cfg, self.roles, self.tokenizer, self.ledger, self.log = cfg, roles, tokenizer, ledger, log
         self.stopping = stopping
         """Set when the run winds down: no new request starts."""
@@ -81,6 +84,9 @@ class RolloutDriver:
         """Policy tokens generated for training so far."""
         self.reissued_calls = 0
         """Reward and reference calls sent again because their worker died (``_again``)."""
+        self._turn = 0
+        self.revivals = revivals or Revivals(cfg, len(roles.rollouts))
+        """The rollout workers serving the current weights, and those restarted (meshrl.pipeline.revival)."""
 
     def _sampling(self, *, greedy: bool, n: int, seed: int | None, max_new_tokens: int | None = None) -> SamplingParams:
         r = self.cfg.rollout
@@ -120,16 +126,34 @@ class RolloutDriver:
         job.prompt_ids, requests = self.requests(problems, greedy=greedy, n=n, group_ids=group_ids)
         return adverb(requests), job, "results"
 
-    async def play(self, worker: ActorMesh, problems: list[Problem], *, greedy: bool, n: int,
-                   group_ids: list[int] | None, what: str) -> RolloutJob:
-        """Generate (or play episodes) on ``worker`` and wait for them here (held-out evaluation)."""
-        generating, job, kind = self.start_play(worker, problems, greedy=greedy, n=n, group_ids=group_ids)
-        out = await bounded(generating, self.cfg.run.step_timeout_s, what)
+    async def play(self, problems: list[Problem], *, greedy: bool, n: int, group_ids: list[int] | None,
+                   what: str) -> RolloutJob:
+        """Generate (or play episodes) on a serving rollout worker and wait for them here (held-out
+        evaluation); sent again to another while the one that took it is restarted."""
+        while True:
+            worker = await self.serving_rollouts(what)
+            generating, job, kind = self.start_play(worker, problems, greedy=greedy, n=n, group_ids=group_ids)
+            try:
+                out = await bounded(generating, self.cfg.run.step_timeout_s, what)
+                break
+            except Exception as exc:
+                if (rank := self.revivals.restartable(exc)) is None:
+                    raise
+                self.revivals.died(rank)
         if kind == "episodes":
             job.episodes, job.prompt_ids = out, [g[0].prompt_ids for g in out]
         else:
             job.results = out
         return job
+
+    async def serving_rollouts(self, what: str) -> ActorMesh:
+        """The rollout workers to send a call to: all of them, or while one is being restarted, one
+        that serves the current weights."""
+        if not self.revivals.down:
+            return self.roles.rollouts
+        ranks = await self.revivals.any_serving(what)
+        self._turn += 1
+        return self.roles.rollouts.slice(procs=ranks[self._turn % len(ranks)])
 
     async def next_job(self) -> tuple[ckpt.InFlight, list[Problem]] | None:
         """A restored request to generate again, or a new reservation with the next prompts;
@@ -153,36 +177,26 @@ class RolloutDriver:
 
     async def loop(self, worker: ActorMesh, worker_index: int) -> None:
         """One rollout loop on one worker, until the run stops (module docstring)."""
-        n, timeout, queue = self.cfg.algo.samples_per_prompt, self.cfg.run.step_timeout_s, self.roles.queue
+        queue = self.roles.queue
         while not self.stopping.is_set():
             if (taken := await self.next_job()) is None:
                 return
             job, problems = taken
             try:
-                group_ids = list(range(job.first_group, job.first_group + job.count))
-                t0, wall0 = self.log.now(), time.time()
-                # data plane: the generations go from the rollout worker to the reward worker by ref,
-                # the samples stay in the reward (or reference) worker's object store, and each
-                # trainer rank fetches them itself: this process moves ids, metas and refs only. The
-                # reward worker answers within `timeout` of getting them, marking what a slow reward
-                # has not scored by then.
-                generating, job_in, kind = self.start_play(worker, problems, greedy=False, n=n, group_ids=group_ids)
-                inline = max(1, self.cfg.reward.inline_bytes)  # by reference from this size on (reward.inline_bytes)
-                scored = await self.again(
-                    lambda: self.roles.rewards.score.choose(job_in, within_s=timeout, by_ref=inline, **{kind: generating.ref()}),
-                    2 * timeout, f"rollout worker {worker_index} to generate and a reward worker to score", generating)
-                t1 = t0 + max(0.0, scored.received - wall0)  # when the generations reached the reward worker
-                self.log.span("rollout", "generate", t0, t1, worker=worker_index)
-                samples = scored.ref or scored.encoded  # refs, or a small request's bytes
-                if self.roles.reference is not None:
-                    samples = await self.again(lambda: self.roles.reference.annotate.choose(scored.ref or scored.encoded),
-                                               timeout, "the reference worker")
-                self.log.span("reward", "score", t1, self.log.now(), worker=worker_index)
-                # waits for: room under capacity_tokens; unblocked by: train loop get_batch_refs
-                put = (queue.put_ref.call_one(samples, scored.metas, job.reservation_id) if scored.ref
-                       else queue.put_encoded.call_one(samples, job.reservation_id))
-                await bounded(put, self.cfg.queue.put_timeout_s + 30, "the queue to accept samples")
-                self.generated_tokens += scored.completion_tokens
+                while True:
+                    # a restarted worker takes requests once it serves the current weights
+                    await self.revivals.until_serving(worker_index, "a rollout loop's next request")
+                    try:
+                        await self._request(worker, worker_index, job, problems)
+                        break
+                    except Exception as exc:
+                        if self.stopping.is_set() or self.revivals.restartable(exc) != worker_index:
+                            raise
+                        self.revivals.died(worker_index)
+                        self.revivals.reissued_requests += 1
+                        logger.warning("rollout/%d died with a request in flight (groups %d-%d); re-issuing it once the "
+                                       "worker is back: %s", worker_index, job.first_group, job.first_group + job.count - 1,
+                                       str(exc).splitlines()[0][:200])
             except BaseException:
                 if not self.stopping.is_set():
                     await asyncio.shield(queue.cancel.call_one(job.reservation_id).within(60))
@@ -190,6 +204,34 @@ class RolloutDriver:
                 # stopping: the request stays in the ledger, so the checkpoint re-issues it on resume
                 raise
             self.ledger.done(job.reservation_id)
+
+    async def _request(self, worker: ActorMesh, worker_index: int, job: ckpt.InFlight, problems: list[Problem]) -> None:
+        """One request on ``worker``: generated, scored (and annotated), put into the queue."""
+        n, timeout, queue = self.cfg.algo.samples_per_prompt, self.cfg.run.step_timeout_s, self.roles.queue
+        group_ids = list(range(job.first_group, job.first_group + job.count))
+        t0, wall0 = self.log.now(), time.time()
+        # data plane: the generations go from the rollout worker to the reward worker by ref,
+        # the samples stay in the reward (or reference) worker's object store, and each
+        # trainer rank fetches them itself: this process moves ids, metas and refs only. The
+        # reward worker answers within `timeout` of getting them, marking what a slow reward
+        # has not scored by then.
+        generating, job_in, kind = self.start_play(worker, problems, greedy=False, n=n, group_ids=group_ids)
+        inline = max(1, self.cfg.reward.inline_bytes)  # by reference from this size on (reward.inline_bytes)
+        scored = await self.again(
+            lambda: self.roles.rewards.score.choose(job_in, within_s=timeout, by_ref=inline, **{kind: generating.ref()}),
+            2 * timeout, f"rollout worker {worker_index} to generate and a reward worker to score", generating)
+        t1 = t0 + max(0.0, scored.received - wall0)  # when the generations reached the reward worker
+        self.log.span("rollout", "generate", t0, t1, worker=worker_index)
+        samples = scored.ref or scored.encoded  # refs, or a small request's bytes
+        if self.roles.reference is not None:
+            samples = await self.again(lambda: self.roles.reference.annotate.choose(scored.ref or scored.encoded),
+                                       timeout, "the reference worker")
+        self.log.span("reward", "score", t1, self.log.now(), worker=worker_index)
+        # waits for: room under capacity_tokens; unblocked by: train loop get_batch_refs
+        put = (queue.put_ref.call_one(samples, scored.metas, job.reservation_id) if scored.ref
+               else queue.put_encoded.call_one(samples, job.reservation_id))
+        await bounded(put, self.cfg.queue.put_timeout_s + 30, "the queue to accept samples")
+        self.generated_tokens += scored.completion_tokens
 
     async def again(self, call, seconds: float, what: str, inputs: Any = None) -> Any:
         """``bounded(call(), ...)``, sent again while the reward or reference worker that took it

@@ -19,6 +19,9 @@ train loop, until run.total_steps or the run stops:
                               lands), so admission never grants a batch that starts on v - 1
 resume: trainer.load_checkpoint → push its weights as the saved version → queue.restore
         → re-issue the requests that were in flight (or cancel unknown reservations)
+a rollout worker restarted in place (meshrl.pipeline.revival): loaded when the trainer's weights are
+  the served version's — by ``revive`` between a push and the next train step (the train loop holds
+  ``_weights`` from that step to its push), or by the push that failed with it, sent again
 ```
 """
 
@@ -65,13 +68,54 @@ class TrainLoop:
         """The ledger of samples accepted, dropped and trained (run.audit, meshrl.pipeline.audit)."""
         self.sync = weight_sync(cfg, roles, self._publish)
         """How the weights reach the engines: arm, push, settle (meshrl.pipeline.weight_sync)."""
+        self.revivals = rollout.revivals
+        self._weights = asyncio.Lock()
+        """Held by the train loop while the trainer's weights are ahead of ``version`` (from a train
+        step to its push) and by ``revive``, which loads a restarted rollout worker with them."""
+        self.published = 0
+        """The newest version the queue was told (set_version)."""
 
     async def run(self) -> None:
         """Train until ``run.total_steps`` or until the rollout side's ``stopping`` is set."""
         try:
             await self._run()
         finally:
+            if self._weights.locked() and self._holding:
+                self._weights.release()
+            self._holding = False
             await self.sync.close()  # a step failed between arming and its push
+
+    _holding = False
+    """The train loop holds ``_weights`` (not ``revive``)."""
+
+    async def _hold_weights(self) -> None:
+        if not self._holding:
+            # waits for: a restarted rollout worker's load (seconds); unblocked by: revive
+            await self._weights.acquire()
+            self._holding = True
+
+    def _release_weights(self) -> None:
+        if self._holding:
+            self._holding = False
+            self._weights.release()
+
+    async def revive(self) -> None:
+        """Load the rollout workers restarted in place with the current weights, whenever one is
+        reported dead, until cancelled (a task of the controller's; module docstring)."""
+        while True:
+            await self.revivals.wake.wait()
+            self.revivals.wake.clear()
+            if not self.revivals.down:
+                continue
+            async with self._weights:  # the trainer's weights are `version`'s from here to the release
+                if self.revivals.down:
+                    try:
+                        await self.sync.settle()  # a detached push still landing, or failed with the worker
+                    except Exception as exc:
+                        if (rank := self.revivals.restartable(exc)) is None:
+                            raise
+                        self.revivals.died(rank)
+                    await self.push(self.version, publish=self.published < self.version)
 
     async def _run(self) -> None:
         cfg, timeout, queue = self.cfg, self.cfg.run.step_timeout_s, self.roles.queue
@@ -87,7 +131,8 @@ class TrainLoop:
             batch = await bounded(queue.get_batch_refs.call_one(cfg.trainer.samples_per_step, self.version, timeout=timeout,
                                                                 shares=cfg.trainer.dp), timeout + 30, "a batch from the queue")
             t1 = self.log.now()
-            if self._pushes_after(self.step + 1):
+            await self._hold_weights()  # from here the trainer's weights are ahead of `version`
+            if self._pushes_after(self.step + 1) and not self.revivals.down:
                 self.sync.arm(self.version + 1)  # the engines post their receives while the step computes
             # every dp rank trains its own share; the metrics are global (rank 0's)
             metrics = (await self.roles.trainer.train_step.call(batch, self.version).within(timeout)).values()[0]
@@ -114,6 +159,7 @@ class TrainLoop:
                 **self.sync.phases(),
                 "tokens_per_s": (generated - window[0][1]) / max(now - window[0][0], 1e-9), "generated_tokens": generated,
                 "reissued_calls": self.rollout.reissued_calls, "restarts": self.restarts,
+                "reissued_requests": self.revivals.reissued_requests, "revived_workers": self.revivals.revived,
                 **{f"queue/{k}": v for k, v in queue_m.items() if isinstance(v, (int, float))},
             })
             last_end = now
@@ -127,6 +173,9 @@ class TrainLoop:
             if cfg.run.eval_every and self.step % cfg.run.eval_every == 0 and self.step < cfg.run.total_steps:
                 await self.settle()  # evaluated at the version the step record names
                 self.evals.append(asyncio.create_task(self._evaluate()))
+            if pushed:
+                self._release_weights()
+        await self._hold_weights()
         await self.settle()
         if self.step == cfg.run.total_steps and not self._pushes_after(self.step):
             # off the cadence, after the end checkpoint: the final evaluation is of the weights the run
@@ -143,17 +192,43 @@ class TrainLoop:
 
     async def settle(self) -> None:
         """Until every engine serves the newest pushed version and the queue has it; a failed
-        push raises here."""
-        await self.sync.settle()
+        push raises here (one that failed with a rollout worker restarted in place: pushed again)."""
+        try:
+            await self.sync.settle()
+        except Exception as exc:
+            if (rank := self.revivals.restartable(exc)) is None:
+                raise
+            self.revivals.died(rank)
+            if not self._holding:  # a user's call: the train loop or `revive` pushes it again
+                await self.revivals.any_serving("a push that failed with a restarted rollout worker", every=True)
+                return
+            await self.push(self.version, publish=self.published < self.version)
 
     async def push(self, version: int, *, publish: bool = False) -> int:
         """Send the trainer's weights to every engine as ``version``; returns it. ``publish``: then
-        tell the queue (``set_version``), once every engine serves it."""
-        return await self.sync.push(version, publish=publish)
+        tell the queue (``set_version``), once every engine serves it. A rollout worker restarted in
+        place first joins (and is loaded by this push): a push that fails with one is sent again."""
+        deadline = time.monotonic() + self.cfg.run.step_timeout_s
+        while True:
+            ranks = sorted(self.revivals.down)
+            try:
+                if ranks:
+                    await self.revivals.back_up(self.roles.engines, ranks)  # Ray re-created them
+                    await self.sync.rejoin()
+                pushed = await self.sync.push(version, publish=publish)
+                if ranks:
+                    await self.sync.settle()  # they take requests once they serve it
+                    self.revivals.back(ranks, version, self.step)
+                return pushed
+            except Exception as exc:
+                if (rank := self.revivals.restartable(exc)) is None or time.monotonic() > deadline:
+                    raise
+                self.revivals.died(rank)
 
     async def _publish(self, version: int) -> None:
         await bounded(self.roles.queue.set_version.call_one(version), self.cfg.run.step_timeout_s,
                       "the queue to take the new version")
+        self.published = max(self.published, version)
 
     async def checkpoint(self) -> Path:
         """Trainer state, queue snapshot and controller state of this step (module docstring)."""
@@ -189,6 +264,7 @@ class TrainLoop:
         if set(steps.values()) != {state.step}:
             raise RuntimeError(f"{path}: trainer state is at steps {sorted(set(steps.values()))}, the run at {state.step}")
         self.step, self.version, self.last_checkpoint = state.step, state.version, state.step
+        self.published = state.version  # announced below
         self.rollout.generated_tokens, self.accuracy_before = state.generated_tokens, state.accuracy_before
         if state.step > 0:
             await self.push(state.version)  # the engines serve the restored policy as its version

@@ -8,6 +8,8 @@ push(version)   the trainer sends ``version`` to every engine; with ``publish``,
                 once every engine serves it (admission assumes new reservations generate on it)
 settle()        until every engine serves the newest pushed version (a detached push's second
                 half); a failed push raises here, for every caller
+rejoin()        after a rollout worker was restarted in place (meshrl.pipeline.revival): forget
+                the failed push, and (distributed) every trainer and engine rank joins a new group
 ```
 
 - ``DistributedSync`` (``reshard.transport=distributed``): every trainer rank sends its own
@@ -59,6 +61,10 @@ class WeightSync:
 
     async def close(self) -> None:
         """Undo an ``arm`` whose push never came (the step failed)."""
+
+    async def rejoin(self) -> None:
+        """A rollout worker was re-created: forget a push that failed with it, and reach the new
+        process from the next push on (the object store reaches it as it is)."""
 
     def phases(self) -> dict[str, float]:
         """The last finished push's parts, once."""
@@ -138,6 +144,13 @@ class DistributedSync(WeightSync):
             self._armed = None
             with contextlib.suppress(Exception):
                 await self.roles.engines.reshard_disarm.call().within(10)
+
+
+    async def rejoin(self) -> None:
+        self._flipping, self._flip_error = None, None  # the failed push: pushed again by the caller
+        await self.close()
+        # the old group lost a member: every rank leaves it (an armed receive is withdrawn) and joins anew
+        await reshard_meshes.connect(self.roles.trainer, self.roles.engines, self.cfg.reshard)
 
 
 class ObjectStoreSync(WeightSync):
