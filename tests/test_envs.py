@@ -159,6 +159,7 @@ def test_environment_errors_mark_the_episode_and_groups_stay_whole(model_dir, to
     samples = decode_samples(scored.encoded)
     assert [s.reward_failed for s in samples] == [True] * 4 + [False] * 2 and scored.failures == 4
     assert [s.group_id for s in samples] == [10, 10, 11, 11, 12, 12] and all(s.group_size == 2 for s in samples)
+    assert [(s.group_id, s.sample_index) for s in samples] == [(g, i) for g in (10, 11, 12) for i in (0, 1)]
     assert all(s.loss_mask == e.loss_mask for s, e in zip(samples, [e for g in groups for e in g]))
     assert scored.completion_tokens == sum(sum(e.loss_mask) for g in groups for e in g)  # policy tokens only
 

@@ -124,7 +124,7 @@ def _build(job: RolloutJob, outs: Sequence[RewardOutput | None]) -> Scored:
     now, k = time.time(), 0
     for problem, prompt, group_id, i in zip(job.problems, job.prompt_ids, job.group_ids, range(len(job.problems))):
         items = job.episodes[i] if job.episodes else job.results[i].completions
-        for item in items:
+        for index, item in enumerate(items):
             out = outs[k]
             k += 1
             if isinstance(item, Episode):
@@ -143,7 +143,7 @@ def _build(job: RolloutJob, outs: Sequence[RewardOutput | None]) -> Scored:
                 tokens += len(item.output_ids)
             failures += failed
             samples.append(Sample(
-                prompt_id=problem.id, group_id=group_id, group_size=len(items), **fields,
+                prompt_id=problem.id, group_id=group_id, group_size=len(items), sample_index=index, **fields,
                 token_versions=versions if versions and min(versions) != max(versions) else None,
                 reward=reward, reward_info=info, reward_failed=failed, t_generated=now,
             ))

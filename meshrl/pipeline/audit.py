@@ -25,11 +25,14 @@ but neither trained, dropped nor still in the queue at the end is lost.
 from __future__ import annotations
 
 import collections
-from typing import Any, Iterable
+import logging
+from typing import Any, Callable, Iterable
 
 from meshrl.pipeline.rollout_loop import bounded
 
 __all__ = ["AuditLog", "check"]
+
+logger = logging.getLogger("meshrl.pipeline")
 
 
 class AuditLog:
@@ -55,6 +58,19 @@ class AuditLog:
         if accepted or dropped or trained:
             self.log.record("audit", step=step, accepted=[[g, n] for g, n in accepted.items()],
                             dropped=[[g, n] for g, n in dropped.items()], trained=trained)
+
+    async def verdict(self, step: int, echo: Callable[[str], None]) -> dict[str, Any]:
+        """At the run's end (every rollout loop done): the ledger's verdict on its history, said in a line."""
+        await self.record(step, ())  # puts after the last step's record
+        queued = await bounded(self.queue.held_groups.call_one(), self.timeout_s, "the queue's groups")
+        verdict = check(self.log.records, queued)
+        if verdict["ok"]:
+            echo(f"audit: {verdict['trained_samples']} samples trained, each once; {verdict['accepted_samples']} "
+                 f"accepted, none lost ({sum(queued.values())} still queued)")
+        else:
+            logger.error("audit: groups trained twice %s, accepted and lost %s, trained but never accepted %s",
+                         verdict["trained_twice"][:20], verdict["lost"][:20], verdict["unaccounted"][:20])
+        return verdict
 
 
 def check(records: Iterable[dict[str, Any]], queued: dict[int, int]) -> dict[str, Any]:

@@ -58,18 +58,16 @@ from meshrl.actors.hybrid import HybridWorker
 from meshrl.config import ConfigError, to_yaml
 from meshrl.embedded import warm_start
 from meshrl.envs import EnvFactory
-from meshrl.mesh import ActorFailure, ActorMesh, ProcMesh, actor_address, spawn_procs
+from meshrl.mesh import ActorFailure, ActorMesh, ProcMesh, spawn_procs
 from meshrl.pipeline import checkpoint as ckpt
 from meshrl.pipeline import evaluation
-from meshrl.pipeline.audit import check as audit_check
 from meshrl.pipeline.config import PipelineConfig
 from meshrl.pipeline.metrics import RunLog
 from meshrl.pipeline.rollout_loop import Roles, RolloutDriver, bounded
-from meshrl.pipeline.startup import (WORKER_ENV, check_prompts, colocated_mem_fraction, ensure_ray, settle_devices,
-                                     sglang_transport)
+from meshrl.pipeline.startup import WORKER_ENV, check_prompts, ensure_ray, settle_devices, start_sglang_servers
 from meshrl.pipeline.recovery import Recovery
 from meshrl.pipeline.revival import Revivals, restarts_rollout_in_place
-from meshrl.pipeline.storage import check_storage
+from meshrl.pipeline.storage import check_run_storage
 from meshrl.pipeline.training import TrainLoop
 from meshrl.queues import QueueClosed
 from meshrl.queues.actor import QueueActor
@@ -240,49 +238,11 @@ class Pipeline:
                        "as the engines report")
             rollouts = rollouts.slice(tp=0)
         if self._servers is not None:
-            await self._start_servers(rollouts, trainer, model_dir)
+            await start_sglang_servers(cfg, rollouts, trainer, model_dir, self.out_dir, self._echo)
         elif cfg.reshard.transport == "distributed" and cfg.placement != "colocated":  # colocated: in-place hand-over
             # once: a process group over every trainer and engine rank, and the cached transfer plan
             await reshard_meshes.connect(trainer, engines, cfg.reshard)
         return Roles(queue, rollouts, rewards, trainer, reference, engines=engines)
-
-    async def _check_storage(self, roles: Roles, model_dir: str) -> None:
-        """Every node that writes under run.output_dir (the trainer's; the rollout workers' when they
-        launch SGLang servers, whose logs go there) sees the driver's directory, and every node that
-        loads the model sees the driver's model directory (meshrl.pipeline.storage)."""
-        launched = self._servers is not None and not self.cfg.rollout.engine.sglang.urls
-        meshes = [("trainer", roles.trainer, True)]
-        if roles.engines is not roles.trainer:
-            meshes.append(("rollout", roles.engines, launched))
-        meshes += [("reward", roles.rewards, False)] + ([("reference", roles.reference, False)] if roles.reference else [])
-        nodes = await check_storage(self.out_dir, model_dir, meshes, self.cfg.run.step_timeout_s)
-        if nodes > 1:
-            self._echo(f"storage: {nodes} nodes see the driver's run.output_dir ({self.out_dir}) and model directory")
-
-    async def _start_servers(self, rollouts: ActorMesh, trainer: ActorMesh, model_dir: str) -> None:
-        """``backend=sglang``: every worker's server up and healthy, and trainer rank 0 in the
-        servers' weight-update group (meshrl.actors.sglang_sync)."""
-        cfg = self.cfg
-        s, logs = cfg.rollout.engine.sglang, self.out_dir / "sglang"
-        first = trainer.slice(**{d: 0 for d in trainer.sizes})
-        trainer_ip, _ = await actor_address(first).within(60)
-        fraction = None
-        if cfg.placement == "colocated" and s.mem_fraction_static is None and cfg.trainer.device == "cuda":
-            from meshrl.engines.weights import load_hf_config
-
-            parameters, device_bytes = await first.device_memory.call_one().within(60)
-            fraction = colocated_mem_fraction(cfg, parameters, device_bytes, load_hf_config(model_dir))
-            self._echo(f"sglang: each server shares its GPU with a trainer rank: --mem-fraction-static {fraction} "
-                       f"(what the trainer's estimated peak leaves of {device_bytes / 2**30:.0f} GiB; "
-                       "rollout.engine.sglang.mem_fraction_static sets it)")
-        # waits for: every server's /health (a first start JIT-compiles kernels); unblocked by: the servers
-        urls = (await rollouts.start_sglang.call(str(logs), trainer_ip, fraction).within(s.startup_timeout_s + 60)).values()
-        where = "attached" if s.urls else f"launched, logs in {logs}"
-        backend = sglang_transport(cfg)
-        how = "by CUDA IPC (update_weights_from_tensor)" if backend == "tensor" else f"over a {backend} group"
-        self._echo(f"sglang: {len(urls)} server(s) ({where}): {', '.join(urls)}; weights {how}")
-        await trainer.sglang_connect.call(list(urls), s.bucket_bytes, backend, s.pause_mode, cfg.reshard.timeout_s,
-                                          s.request_timeout_s).within(cfg.reshard.timeout_s + 30)
 
     async def _close_servers(self) -> None:
         """Stop the servers the workers launched (and leave their group): best effort, bounded."""
@@ -375,7 +335,8 @@ class Pipeline:
             self.cfg = cfg = settle_devices(cfg, self._echo)
             roles = await self._start_roles(model_dir)
             self._echo(await asyncio.to_thread(self._placement_line))
-            await self._check_storage(roles, model_dir)
+            launched = self._servers is not None and not cfg.rollout.engine.sglang.urls  # their logs go to output_dir
+            await check_run_storage(roles, self.out_dir, model_dir, launched, cfg.run.step_timeout_s, self._echo)
             revivals = Revivals(cfg, len(roles.rollouts), record=self.recovery.revived)
             self._rollout = rollout = RolloutDriver(cfg, roles, tokenizer, ledger, log, stopping=self._stopping,
                                                     environment=self.environment is not None, revivals=revivals)
@@ -434,7 +395,7 @@ class Pipeline:
                 after = None
             else:
                 after = (await self._evaluate())["accuracy"]
-            audit = await self._audit(roles, train) if cfg.run.audit else None
+            audit = await train.audit.verdict(train.step, self._echo) if cfg.run.audit else None
             # every dp rank takes part (the full weights are gathered); rank 0 writes
             final_dir = (await roles.trainer.save_hf.call(str(self.out_dir / "final")).within(cfg.run.step_timeout_s)).values()[0]
         finally:
@@ -458,19 +419,6 @@ class Pipeline:
         with (self.out_dir / "metrics.jsonl").open("a") as f:
             f.write(json.dumps({"kind": "summary", **summary}) + "\n")
         return summary
-
-    async def _audit(self, roles: Roles, train: TrainLoop) -> dict[str, Any]:
-        """The ledger's verdict on this run's history (meshrl.pipeline.audit), said in a line."""
-        await train.audit.record(train.step, ())  # puts after the last step's record: all the rollout loops are done
-        queued = await bounded(roles.queue.held_groups.call_one(), self.cfg.run.step_timeout_s, "the queue's groups")
-        verdict = audit_check(self.log.records, queued)
-        if verdict["ok"]:
-            self._echo(f"audit: {verdict['trained_samples']} samples trained, each once; {verdict['accepted_samples']} "
-                       f"accepted, none lost ({sum(queued.values())} still queued)")
-        else:
-            logger.error("audit: groups trained twice %s, accepted and lost %s, trained but never accepted %s",
-                         verdict["trained_twice"][:20], verdict["lost"][:20], verdict["unaccounted"][:20])
-        return verdict
 
     async def _guard(self, coro, *, always_fails: bool = False, what: str | None = None) -> None:
         """Run a loop (or a periodic evaluation); on an unexpected error remember it and close the

@@ -38,8 +38,10 @@ def format_step(m: dict[str, Any], total_steps: int) -> str:
         f"{m['tokens_per_s']:,.0f} tok/s",
         f"step {m['step_time_s']:.2f}s (train {m['train_time_s']:.2f} wait {m['batch_wait_s']:.2f} sync {m['sync_time_s']:.2f})",
     ]
-    if m.get("restarts") or m.get("reissued_calls"):  # run.auto_resume's resumes, calls sent again to restarted workers
-        parts.append(f"{m.get('restarts', 0)} resumed, {m.get('reissued_calls', 0)} re-sent")
+    if m.get("restarts") or m.get("reissued_calls") or m.get("revived_workers"):
+        # run.auto_resume's resumes; workers restarted in place, and the calls and requests sent again
+        parts.append(f"{m.get('restarts', 0)} resumed, {m.get('revived_workers', 0)} revived, "
+                     f"{m.get('reissued_calls', 0) + m.get('reissued_requests', 0)} re-sent")
     return " | ".join(parts)
 
 

@@ -17,7 +17,7 @@ from meshrl.pipeline.timeline import lane_of, merge, steady_window, timeline_sum
 
 __all__ = ["plot_run", "draw_timeline", "plot_timeline"]
 
-_ACTIVITY_COLORS = {"restart": "black", "generate": "tab:blue", "score": "tab:orange", "train_step": "tab:green", "push_weights": "tab:red",
+_ACTIVITY_COLORS = {"restart": "black", "revived": "black", "hung": "tab:olive", "generate": "tab:blue", "score": "tab:orange", "train_step": "tab:green", "push_weights": "tab:red",
                     "checkpoint": "tab:brown", "held-out": "tab:purple", "switch_to_train": "tab:gray"}
 
 
@@ -42,6 +42,11 @@ def draw_timeline(ax: Any, spans: Sequence[dict[str, Any]], *, warmup_steps: int
             ax.broken_barh([(a, b - a) for a, b in bars], (row - height / 2, height), color=_ACTIVITY_COLORS.get(what, "tab:gray"),
                            label=None if what in seen else what, linewidth=0)
             seen.add(what)
+        for s in mine:  # an instant (a worker's restart, a hang taken): a marker on the lane
+            if s["end"] - s["start"] < 1e-6 and s["what"] in ("restart", "hung"):
+                ax.plot([s["end"]], [row], marker="v", color=_ACTIVITY_COLORS[s["what"]], markersize=7,
+                        label=None if s["what"] in seen else s["what"], linestyle="none")
+                seen.add(s["what"])
     for s in spans:  # a weight push stops everything that depends on it: mark it across every lane
         if s["role"] == "sync":
             ax.axvline(s["end"], color="tab:red", linewidth=0.6, alpha=0.5)

@@ -100,7 +100,7 @@ class Recovery:
         self.echo(f"rollout/{rank} is back in {recovery_s:.1f}s, serving v{version}; its requests in flight are re-issued")
         if (log := self.log) is not None:
             log.record("worker_revived", role="rollout", rank=rank, version=version, step=step, recovery_s=recovery_s)
-            log.span("rollout", "revived", log.now(), log.now(), worker=rank)
+            log.span("rollout", "revived", max(0.0, log.now() - recovery_s), log.now(), worker=rank)  # its time away
 
     async def watch(self, cfg: PipelineConfig, roles: Roles, log: RunLog) -> None:
         """The heartbeat of every role's processes, until cancelled (module docstring)."""

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import threading
+from pathlib import Path
 from typing import Any, Callable
 
 import msgspec
@@ -321,3 +322,31 @@ def settle_devices(cfg: PipelineConfig, echo: Callable[[str], None] = print) -> 
              f"{engine.device}: one process group cannot join NCCL and gloo)")
         reshard = msgspec.structs.replace(reshard, transport="object_store")
     return msgspec.structs.replace(cfg, rollout=msgspec.structs.replace(cfg.rollout, engine=engine), reshard=reshard)
+
+
+async def start_sglang_servers(cfg: PipelineConfig, rollouts: Any, trainer: Any, model_dir: str, out_dir: Path,
+                               echo: Callable[[str], None] = print) -> None:
+    """``backend=sglang``: every worker's server up and healthy, and trainer rank 0 in the
+    servers' weight-update group (meshrl.actors.sglang_sync)."""
+    from meshrl.mesh import actor_address
+
+    s, logs = cfg.rollout.engine.sglang, out_dir / "sglang"
+    first = trainer.slice(**{d: 0 for d in trainer.sizes})
+    trainer_ip, _ = await actor_address(first).within(60)
+    fraction = None
+    if cfg.placement == "colocated" and s.mem_fraction_static is None and cfg.trainer.device == "cuda":
+        from meshrl.engines.weights import load_hf_config
+
+        parameters, device_bytes = await first.device_memory.call_one().within(60)
+        fraction = colocated_mem_fraction(cfg, parameters, device_bytes, load_hf_config(model_dir))
+        echo(f"sglang: each server shares its GPU with a trainer rank: --mem-fraction-static {fraction} "
+             f"(what the trainer's estimated peak leaves of {device_bytes / 2**30:.0f} GiB; "
+             "rollout.engine.sglang.mem_fraction_static sets it)")
+    # waits for: every server's /health (a first start JIT-compiles kernels); unblocked by: the servers
+    urls = (await rollouts.start_sglang.call(str(logs), trainer_ip, fraction).within(s.startup_timeout_s + 60)).values()
+    where = "attached" if s.urls else f"launched, logs in {logs}"
+    backend = sglang_transport(cfg)
+    how = "by CUDA IPC (update_weights_from_tensor)" if backend == "tensor" else f"over a {backend} group"
+    echo(f"sglang: {len(urls)} server(s) ({where}): {', '.join(urls)}; weights {how}")
+    await trainer.sglang_connect.call(list(urls), s.bucket_bytes, backend, s.pause_mode, cfg.reshard.timeout_s,
+                                      s.request_timeout_s).within(cfg.reshard.timeout_s + 30)

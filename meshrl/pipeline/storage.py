@@ -18,7 +18,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from meshrl.config import ConfigError
 
@@ -124,3 +124,17 @@ async def check_storage(out_dir: Path, model_dir: str, meshes: list[tuple[str, A
         return len({r["node"] for _, _, r in reports})
     finally:
         shutil.rmtree(probe, ignore_errors=True)
+
+
+async def check_run_storage(roles: Any, out_dir: Path, model_dir: str, launched: bool, timeout_s: float,
+                            echo: Callable[[str], None] = print) -> None:
+    """``check_storage`` for a pipeline's roles: every node that writes under run.output_dir (the
+    trainer's; the rollout workers' when they ``launched`` SGLang servers, whose logs go there) sees
+    the driver's directory, and every node that loads the model sees the driver's model directory."""
+    meshes = [("trainer", roles.trainer, True)]
+    if roles.engines is not roles.trainer:
+        meshes.append(("rollout", roles.engines, launched))
+    meshes += [("reward", roles.rewards, False)] + ([("reference", roles.reference, False)] if roles.reference else [])
+    nodes = await check_storage(out_dir, model_dir, meshes, timeout_s)
+    if nodes > 1:
+        echo(f"storage: {nodes} nodes see the driver's run.output_dir ({out_dir}) and model directory")

@@ -37,6 +37,9 @@ __all__ = [
 
 Interval = tuple[float, float]
 
+NOT_WORK = ("restart", "revived", "hung")
+"""Spans that mark a fault on a lane (a role's death and its time away), not work done."""
+
 
 def merge(intervals: Iterable[Interval]) -> list[Interval]:
     """The union of ``intervals`` as sorted, disjoint intervals (empty ones dropped)."""
@@ -143,6 +146,7 @@ def timeline_summary(spans: Sequence[dict[str, Any]], warmup_steps: int = 1) -> 
     if steps == 0 or window_s <= 0:
         return {"steps": 0, "window_s": 0.0, "idle": {}}
     by_lane: dict[str, list[Interval]] = {}
+    spans = [s for s in spans if s["what"] not in NOT_WORK]
     for s in spans:
         if s["role"] != "eval":
             by_lane.setdefault(lane_of(s), []).append((s["start"], s["end"]))

@@ -22,6 +22,10 @@ class Sample(msgspec.Struct, kw_only=True, gc=False):
     dropped as one."""
     group_size: int
     """How many samples the group has in all (``samples_per_prompt``)."""
+    sample_index: int = 0
+    """Its index in its group, 0 to ``group_size - 1``. The group id is the prompt's position in the
+    run's prompt stream (``PromptLedger``), so ``(group_id, sample_index)`` names the sample across
+    re-issued requests and resumes: a re-issued request makes the same pairs (the same seeds)."""
     prompt_ids: list[int]
     response_ids: list[int]
     behavior_logprobs: list[float]
