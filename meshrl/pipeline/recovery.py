@@ -87,7 +87,7 @@ class Recovery:
         that failed are sent again by the rollout loops; a rollout worker takes requests again once
         the train loop has loaded it (``Revivals``). Said and recorded here."""
         if event.mesh == "rollout" and self.revivals is not None:
-            self.revivals.died(event.rank)  # it serves the checkpoint's weights until loaded
+            self.revivals.restarted(event.rank, event.restarts)  # it serves the checkpoint's weights until loaded
         self.echo(f"restarted {event.mesh}/{event.rank} (restart {event.restarts} of run.max_worker_restarts="
                   f"{cfg.run.max_worker_restarts}): {event.cause[:200]}")
         if (log := self.log) is not None:

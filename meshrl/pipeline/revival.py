@@ -70,6 +70,8 @@ class Revivals:
         self.wake = asyncio.Event()
         """Set by ``died``: the train loop's reviver has work."""
         self.revived = 0
+        self._loads = [0] * workers
+        """Per rank: restarted incarnations loaded so far (``back``)."""
         self.reissued_requests = 0
         """Requests sent again because the rollout worker generating them died."""
         self._record = record
@@ -81,15 +83,31 @@ class Revivals:
             return dead.rank
         return None
 
-    def died(self, rank: int) -> None:
+    def loads(self, rank: int) -> int:
+        """How many restarted incarnations of ``rank`` were loaded: taken before a call, it tells a
+        failure of the incarnation called from one of an earlier one (``died(before=)``)."""
+        return self._loads[rank]
+
+    def died(self, rank: int, *, before: int | None = None) -> None:
+        """``rank`` died; ``before``: its ``loads()`` when the failed call was made (a later load
+        means the failure was of an incarnation already replaced and loaded: nothing to do)."""
+        if before is not None and self._loads[rank] > before:
+            return
         if rank not in self.down:
             self.down[rank] = time.time()
             self._serving[rank].clear()
         self.wake.set()
 
+    def restarted(self, rank: int, restarts: int) -> None:
+        """Supervision: Ray re-created ``rank`` for the ``restarts``-th time (an event that may come
+        after the train loop found the death itself and loaded the new process)."""
+        if self._loads[rank] < restarts:
+            self.died(rank)
+
     def back(self, ranks: list[int], version: int, step: int) -> None:
         """``ranks`` serve ``version`` again: recorded (seconds since the death) and said."""
         for rank in ranks:
+            self._loads[rank] += 1
             since = self.down.pop(rank, None)
             self._serving[rank].set()
             if since is not None:

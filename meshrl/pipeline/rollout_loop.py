@@ -132,6 +132,7 @@ class RolloutDriver:
         evaluation); sent again to another while the one that took it is restarted."""
         while True:
             worker = await self.serving_rollouts(what)
+            loads = list(map(self.revivals.loads, range(len(self.roles.rollouts))))
             generating, job, kind = self.start_play(worker, problems, greedy=greedy, n=n, group_ids=group_ids)
             try:
                 out = await bounded(generating, self.cfg.run.step_timeout_s, what)
@@ -139,7 +140,7 @@ class RolloutDriver:
             except Exception as exc:
                 if (rank := self.revivals.restartable(exc)) is None:
                     raise
-                self.revivals.died(rank)
+                self.revivals.died(rank, before=loads[rank])
         if kind == "episodes":
             job.episodes, job.prompt_ids = out, [g[0].prompt_ids for g in out]
         else:
@@ -186,13 +187,14 @@ class RolloutDriver:
                 while True:
                     # a restarted worker takes requests once it serves the current weights
                     await self.revivals.until_serving(worker_index, "a rollout loop's next request")
+                    loads = self.revivals.loads(worker_index)
                     try:
                         await self._request(worker, worker_index, job, problems)
                         break
                     except Exception as exc:
                         if self.stopping.is_set() or self.revivals.restartable(exc) != worker_index:
                             raise
-                        self.revivals.died(worker_index)
+                        self.revivals.died(worker_index, before=loads)
                         self.revivals.reissued_requests += 1
                         logger.warning("rollout/%d died with a request in flight (groups %d-%d); re-issuing it once the "
                                        "worker is back: %s", worker_index, job.first_group, job.first_group + job.count - 1,

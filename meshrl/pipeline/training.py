@@ -211,6 +211,7 @@ class TrainLoop:
         deadline = time.monotonic() + self.cfg.run.step_timeout_s
         while True:
             ranks = sorted(self.revivals.down)
+            loads = list(map(self.revivals.loads, range(len(self.roles.rollouts))))
             try:
                 if ranks:
                     await self.revivals.back_up(self.roles.engines, ranks)  # Ray re-created them
@@ -223,7 +224,7 @@ class TrainLoop:
             except Exception as exc:
                 if (rank := self.revivals.restartable(exc)) is None or time.monotonic() > deadline:
                     raise
-                self.revivals.died(rank)
+                self.revivals.died(rank, before=loads[rank])
 
     async def _publish(self, version: int) -> None:
         await bounded(self.roles.queue.set_version.call_one(version), self.cfg.run.step_timeout_s,
