@@ -59,7 +59,7 @@ async def generate(driver: RolloutDriver, prompts: Sequence[str], *, max_new_tok
                                                                                  top_k=r.top_k)) for q in requests]
     while True:  # sent again to another worker while the one that took it is restarted
         rollouts = await driver.serving_rollouts("Pipeline.generate")
-        loads = list(map(driver.revivals.loads, range(len(driver.roles.rollouts))))
+        loads = driver.revivals.loads()
         adverb = rollouts.generate.call_one if len(rollouts) == 1 else rollouts.generate.choose
         try:
             results = await bounded(adverb(requests), driver.cfg.run.step_timeout_s, "generation for Pipeline.generate")

@@ -83,10 +83,10 @@ class Revivals:
             return dead.rank
         return None
 
-    def loads(self, rank: int) -> int:
-        """How many restarted incarnations of ``rank`` were loaded: taken before a call, it tells a
+    def loads(self) -> list[int]:
+        """Per rank, how many restarted incarnations were loaded: taken before a call, it tells a
         failure of the incarnation called from one of an earlier one (``died(before=)``)."""
-        return self._loads[rank]
+        return list(self._loads)
 
     def died(self, rank: int, *, before: int | None = None) -> None:
         """``rank`` died; ``before``: its ``loads()`` when the failed call was made (a later load

@@ -85,7 +85,7 @@ class RolloutDriver:
         self.reissued_calls = 0
         """Reward and reference calls sent again because their worker died (``_again``)."""
         self._turn = 0
-        self.revivals = revivals or Revivals(cfg, len(roles.rollouts))
+        self.revivals = revivals or Revivals(cfg, len(roles.rollouts) if roles.rollouts is not None else 0)
         """The rollout workers serving the current weights, and those restarted (meshrl.pipeline.revival)."""
 
     def _sampling(self, *, greedy: bool, n: int, seed: int | None, max_new_tokens: int | None = None) -> SamplingParams:
@@ -132,7 +132,7 @@ class RolloutDriver:
         evaluation); sent again to another while the one that took it is restarted."""
         while True:
             worker = await self.serving_rollouts(what)
-            loads = list(map(self.revivals.loads, range(len(self.roles.rollouts))))
+            loads = self.revivals.loads()
             generating, job, kind = self.start_play(worker, problems, greedy=greedy, n=n, group_ids=group_ids)
             try:
                 out = await bounded(generating, self.cfg.run.step_timeout_s, what)
@@ -187,7 +187,7 @@ class RolloutDriver:
                 while True:
                     # a restarted worker takes requests once it serves the current weights
                     await self.revivals.until_serving(worker_index, "a rollout loop's next request")
-                    loads = self.revivals.loads(worker_index)
+                    loads = self.revivals.loads()[worker_index]
                     try:
                         await self._request(worker, worker_index, job, problems)
                         break

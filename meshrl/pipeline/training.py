@@ -211,7 +211,7 @@ class TrainLoop:
         deadline = time.monotonic() + self.cfg.run.step_timeout_s
         while True:
             ranks = sorted(self.revivals.down)
-            loads = list(map(self.revivals.loads, range(len(self.roles.rollouts))))
+            loads = self.revivals.loads()
             try:
                 if ranks:
                     await self.revivals.back_up(self.roles.engines, ranks)  # Ray re-created them
