@@ -33,7 +33,10 @@
 The rollout side lives in ``rollout_loop``, the train side in ``training``, evaluation in
 ``evaluation``. With ``max_staleness = 0`` the loops alternate strictly (synchronous, on-policy);
 with η > 0 rollout runs up to η versions ahead while the trainer trains. Every wait has a timeout;
-a failure in any loop closes the queue, which wakes every waiter, and the run stops with that error.
+a failure in any loop closes the queue, which wakes every waiter, and the run stops with that error
+— unless it is a role's death: a reward, reference or rollout worker is restarted in place
+(``recovery``, ``revival``), and with ``run.auto_resume`` any other death resumes the run from its
+newest checkpoint.
 """
 
 from __future__ import annotations
