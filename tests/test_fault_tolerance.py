@@ -203,10 +203,25 @@ def dying_reward(problem, completion: str) -> float:
 
 
 def test_a_worker_that_keeps_dying_stops_the_run_after_its_budgets(ray_cluster, tmp_path, tiny_model):
-    cfg = _config(tiny_model, tmp_path / "dying", "run.max_worker_restarts=1", "run.max_restarts=1")
+    # run.max_restarts=0: the worker's budget spent, the run is not resumed either
+    cfg = _config(tiny_model, tmp_path / "dying", "run.max_worker_restarts=1", "run.max_restarts=0")
     t0 = time.perf_counter()
     with pytest.raises(ActorFailure) as failure:
         asyncio.run(Pipeline(cfg, reward=dying_reward).run())
     text = str(failure.value) + "\n".join(getattr(failure.value, "__notes__", []))
-    assert "reward/0" in text and "run.max_restarts=1" in text, text
+    assert "reward/0" in text and "resumed 0 times (run.max_restarts=0)" in text, text
     assert time.perf_counter() - t0 < 240
+
+
+def test_the_resume_budget_names_the_first_failure_once_spent(tmp_path):
+    from meshrl.pipeline.recovery import Recovery
+
+    cfg = _config(str(tmp_path), tmp_path / "budget", "run.max_restarts=1")
+    recovery = Recovery(lambda line: None)
+    first, again = ActorFailure("trainer", 0, "killed"), ActorFailure("queue", 0, "killed too")
+    assert recovery.resumes(cfg, first, stop_requested=False)
+    assert not recovery.resumes(cfg, ValueError("a bug"), stop_requested=False)  # not a death: it stops
+    recovery.failed(cfg, first, step=3)
+    assert not recovery.resumes(cfg, again, stop_requested=False)
+    assert again.__notes__ == ["run.auto_resume: the run was resumed 1 times (run.max_restarts=1) and failed again; "
+                               "the first failure was: killed"]

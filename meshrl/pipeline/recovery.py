@@ -54,8 +54,9 @@ class Recovery:
         if not run.auto_resume or stop_requested or death(exc) is None:
             return False
         if len(self.restarts) >= run.max_restarts:
+            first = f"; the first failure was: {self.restarts[0]['cause']}" if self.restarts else ""
             exc.add_note(f"run.auto_resume: the run was resumed {len(self.restarts)} times (run.max_restarts="
-                         f"{run.max_restarts}) and failed again; the first failure was: {self.restarts[0]['cause']}")
+                         f"{run.max_restarts}) and failed again{first}")
             return False
         return True
 
