@@ -149,13 +149,20 @@ def test_a_hung_reward_worker_misses_its_heartbeat_and_is_restarted(ray_cluster,
     assert summary["audit"]["ok"] and summary["audit"]["trained_samples"] == 10 * 8, summary["audit"]
 
 
+def slow_reward(problem, completion: str) -> float:
+    time.sleep(0.05)
+    return float(completion.strip().startswith(problem.answer))
+
+
 def test_trainer_and_queue_deaths_resume_from_the_newest_checkpoint_as_if_uninterrupted(ray_cluster, tmp_path, tiny_model):
     """At max_staleness=0 the run with a dead trainer and a dead queue trains every step exactly as
     the run without them (each resume redoes at most checkpoint_every steps)."""
     exact = ("queue.max_staleness=0", "rollout.requests_in_flight=1", "rollout.prompts_per_request=4")
-    plain = asyncio.run(Pipeline(_config(tiny_model, tmp_path / "plain", *exact)).run())
+    # a reward that takes a moment: the tiny model's steps would take milliseconds, and the run could
+    # end before the kill after step 5 reaches its process
+    plain = asyncio.run(Pipeline(_config(tiny_model, tmp_path / "plain", *exact), reward=slow_reward).run())
     summary, killed, records = asyncio.run(_run_with_kills(_config(tiny_model, tmp_path / "killed", *exact),
-                                                           [(3, "trainer/0"), (6, "queue/0")], seed=2))
+                                                           [(2, "trainer/0"), (5, "queue/0")], seed=2, reward=slow_reward))
     assert summary["steps"] == plain["steps"] == 8
     assert [(r["role"], r["restart"]) for r in summary["restarts"]] == [("trainer", 1), ("queue", 2)]
     for r in summary["restarts"]:

@@ -377,7 +377,9 @@ class Pipeline:
                 heartbeat.cancel()
                 reviver.cancel()
                 self._stopping.set()
-                await roles.queue.close.call_one().within(60)  # wakes get_batch and every reserve/put
+                with contextlib.suppress(Exception):  # a dead queue: its waiters fail by themselves, and
+                    # the loops below must still be cancelled and awaited, not left to fail the next attempt
+                    await roles.queue.close.call_one().within(60)  # wakes get_batch and every reserve/put
                 await training
                 if stopped or self._failure is not None:
                     # stopped: a request still generating stays in the ledger (re-issued on resume);
