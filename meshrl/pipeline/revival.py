@@ -21,7 +21,6 @@ a rollout worker's death resumes the run from its newest checkpoint (``run.auto_
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from typing import Any, Callable
 
@@ -30,8 +29,6 @@ from meshrl.pipeline.config import PipelineConfig
 from meshrl.queues.parcels import SamplesLost
 
 __all__ = ["Revivals", "death", "restarts_rollout_in_place"]
-
-logger = logging.getLogger("meshrl.pipeline")
 
 
 def restarts_rollout_in_place(cfg: PipelineConfig) -> bool:

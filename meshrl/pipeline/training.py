@@ -80,9 +80,7 @@ class TrainLoop:
         try:
             await self._run()
         finally:
-            if self._weights.locked() and self._holding:
-                self._weights.release()
-            self._holding = False
+            self._release_weights()
             await self.sync.close()  # a step failed between arming and its push
 
     _holding = False
