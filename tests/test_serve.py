@@ -172,10 +172,24 @@ def test_stop_abort_pause_health_flush(hf):
             st, aborted = await long
             assert st == 499 and "was aborted" in aborted["error"]["message"]
             assert (await get(s, "/health"))[0] == 503 and (await get(s, "/health_generate"))[0] == 503
-            st, body = await post(s, "/pause_generation", {"mode": "retract"})
-            assert st == 400 and "retract" in body["error"]["message"]
+            st, body = await post(s, "/pause_generation", {"mode": "sideways"})
+            assert st == 400 and "sideways" in body["error"]["message"]
             assert (await post(s, "/continue_generation"))[0] == 200
             assert (await get(s, "/health"))[0] == 200
+
+            # retract, then abort everything (the trainer's abort-mode push): the running request ends
+            # aborted, one sent while paused waits outside the scheduler, so a flush succeeds
+            long = asyncio.create_task(post(s, "/generate", {"input_ids": P1, "sampling_params": {"max_new_tokens": 70}}))
+            await until(lambda: engine.num_running == 1, "the request to run")
+            assert (await post(s, "/pause_generation", {"mode": "retract"}))[0] == 200
+            assert (await post(s, "/abort_request", {"abort_all": True}))[0] == 200
+            assert (await long)[0] == 499
+            later = asyncio.create_task(post(s, "/generate", {"input_ids": P1, "sampling_params": {"max_new_tokens": 5}}))
+            await until(lambda: engine.num_waiting == 1, "the later request to wait")
+            assert (await post(s, "/flush_cache"))[0] == 200
+            await post(s, "/continue_generation")
+            st, done = await later
+            assert st == 200 and done["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
 
             # in_place pause keeps the request; continue finishes it with every token
             long = asyncio.create_task(post(s, "/generate", {"input_ids": P1, "sampling_params": {"max_new_tokens": 20}}))

@@ -16,7 +16,10 @@ steps (``streaming.py``).
 Simplifications, on purpose: no incremental streaming output; no input-token or top-k log-probs;
 sampling params that TorchEngine does not implement (``min_p``, penalties, ``stop`` strings,
 grammars) are accepted only at their neutral value, anything else is a 400 naming the field;
-``pause_generation`` supports ``abort`` and ``in_place`` (not ``retract``). Text in/out works only
+``pause_generation`` takes ``abort``, ``in_place`` and ``retract``, where a retracted sequence is kept
+as an in-place one is (it keeps its KV; SGLang would recompute it under the weights it resumes
+with): a retract followed by ``/abort_request {abort_all}``, the trainer's abort without
+SGLang's one-second wait, behaves exactly as on SGLang. Text in/out works only
 when the checkpoint directory has a ``tokenizer.json``; otherwise the server behaves like SGLang
 with ``skip_tokenizer_init``.
 ``/release_memory_occupation`` always frees the KV cache (and the weights when asked and started
@@ -350,8 +353,8 @@ class SGLangServer:
 
     async def pause(self, request: web.Request) -> web.Response:
         mode = (await read_json(request, default={})).get("mode", "abort")
-        if mode not in ("abort", "in_place"):
-            return error_response(400, f"pause mode {mode!r} is not supported by TorchEngine: use 'abort' or 'in_place'")
+        if mode not in ("abort", "in_place", "retract"):
+            return error_response(400, f"pause mode {mode!r} is not one of 'abort', 'in_place', 'retract'")
         await self.engine.pause("abort" if mode == "abort" else "keep")
         return web.json_response({"success": True, "status": "ok", "message": "Generation paused successfully."})
 

@@ -458,7 +458,7 @@ class TorchEngine(WeightUpdates, MemoryRelease):
             raise ValueError(f"pause mode must be 'abort' or 'keep', got {mode!r}")
         self._leader_only("pause")
         self._paused = True
-        self._queued_before_pause = {p.rid for p in self._waiting} if mode == "abort" else None
+        self._queued_before_pause = {p.rid for p in self._waiting}
         self._record(["pause"])
         if mode == "abort":
             self.abort_all()
@@ -482,10 +482,10 @@ class TorchEngine(WeightUpdates, MemoryRelease):
     def flush_cache(self) -> bool:
         """SGLang's flush: succeeds only while idle. There is no prefix cache, so nothing to drop.
 
-        After an abort-mode pause, requests that arrive wait as SGLang holds them in its tokenizer
-        manager, outside the scheduler whose queues a flush checks: a weight push's flush succeeds
-        although the samples its pause ended were already sent again. After an in-place pause they
-        wait in the scheduler, as SGLang's do, and a flush is refused."""
+        Requests that arrive while paused wait as SGLang holds them in its tokenizer manager, outside
+        the scheduler whose queues a flush checks: a weight push's flush succeeds although the samples
+        its pause ended were already sent again. Requests kept by a ``keep`` pause (SGLang's in-place
+        one) are still in the scheduler, and a flush is refused while any is."""
         if self._batch.size:
             return False
         if self._paused and self._queued_before_pause is not None:

@@ -10,7 +10,8 @@ connect:  GET /get_server_info on every engine (version, tp_size, dp_size == 1)
           POST /init_weights_update_group to every engine, NOT waiting for the replies,
           join the group as rank 0 (in a thread), then collect the replies; if any part
           fails, POST /destroy_weights_update_group to every engine that did not refuse
-push v:   POST /pause_generation {mode}            every engine
+push v:   POST /pause_generation {mode}            every engine; mode abort is sent as retract,
+            then POST /abort_request {abort_all}   where the server takes a retract (no 1 s wait)
           POST /begin_weight_update {selector}     0.5.21+
           per bucket (one in flight): POST /update_weights_from_distributed {names, dtypes,
             shapes, flush_cache: false, weight_version on the last} to every engine, then
@@ -181,6 +182,8 @@ class SGLangWeightSender:
         self.engines, self.config = list(engines), config
         self.versions: list[tuple[int, int, int]] = []
         self.group: Any = None
+        self._retracts: list[bool] = []
+        """Per engine: whether an abort-mode pause is sent as retract + abort all (see ``_pause``)."""
 
     @property
     def device(self) -> torch.device:
@@ -314,7 +317,7 @@ class SGLangWeightSender:
             mark = now
 
         try:
-            await self._all("POST", "/pause_generation", [{"mode": cfg.pause_mode} for _ in everyone], "pause")
+            await self._pause()
             if begin:
                 opened = True
                 await self._all("POST", "/begin_weight_update", [{"selector": "all"} for _ in begin], "begin", begin)
@@ -429,6 +432,37 @@ class SGLangWeightSender:
                         f"bucket {b + 1} ({bucket[0][0]}...)")
         del tensors
         return sum(t.numel() * t.element_size() for _, t in bucket)
+
+    async def _pause(self) -> None:
+        """Pause every engine in ``pause_mode``. ``abort`` is sent as a ``retract`` pause and then an abort of
+        everything where the server takes a retract (SGLang 0.5.10+): every request in flight still ends with
+        finish reason ``abort``, and the push does not wait for SGLang's own abort-mode pause, which sleeps a
+        whole second while any request holds its model-update lock (0.5.17: ``await asyncio.sleep(1.0)``
+        after its abort). A server that refuses ``retract`` (400 naming it) gets a plain abort pause, now and
+        at every later push."""
+        cfg = self.config
+        if cfg.pause_mode != "abort":
+            await self._all("POST", "/pause_generation", [{"mode": cfg.pause_mode}] * len(self.engines), "pause")
+            return
+        if len(self._retracts) != len(self.engines):
+            self._retracts = [v >= (0, 5, 10) for v in self.versions]
+        sent = list(self._retracts)
+        first = await self._each("POST", "/pause_generation", [{"mode": "retract" if r else "abort"} for r in sent],
+                                 range(len(self.engines)))
+        again = [i for i, r in enumerate(first)
+                 if sent[i] and isinstance(r, tuple) and r[0] == 400 and "retract" in str(r[1])]
+        for i in again:
+            self._retracts[i] = False
+        bad = [f"{self.engines[i].name}: {why}" for i, r in enumerate(first) if (why := _failure(r)) and i not in again]
+        if again:
+            await self._all("POST", "/pause_generation", [{"mode": "abort"}] * len(again), "pause", again)
+        if bad:
+            raise SGLangPushError(f"pause (/pause_generation) failed on {len(bad)} of {len(self.engines)} engines: "
+                                  + "; ".join(bad))
+        retracted = [i for i, r in enumerate(self._retracts) if r]
+        if retracted:
+            await self._all("POST", "/abort_request", [{"abort_all": True}] * len(retracted),
+                            "abort after a retract pause", retracted)
 
     async def _flush(self, required: bool = True) -> None:
         """Flush every engine, retrying while it answers 400; without ``required`` (in_place or retract pause: the
