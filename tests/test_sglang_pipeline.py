@@ -207,6 +207,23 @@ def test_a_colocated_server_takes_what_the_trainer_peak_leaves():
     assert colocated_mem_fraction(cfg, 70_000_000_000, 141 * gib, model) == 0.05  # a floor, never below
 
 
+def test_launched_servers_are_sent_weights_in_their_own_dtype():
+    """fp32 master weights go out as the 16-bit dtype a launched server holds (half the bytes); an
+    fp32 checkpoint's or an attached server's dtype is not meshrl's to know, so those go as they are."""
+    from transformers import Qwen2Config
+
+    from meshrl.pipeline.startup import sglang_weight_dtype
+
+    def chosen(*overrides, dtype="bfloat16"):
+        cfg = load_config(PipelineConfig, None, ["rollout.engine.backend=sglang", *overrides])
+        return sglang_weight_dtype(cfg, Qwen2Config(vocab_size=64, dtype=dtype))
+
+    assert chosen() == "bfloat16" and chosen(dtype="float16") == "float16"
+    assert chosen(dtype="float32") == "" and chosen(dtype=None) == ""
+    assert chosen("rollout.engine.dtype=float16") == "float16"  # the --dtype meshrl passes
+    assert chosen('rollout.engine.sglang.urls=["http://127.0.0.1:1"]') == ""
+
+
 @pytest.mark.parametrize("overrides, key", [
     (["rollout.engine.sglang.urls=[\"http://127.0.0.1:1\"]", "rollout.num_workers=2"], "rollout.engine.sglang.urls"),
     (["placement=colocated", "colocated.release_weights=true"], "colocated.release_weights"),

@@ -10,7 +10,7 @@ import torch
 
 from meshrl.engines import Engine
 from meshrl.engines.sglang_engine import SGLangEngine, SGLangEngineConfig
-from meshrl.reshard.sglang import SGLangWeightSender, _buckets, flatten_bucket, parse_version
+from meshrl.reshard.sglang import SGLangSyncConfig, SGLangWeightSender, _buckets, flatten_bucket, parse_version
 
 
 def test_parse_version():
@@ -42,6 +42,19 @@ def test_tied_lm_head_and_rotary_buffers_are_not_sent():
     assert [n for n, _ in sender._select(iter(named))] == ["model.embed_tokens.weight", "model.norm.weight"]
     untied = [("model.embed_tokens.weight", embed), ("lm_head.weight", embed.clone())]
     assert [n for n, _ in sender._select(iter(untied))] == ["model.embed_tokens.weight", "lm_head.weight"]
+
+
+def test_floating_point_tensors_go_out_in_the_servers_dtype():
+    master = torch.randn(3, 2)
+    named = [("model.norm.weight", master), ("model.layers.0.mlp.index", torch.arange(3))]
+    sender = SGLangWeightSender([SGLangEngine("http://127.0.0.1:1")], SGLangSyncConfig(dtype="bfloat16"))
+    (_, norm), (_, index) = sender._cast(iter(named))
+    assert norm.dtype == torch.bfloat16 and torch.equal(norm, master.to(torch.bfloat16))
+    assert index.dtype == torch.int64
+    plain = SGLangWeightSender([SGLangEngine("http://127.0.0.1:1")])
+    assert next(plain._cast(iter(named)))[1] is master
+    with pytest.raises(ValueError, match="'bf16' is not one of"):
+        SGLangSyncConfig(dtype="bf16")
 
 
 def test_sglang_engine_is_an_engine_and_fails_clearly():

@@ -44,9 +44,10 @@ class SGLangSource:
         return self._loop.run_until_complete(coro)
 
     def connect(self, urls: list[str], *, bucket_bytes: int, backend: str, pause_mode: str, timeout_s: float,
-                request_timeout_s: float) -> None:
+                request_timeout_s: float, dtype: str = "") -> None:
         """Rank 0 joins SGLang's group with every server (the others have nothing to join);
-        ``backend`` "tensor": no group, CUDA IPC handles (``SGLangSyncConfig.transport``)."""
+        ``backend`` "tensor": no group, CUDA IPC handles (``SGLangSyncConfig.transport``); ``dtype``:
+        the servers' weight dtype, which floating-point tensors are cast to before they go out."""
         self.close()
         if self.rank != 0:
             return
@@ -55,7 +56,7 @@ class SGLangSource:
 
         transport = "tensor" if backend == "tensor" else "group"
         sync = SGLangSyncConfig(bucket_bytes=bucket_bytes, backend="gloo" if transport == "tensor" else backend,
-                                transport=transport, pause_mode=pause_mode, timeout_s=timeout_s)
+                                transport=transport, pause_mode=pause_mode, timeout_s=timeout_s, dtype=dtype)
         self._engines = [SGLangEngine(url, config=SGLangEngineConfig(request_timeout_s=request_timeout_s)) for url in urls]
         self.sender = SGLangWeightSender(self._engines, sync)
         self._run(self.sender.connect())

@@ -129,10 +129,11 @@ class Trainer(Actor):
 
     @endpoint
     def sglang_connect(self, urls: list[str], bucket_bytes: int, backend: str, pause_mode: str, timeout_s: float,
-                       request_timeout_s: float) -> None:
-        """Rank 0 joins SGLang's weight-update group with every server at ``urls`` (once)."""
+                       request_timeout_s: float, dtype: str = "") -> None:
+        """Rank 0 joins SGLang's weight-update group with every server at ``urls`` (once); ``dtype``: the
+        servers' weight dtype, what floating-point tensors go out in."""
         self.sglang.connect(urls, bucket_bytes=bucket_bytes, backend=backend, pause_mode=pause_mode,
-                            timeout_s=timeout_s, request_timeout_s=request_timeout_s)
+                            timeout_s=timeout_s, request_timeout_s=request_timeout_s, dtype=dtype)
 
     @endpoint
     def device_memory(self) -> tuple[int, int]:

@@ -281,6 +281,20 @@ def sglang_transport(cfg: PipelineConfig) -> str:
     return "nccl" if cuda and cfg.placement != "colocated" else "gloo"
 
 
+def sglang_weight_dtype(cfg: PipelineConfig, hf_config: Any) -> str:
+    """The dtype launched SGLang servers hold the weights in, when meshrl knows it: the ``--dtype``
+    it passed (``rollout.engine.dtype``), or with ``auto`` the checkpoint's own dtype where it is
+    16-bit (SGLang takes that as it is). "" otherwise, and for attached servers: the trainer's
+    tensors go out as they are and the server casts them."""
+    if cfg.rollout.engine.sglang.urls:
+        return ""  # attached: launched with a --dtype meshrl did not choose
+    if cfg.rollout.engine.dtype != "auto":
+        return cfg.rollout.engine.dtype
+    stored = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    name = str(stored).removeprefix("torch.") if stored is not None else ""
+    return name if name in ("bfloat16", "float16") else ""
+
+
 def settle_devices(cfg: PipelineConfig, echo: Callable[[str], None] = print) -> PipelineConfig:
     """``cfg`` with the engines' ``device=auto`` settled for the cluster, and a weight transport
     both sides can use (placement=disaggregated; colocated engines share the trainer's device).
@@ -328,6 +342,7 @@ async def start_sglang_servers(cfg: PipelineConfig, rollouts: Any, trainer: Any,
                                echo: Callable[[str], None] = print) -> None:
     """``backend=sglang``: every worker's server up and healthy, and trainer rank 0 in the
     servers' weight-update group (meshrl.actors.sglang_sync)."""
+    from meshrl.engines.weights import load_hf_config
     from meshrl.mesh import actor_address
 
     s, logs = cfg.rollout.engine.sglang, out_dir / "sglang"
@@ -335,8 +350,6 @@ async def start_sglang_servers(cfg: PipelineConfig, rollouts: Any, trainer: Any,
     trainer_ip, _ = await actor_address(first).within(60)
     fraction = None
     if cfg.placement == "colocated" and s.mem_fraction_static is None and cfg.trainer.device == "cuda":
-        from meshrl.engines.weights import load_hf_config
-
         parameters, device_bytes = await first.device_memory.call_one().within(60)
         fraction = colocated_mem_fraction(cfg, parameters, device_bytes, load_hf_config(model_dir))
         echo(f"sglang: each server shares its GPU with a trainer rank: --mem-fraction-static {fraction} "
@@ -345,8 +358,9 @@ async def start_sglang_servers(cfg: PipelineConfig, rollouts: Any, trainer: Any,
     # waits for: every server's /health (a first start JIT-compiles kernels); unblocked by: the servers
     urls = (await rollouts.start_sglang.call(str(logs), trainer_ip, fraction).within(s.startup_timeout_s + 60)).values()
     where = "attached" if s.urls else f"launched, logs in {logs}"
-    backend = sglang_transport(cfg)
+    backend, dtype = sglang_transport(cfg), sglang_weight_dtype(cfg, load_hf_config(model_dir))
     how = "by CUDA IPC (update_weights_from_tensor)" if backend == "tensor" else f"over a {backend} group"
-    echo(f"sglang: {len(urls)} server(s) ({where}): {', '.join(urls)}; weights {how}")
+    echo(f"sglang: {len(urls)} server(s) ({where}): {', '.join(urls)}; weights {how}"
+         + (f", sent as {dtype}" if dtype else ""))
     await trainer.sglang_connect.call(list(urls), s.bucket_bytes, backend, s.pause_mode, cfg.reshard.timeout_s,
-                                      s.request_timeout_s).within(cfg.reshard.timeout_s + 30)
+                                      s.request_timeout_s, dtype).within(cfg.reshard.timeout_s + 30)

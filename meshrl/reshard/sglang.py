@@ -85,6 +85,10 @@ class SGLangSyncConfig(msgspec.Struct, frozen=True, kw_only=True):
     """group: /update_weights_from_distributed, tensors broadcast over the group. tensor:
     /update_weights_from_tensor with CUDA IPC handles of the (CUDA) tensors, for servers on this
     process's GPU with tp_size 1: they load straight from our memory, no group, no copy."""
+    dtype: str = ""
+    """Floating-point tensors go out in this dtype (the one the servers hold their weights in, e.g.
+    "bfloat16"); empty: as the trainer holds them. The servers cast on load either way, so this only
+    saves bytes: half of them for fp32 master weights."""
     flattened_bucket: bool = False
     """Send each bucket as one uint8 tensor (load_format 'flattened_bucket', SGLang 0.5.10+)."""
     timeout_s: float = 600.0
@@ -93,6 +97,10 @@ class SGLangSyncConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Attempts at /flush_cache while it answers 400 (requests still running)."""
     flush_retry_s: float = 0.25
     """Seconds between flush attempts."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("", "bfloat16", "float16", "float32"):
+            raise ValueError(f"SGLangSyncConfig.dtype: {self.dtype!r} is not one of '', 'bfloat16', 'float16', 'float32'")
 
 
 class SGLangPushError(RuntimeError):
@@ -303,7 +311,7 @@ class SGLangWeightSender:
         await self.connect()
         start, cfg, everyone = time.perf_counter(), self.config, range(len(self.engines))
         single = any(v < (0, 5, 0) for v in self.versions)  # 0.4.x: one tensor per call
-        buckets = _buckets(self._select(named_tensors), 0 if single else cfg.bucket_bytes)
+        buckets = _buckets(self._cast(self._select(named_tensors)), 0 if single else cfg.bucket_bytes)
         begin = [i for i, v in enumerate(self.versions) if v >= (0, 5, 21)]
         nbytes, opened = 0, False
         send = self._send_tensors if cfg.transport == "tensor" else self._send_bucket
@@ -345,6 +353,12 @@ class SGLangWeightSender:
         await self._all("POST", "/continue_generation", [{} for _ in everyone], "continue")
         lap("continue_s")
         return PushStats(version=version, seconds=time.perf_counter() - start, bytes=nbytes, phases=phases)
+
+    def _cast(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Floating-point tensors in ``config.dtype`` (after ``_select``: a cast copy has a storage of its own)."""
+        dtype = getattr(torch, self.config.dtype) if self.config.dtype else None
+        for name, t in named:
+            yield name, (t.detach().to(dtype) if dtype is not None and t.is_floating_point() else t)
 
     @staticmethod
     def _select(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
