@@ -125,8 +125,8 @@ class TorchEngine(WeightUpdates, MemoryRelease):
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._waiting: collections.deque[_Pending] = collections.deque()
-        self._queued_before_pause: set[str] | None = None
-        """After an abort-mode pause: the requests that were waiting when it began (``flush_cache``)."""
+        self._queued_before_pause: set[str] = set()
+        """The requests that were waiting when the last pause began (``flush_cache``)."""
         self._requests: dict[str, _Pending] = {}
         self._paused = False
         self._stage: StagedWeights | None = None
@@ -488,7 +488,7 @@ class TorchEngine(WeightUpdates, MemoryRelease):
         one) are still in the scheduler, and a flush is refused while any is."""
         if self._batch.size:
             return False
-        if self._paused and self._queued_before_pause is not None:
+        if self._paused:
             return not any(p.rid in self._queued_before_pause for p in self._waiting)
         return not self._waiting
 

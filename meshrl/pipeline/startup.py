@@ -345,20 +345,20 @@ async def start_sglang_servers(cfg: PipelineConfig, rollouts: Any, trainer: Any,
     from meshrl.engines.weights import load_hf_config
     from meshrl.mesh import actor_address
 
-    s, logs = cfg.rollout.engine.sglang, out_dir / "sglang"
+    s, logs, hf_config = cfg.rollout.engine.sglang, out_dir / "sglang", load_hf_config(model_dir)
     first = trainer.slice(**{d: 0 for d in trainer.sizes})
     trainer_ip, _ = await actor_address(first).within(60)
     fraction = None
     if cfg.placement == "colocated" and s.mem_fraction_static is None and cfg.trainer.device == "cuda":
         parameters, device_bytes = await first.device_memory.call_one().within(60)
-        fraction = colocated_mem_fraction(cfg, parameters, device_bytes, load_hf_config(model_dir))
+        fraction = colocated_mem_fraction(cfg, parameters, device_bytes, hf_config)
         echo(f"sglang: each server shares its GPU with a trainer rank: --mem-fraction-static {fraction} "
              f"(what the trainer's estimated peak leaves of {device_bytes / 2**30:.0f} GiB; "
              "rollout.engine.sglang.mem_fraction_static sets it)")
     # waits for: every server's /health (a first start JIT-compiles kernels); unblocked by: the servers
     urls = (await rollouts.start_sglang.call(str(logs), trainer_ip, fraction).within(s.startup_timeout_s + 60)).values()
     where = "attached" if s.urls else f"launched, logs in {logs}"
-    backend, dtype = sglang_transport(cfg), sglang_weight_dtype(cfg, load_hf_config(model_dir))
+    backend, dtype = sglang_transport(cfg), sglang_weight_dtype(cfg, hf_config)
     how = "by CUDA IPC (update_weights_from_tensor)" if backend == "tensor" else f"over a {backend} group"
     echo(f"sglang: {len(urls)} server(s) ({where}): {', '.join(urls)}; weights {how}"
          + (f", sent as {dtype}" if dtype else ""))

@@ -191,7 +191,7 @@ class SGLangWeightSender:
         self.versions: list[tuple[int, int, int]] = []
         self.group: Any = None
         self._retracts: list[bool] = []
-        """Per engine: whether an abort-mode pause is sent as retract + abort all (see ``_pause``)."""
+        """Per engine: whether an abort-mode pause is sent as retract + abort all (``_pause``; set by ``connect``)."""
 
     @property
     def device(self) -> torch.device:
@@ -231,6 +231,7 @@ class SGLangWeightSender:
 
         infos = await self._all("GET", "/get_server_info", [None] * len(self.engines), "version detection")
         self.versions = [parse_version(i.get("version", "0")) for i in infos]
+        self._retracts = [v >= (0, 5, 10) for v in self.versions]
         if self.config.transport == "tensor":
             shared = [e.name for e, i in zip(self.engines, infos) if int(i.get("tp_size", 1)) != 1 or int(i.get("dp_size", 1)) != 1]
             if shared:
@@ -458,8 +459,6 @@ class SGLangWeightSender:
         if cfg.pause_mode != "abort":
             await self._all("POST", "/pause_generation", [{"mode": cfg.pause_mode}] * len(self.engines), "pause")
             return
-        if len(self._retracts) != len(self.engines):
-            self._retracts = [v >= (0, 5, 10) for v in self.versions]
         sent = list(self._retracts)
         first = await self._each("POST", "/pause_generation", [{"mode": "retract" if r else "abort"} for r in sent],
                                  range(len(self.engines)))
