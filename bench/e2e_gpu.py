@@ -174,6 +174,9 @@ def run_one(args: argparse.Namespace, shape: str, eta: int, model_dir: Path, run
           + (": within 10%, the busier role is a coin toss; change --samples-per-step or --response-len" if eta == 0 and
              0.9 < balance < 1.1 else "") + f"), push {s['t_sync_s'] * 1e3:.1f} ms, idle "
           + ", ".join(f"{k} {v:.1%}" for k, v in s["idle"].items()) + f"; run wall {wall:.0f}s", flush=True)
+    print(f"{shape} η={eta}: steps median {s.get('step_s_median', float('nan')):.3f}s, p90 {s.get('step_s_p90', float('nan')):.3f}s "
+          f"(p90/median {s.get('step_p90_over_median', float('nan')):.2f}); train part median "
+          f"{s.get('train_s_median', float('nan')):.3f}s, p90 {s.get('train_s_p90', float('nan')):.3f}s", flush=True)
     steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"kind": "step"' in x]
     measured = steps[-s["steps"] :]
     # the push's parts (meshrl.reshard PushStats.phases, logged as sync/*), mean over the measured steps

@@ -56,11 +56,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokens-per-microbatch", type=int, default=16384, help="padded tokens per forward, per rank")
     p.add_argument("--algo", choices=["grpo", "ppo"], default="grpo", help="ppo adds a critic")
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--compile", action="store_true", help="trainer.compile: torch.compile the decoder layers and the head math")
     p.add_argument("--lora-rank", type=int, default=0, help="trainer.lora.rank (0: full fine-tuning)")
     p.add_argument("--no-mixed-precision", action="store_true", help="fp32 compute on GPU")
     p.add_argument("--tiny", action="store_true", help="a 2-layer model and a small batch")
     p.add_argument("--cpu", action="store_true", help="gloo on CPU instead of NCCL")
     p.add_argument("--json", help="also write the results here")
+    p.add_argument("--peak-tflops", type=float, default=790.0,
+                   help="the GPU's bf16 dense peak for MFU (default: the H200's measured-class %(default)s)")
+    p.add_argument("--no-save", action="store_true", help="skip the timed DCP checkpoint and HF export")
+    p.add_argument("--profile", help="profile one more step; write rank 0's op table (by device time) here")
     args = p.parse_args(argv)
     if args.tiny:
         args.samples, args.prompt_len, args.response_len = min(args.samples, 16), min(args.prompt_len, 8), min(args.response_len, 8)
@@ -104,7 +109,7 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, work: str) -> None
         dp = DataParallel(init_device_mesh(device.type, (args.dp,), mesh_dim_names=("dp",)), device)
         cfg = TrainerConfig(samples_per_step=args.samples, tokens_per_microbatch=args.tokens_per_microbatch, lr=1e-6,
                             dp=args.dp, device=device.type, mixed_precision=not args.no_mixed_precision,
-                            activation_checkpointing=args.activation_checkpointing, max_skipped_steps=0,
+                            activation_checkpointing=args.activation_checkpointing, max_skipped_steps=0, compile=args.compile,
                             lora=LoRAConfig(rank=args.lora_rank))
         algo = AlgoConfig(advantage="gae") if args.algo == "ppo" else AlgoConfig(advantage="grpo", samples_per_prompt=8)
         t0 = time.perf_counter()
@@ -123,6 +128,10 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, work: str) -> None
                 times.append(time.perf_counter() - t0)
                 tokens = m["trained_tokens"] + args.samples * args.prompt_len  # forward tokens, all ranks
             losses.append(m["loss"])
+        if args.profile and rank == 0:
+            profile_step(trainer, make_batch(args.warmup + args.steps, args, vocab), args.warmup + args.steps, device, args.profile)
+        elif args.profile:
+            trainer.train_step(make_batch(args.warmup + args.steps, args, vocab), args.warmup + args.steps)
         _sync(device)
         t0 = time.perf_counter()
         exported = list(trainer.export_parameters())  # what a distributed push reads (LoRA: merged here)
@@ -135,14 +144,16 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, work: str) -> None
             if rank == 0:
                 merge_diff = max((full[n].float().cpu() - gathered[n].float()).abs().max().item() for n in full)
         del exported
-        t0 = time.perf_counter()
-        save_trainer_state(trainer, Path(work) / "ckpt")
-        dist.barrier()
-        ckpt_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        trainer.save_hf(Path(work) / "hf")
-        dist.barrier()
-        export_s = time.perf_counter() - t0
+        ckpt_s = export_s = float("nan")
+        if not args.no_save:
+            t0 = time.perf_counter()
+            save_trainer_state(trainer, Path(work) / "ckpt")
+            dist.barrier()
+            ckpt_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            trainer.save_hf(Path(work) / "hf")
+            dist.barrier()
+            export_s = time.perf_counter() - t0
         row = {"rank": rank, "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
                "setup_s": setup_s, "step_s_median": statistics.median(times), "step_s_all": times,
                "tokens_per_s": tokens / statistics.median(times), "peak_mem_gib": peak_memory_gib(device),
@@ -157,6 +168,26 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, work: str) -> None
         dist.destroy_process_group()
 
 
+def profile_step(trainer, batch, step: int, device: torch.device, path: str) -> None:
+    """One train step under torch.profiler: the ops by total device (CPU) time, to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities, record_shapes=False) as prof:
+        trainer.train_step(batch, step)
+        _sync(device)
+    table = prof.key_averages().table
+    keys = ["self_cuda_time_total", "self_cpu_time_total"] if device.type == "cuda" else ["self_cpu_time_total"]
+    Path(path).write_text("\n\n".join(f"sorted by {k}:\n" + table(sort_by=k, row_limit=45, max_name_column_width=60)
+                                      for k in keys))
+
+
+def mfu(args: argparse.Namespace, row: dict, params: int) -> float:
+    """Model FLOPs utilisation per GPU: 6 × parameters × tokens per step (forward + backward)
+    over the step time and the peak (attention's own FLOPs are not counted)."""
+    return 6 * params * row["tokens_per_s"] / args.dp / (args.peak_tflops * 1e12)
+
+
 def report(args: argparse.Namespace, rows: list[dict], params: int) -> None:
     print(f"\nPolicyTrainer, dp={args.dp} ({'gloo/CPU' if args.cpu else 'NCCL'}), {'tiny' if args.tiny else 'Qwen2.5-0.5B'} "
           f"shape, algo={args.algo}, {args.samples} samples x ({args.prompt_len} + {args.response_len}) tokens per step, "
@@ -164,10 +195,12 @@ def report(args: argparse.Namespace, rows: list[dict], params: int) -> None:
           f"activation checkpointing={args.activation_checkpointing}, LoRA rank {args.lora_rank or '-'}; policy "
           f"parameters {params:,}, trained {rows[0]['trained_params']:,}\n")
     mem = "peak GiB allocated" if not args.cpu else "peak RSS GiB"
-    print(f"| rank | device | step s (median) | tokens/s (all ranks, prompt + response) | {mem} | setup s | checkpoint s | HF export s | push list s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"| rank | device | step s (median) | tokens/s (all ranks, prompt + response) | MFU (of {args.peak_tflops:.0f} TFLOP/s) "
+          f"| {mem} | setup s | checkpoint s | HF export s | push list s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['rank']} | {r['device']} | {r['step_s_median']:.3f} | {r['tokens_per_s']:,.0f} | "
+        r["mfu"] = mfu(args, r, params)
+        print(f"| {r['rank']} | {r['device']} | {r['step_s_median']:.3f} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | "
               f"{r['peak_mem_gib']:.2f} | {r['setup_s']:.1f} | {r['checkpoint_s']:.2f} | {r['hf_export_s']:.2f} | "
               f"{r['push_list_s']:.3f} |")
     if rows[0]["merge_diff"] is not None:

@@ -9,6 +9,7 @@ position ``P_i + j`` and is predicted by the logits at position ``P_i + j - 1``.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -17,8 +18,8 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PreTrainedModel
 
-__all__ = ["Packed", "pack", "response_logprobs", "ValueModel", "load_causal_lm", "count_parameters",
-           "disable_dropout", "no_progress_bars"]
+__all__ = ["Packed", "pack", "response_logprobs", "policy_logprobs", "head_logprobs", "compile_head", "ValueModel", "load_causal_lm",
+           "count_parameters", "disable_dropout", "no_progress_bars"]
 
 
 def disable_dropout(model: nn.Module) -> nn.Module:
@@ -125,6 +126,195 @@ def response_logprobs(
         picked = picked / temperature
     logp = picked.log_softmax(-1).gather(-1, packed.response_ids.unsqueeze(-1)).squeeze(-1)
     return torch.where(packed.response_mask > 0, logp, torch.zeros_like(logp))
+
+
+HEAD_CHUNK_ELEMENTS = 2**28
+"""Logits per chunk of ``head_logprobs`` (tokens × vocabulary): 1 GiB in float32."""
+
+
+def policy_logprobs(
+    model, packed: Packed, *, temperature: float = 1.0, entropy: bool = True, chunk_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs ``[B, R]`` of the response tokens under ``log_softmax(logits / temperature)``, and
+    with ``entropy`` each position's entropy ``[B, R]`` (differentiable); 0 where the response mask is.
+
+    The same numbers as ``response_logprobs`` and ``entropy_from_logits`` over the full logits, but
+    the LM head runs only at the positions that predict a response token, in chunks of
+    ``chunk_tokens`` (default: ``HEAD_CHUNK_ELEMENTS`` logits), and its backward recomputes each
+    chunk: no ``[B, T, V]`` logits, no float32 copy of them, whatever the vocabulary
+    (``head_logprobs``). ``model`` is a causal LM (or a callable with it as ``.model``, as
+    ``lora.BaseModel``); one whose head is not a plain bias-free linear map (logit soft-capping,
+    scaled logits) or that cannot skip its logits takes the full-logits path.
+    """
+    lm = model if isinstance(model, nn.Module) else model.model
+    fused = _fusable(lm)
+    if fused is None:
+        logits = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask, use_cache=False).logits
+        logp = response_logprobs(logits, packed, temperature=temperature)
+        if not entropy:
+            return logp, None
+        from meshrl.algos import entropy_from_logits
+
+        index = packed.predict_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+        scaled = at_least_fp32(torch.gather(logits, 1, index))
+        ent = entropy_from_logits(scaled / temperature if temperature > 0 else scaled)
+        return logp, torch.where(packed.response_mask > 0, ent, torch.zeros_like(ent))
+    decoder, head = fused
+    captured: list[torch.Tensor] = []
+
+    def keep(_module, _args, out) -> None:
+        captured.append(out[0] if isinstance(out, tuple) else out.last_hidden_state)
+
+    handle = decoder.register_forward_hook(keep)
+    try:
+        # logits_to_keep=1: the model's own head runs on one position; ours on the ones that count
+        model(input_ids=packed.input_ids, attention_mask=packed.attention_mask, use_cache=False, logits_to_keep=1)
+    finally:
+        handle.remove()
+    hidden = captured[-1]  # [B, T, H], after the final norm
+    b, r = packed.predict_index.shape
+    picked = torch.gather(hidden, 1, packed.predict_index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # [B, R, H]
+    # the weight as the model holds it now: under FSDP2 the root's unsharded parameter (the root
+    # keeps it through backward), so its gradient is reduced with the root's others
+    logp, ent = head_logprobs(picked.reshape(b * r, -1), head.weight, packed.response_ids.reshape(-1),
+                              temperature=temperature, entropy=entropy, chunk_tokens=chunk_tokens)
+    valid = packed.response_mask > 0
+    logp = torch.where(valid, logp.reshape(b, r), torch.zeros((), dtype=logp.dtype, device=logp.device))
+    if ent is not None:
+        ent = torch.where(valid, ent.reshape(b, r), torch.zeros((), dtype=ent.dtype, device=ent.device))
+    return logp, ent
+
+
+_FUSABLE: dict[type, bool] = {}
+
+
+def _fusable(lm: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
+    """(decoder, head) of a causal LM whose logits are ``head(decoder(...))`` and nothing more."""
+    cls = type(lm)
+    if cls not in _FUSABLE:
+        try:
+            takes = "logits_to_keep" in inspect.signature(lm.forward).parameters
+        except (TypeError, ValueError):
+            takes = False
+        _FUSABLE[cls] = takes and hasattr(lm, "get_decoder") and hasattr(lm, "get_output_embeddings")
+    if not _FUSABLE[cls]:
+        return None
+    config = getattr(lm, "config", None)
+    if any(getattr(config, k, None) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling")):
+        return None
+    if getattr(lm, "logit_scale", None) is not None:
+        return None
+    head, decoder = lm.get_output_embeddings(), lm.get_decoder()
+    if type(head) is not nn.Linear or head.bias is not None or decoder is None or decoder is lm:
+        return None
+    return decoder, head
+
+
+def head_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
+    entropy: bool = True, chunk_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``log_softmax(hidden @ weight.T / temperature)`` at ``targets`` (``[N]``), and the entropy of
+    each row's distribution, without the ``[N, V]`` logits: chunk by chunk of rows, the backward
+    recomputing each chunk's logits (one more head matmul, against storing them). Float32 results
+    (float64 for float64 inputs); temperature 0 means the unscaled logits."""
+    if chunk_tokens is None:
+        chunk_tokens = max(1, HEAD_CHUNK_ELEMENTS // max(1, weight.shape[0]))
+    scale = 1.0 / temperature if temperature > 0 else 1.0
+    logp, ent = _HeadLogprobs.apply(hidden, weight, targets, scale, chunk_tokens, entropy)
+    return logp, (ent if entropy else None)
+
+
+def _head_forward(z: torch.Tensor, targets: torch.Tensor, scale: float, want_entropy: bool):
+    """Log-probs at ``targets``, log-normaliser and (or an empty) entropy of one chunk's logits ``z``."""
+    z = at_least_fp32(z) * scale
+    norm = torch.logsumexp(z, -1)
+    logp = z.gather(-1, targets[:, None]).squeeze(-1) - norm
+    if not want_entropy:
+        return logp, norm, z.new_empty(0)
+    logp_all = z - norm[:, None]
+    return logp, norm, -(logp_all.exp() * logp_all).sum(-1)
+
+
+def _head_backward(z: torch.Tensor, norm: torch.Tensor, targets: torch.Tensor, g_logp: torch.Tensor | None,
+                   g_ent: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """d loss / d (the chunk's unscaled logits), in their dtype."""
+    logp_all = at_least_fp32(z) * scale - norm[:, None]
+    p = logp_all.exp()
+    dz = torch.zeros_like(p)
+    if g_logp is not None:
+        g = g_logp[:, None].to(p.dtype)
+        hit = torch.arange(p.shape[-1], device=p.device)[None, :] == targets[:, None]
+        dz = dz + torch.where(hit, g, 0.0) - p * g
+    if g_ent is not None:
+        g = g_ent[:, None].to(p.dtype)
+        ent = -(p * logp_all).sum(-1, keepdim=True)
+        dz = dz - g * p * (logp_all + ent)
+    return (dz * scale).to(z.dtype)
+
+
+class _Math:
+    """The chunk math, eager or (``compile_head``) compiled: one fused kernel per pass over a chunk
+    instead of one per elementwise op, each a read of a [chunk, V] float32 tensor."""
+
+    forward, backward = staticmethod(_head_forward), staticmethod(_head_backward)
+    compiled = False
+
+
+def compile_head(enabled: bool = True) -> None:
+    """Compile ``head_logprobs``' chunk math with ``torch.compile`` (for CUDA runs; the first
+    chunk of each shape pays the compile), or go back to eager."""
+    if enabled and not _Math.compiled:
+        _Math.forward = staticmethod(torch.compile(_head_forward, dynamic=True))
+        _Math.backward = staticmethod(torch.compile(_head_backward, dynamic=True))
+    elif not enabled:
+        _Math.forward, _Math.backward = staticmethod(_head_forward), staticmethod(_head_backward)
+    _Math.compiled = enabled
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    """``head_logprobs``' forward and backward, chunked (d log p_t / dz = onehot_t − p;
+    dH / dz = −p (log p + H); z = logits · scale)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, scale, chunk, want_entropy):
+        n = hidden.shape[0]
+        dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        logp = torch.empty(n, dtype=dtype, device=hidden.device)
+        lse = torch.empty(n, dtype=dtype, device=hidden.device)
+        ent = torch.empty(n if want_entropy else 0, dtype=dtype, device=hidden.device)
+        for a in range(0, n, chunk):
+            z = hidden[a : a + chunk] @ weight.t()  # in the model's dtype, as its own head computes them
+            lp, norm, h = _Math.forward(z, targets[a : a + chunk], scale, want_entropy)
+            logp[a : a + chunk], lse[a : a + chunk] = lp, norm
+            if want_entropy:
+                ent[a : a + chunk] = h
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.scale, ctx.chunk = scale, chunk
+        ctx.set_materialize_grads(False)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if g_ent is not None and g_ent.numel() == 0:
+            g_ent = None
+        if (g_logp is None and g_ent is None) or not (want_h or want_w):
+            return None, None, None, None, None, None
+        grad_h = torch.empty_like(hidden) if want_h else None
+        acc = torch.float32 if weight.dtype in (torch.bfloat16, torch.float16) else weight.dtype
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
+        for a in range(0, hidden.shape[0], ctx.chunk):
+            h = hidden[a : a + ctx.chunk]
+            b = a + h.shape[0]
+            dz = _Math.backward(h @ weight.t(), lse[a:b], targets[a:b], None if g_logp is None else g_logp[a:b],
+                                None if g_ent is None else g_ent[a:b], ctx.scale)
+            if want_h:
+                grad_h[a:b] = dz @ weight
+            if want_w:
+                grad_w += dz.t() @ h
+        return grad_h, (grad_w.to(weight.dtype) if want_w else None), None, None, None, None
 
 
 class ValueModel(nn.Module):

@@ -131,8 +131,12 @@ def shard_model(
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else MixedPrecisionPolicy()
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     mesh = dp.mesh[dp.axis] if dp.mesh.ndim > 1 else dp.mesh
+    # One rank, a trained model: a layer's "all-gather" is only a cast of its own weights, so keep
+    # the bf16 copy from forward to backward (1 GB at 0.5B) instead of making it twice a step
+    # (a frozen model has no backward to free it in: it reshards as usual).
+    reshard = dp.size > 1 or cpu_offload or not any(p.requires_grad for p in model.parameters())
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
     for module in model.modules():
         if isinstance(module, FSDPModule):

@@ -18,6 +18,7 @@ Every rank must make the same calls in the same order (each may run collectives)
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 import warnings
@@ -86,6 +87,10 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     ~1e-4, not 0."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward (less memory, ~1/3 more compute)."""
+    compile: bool = False
+    """On cuda: ``torch.compile`` each decoder layer's forward (dynamic shapes) and the LM head's
+    chunked log-prob math (``modeling.compile_head``): fused elementwise kernels instead of one
+    launch per op. The first steps pay the compile (tens of seconds)."""
     reference_in_trainer: bool = False
     """With algo.kl_coef > 0: a frozen copy of the initial policy in the trainer computes the
     reference log-probs (sharded like the policy) instead of a ReferenceWorker. With LoRA the
@@ -149,10 +154,13 @@ def lr_lambda(cfg: TrainerConfig, total_steps: int):
 
 
 def make_optimizer(cfg: TrainerConfig, params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
-    """``cfg.optimizer`` over ``params`` (every weight decay explicit: not AdamW's hidden 0.01)."""
+    """``cfg.optimizer`` over ``params`` (every weight decay explicit: not AdamW's hidden 0.01).
+    On CUDA, AdamW is torch's fused kernel (one launch per dtype group, DTensor shards included);
+    elsewhere its multi-tensor default."""
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=lr, weight_decay=cfg.weight_decay)
-    return torch.optim.AdamW(params, lr=lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    fused = bool(params) and all(p.device.type == "cuda" for p in params)
+    return torch.optim.AdamW(params, lr=lr, betas=cfg.betas, weight_decay=cfg.weight_decay, fused=fused or None)
 
 
 def batch_stats(samples: Sequence[Sample], version: int) -> dict[str, float]:
@@ -212,6 +220,37 @@ def share_of(samples: Sequence[Sample], rank: int, ranks: int) -> tuple[list[Sam
     return (ordered[a:b] if b > a else ordered[:1]), (a, b - a, len(ordered))
 
 
+class GcClock:
+    """Seconds this process spent in the garbage collector, and collections of the oldest
+    generation, since it was made (``gc.callbacks``): what a step's time lost to the collector."""
+
+    def __init__(self) -> None:
+        self.seconds, self.full, self._t0 = 0.0, 0, 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._t0
+            self.full += info.get("generation") == 2
+
+    def close(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+
+
+def _allocator_counts(device: torch.device) -> dict[str, float]:
+    """The CUDA caching allocator's cumulative counts that make a step slow when they move:
+    retries (a failed cudaMalloc: every cached block freed, then again) and device mallocs/frees."""
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {"alloc_retries": float(stats.get("num_alloc_retries", 0)),
+            "device_mallocs": float(stats.get("num_device_alloc", 0)),
+            "device_frees": float(stats.get("num_device_free", 0))}
+
+
 class PolicyTrainer:
     """Policy, critic, optimisers and schedule of one dp rank (module docstring)."""
 
@@ -258,6 +297,7 @@ class PolicyTrainer:
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.steps = 0
         self.skipped_in_a_row = 0
+        self.gc_clock = GcClock()
 
     def _place(self, model: torch.nn.Module, *, frozen: bool = False, offload: bool = False) -> torch.nn.Module:
         """Activation checkpointing (trained models), then FSDP2 or a plain move to the device."""
@@ -267,6 +307,14 @@ class PolicyTrainer:
                 target.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
             else:
                 target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.cfg.compile and self.dp.device.type == "cuda":
+            from meshrl.actors.data_parallel import decoder_layers
+            from meshrl.modeling import compile_head
+
+            compile_head(True)
+            for layer in decoder_layers(model):
+                # the bound forward, not the module: FSDP2's hooks stay eager, names stay the same
+                layer.forward = torch.compile(layer.forward, dynamic=True)
         if self.dp.sharded:
             cuda = self.dp.device.type == "cuda"
             return shard_model(model, self.dp, mixed_precision=self.cfg.mixed_precision and cuda, cpu_offload=offload and cuda)
@@ -284,6 +332,7 @@ class PolicyTrainer:
         ``NonFiniteStepsError`` after ``max_skipped_steps`` skipped steps in a row.
         """
         began = time.perf_counter()
+        gc_s, gc_full, alloc = self.gc_clock.seconds, self.gc_clock.full, _allocator_counts(self.dp.device)
         if share is None:
             samples, share = share_of(samples, self.dp.rank, self.dp.size)
         start, count, total = share
@@ -318,6 +367,10 @@ class PolicyTrainer:
                 "check the rewards for NaN/inf, or raise trainer.max_skipped_steps"
             )
         metrics["train_time_s"] = time.perf_counter() - began
+        # where a slow step's time went: the garbage collector, the allocator going back to the driver
+        metrics["trainer/gc_s"] = self.gc_clock.seconds - gc_s
+        metrics["trainer/gc_full"] = float(self.gc_clock.full - gc_full)
+        metrics.update({f"trainer/{k}": v - alloc[k] for k, v in _allocator_counts(self.dp.device).items()})
         return {**stats, **metrics}
 
     def policy_state(self) -> dict[str, torch.Tensor]:

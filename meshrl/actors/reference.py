@@ -12,7 +12,7 @@ import torch
 
 from meshrl.actors.train_step import split_by_tokens
 from meshrl.mesh import Actor, endpoint
-from meshrl.modeling import load_causal_lm, pack, response_logprobs
+from meshrl.modeling import load_causal_lm, pack, policy_logprobs
 from meshrl.queues import decode_samples, encode_samples
 
 __all__ = ["ReferenceWorker"]
@@ -47,7 +47,6 @@ class ReferenceWorker(Actor):
         for rows in split_by_tokens(range(len(samples)), lengths, self.tokens_per_microbatch):
             chunk = [samples[i] for i in rows]
             packed = pack([s.prompt_ids for s in chunk], [s.response_ids for s in chunk], pad_id=self.pad_id)
-            logits = self.model(input_ids=packed.input_ids, attention_mask=packed.attention_mask).logits
-            logp = response_logprobs(logits, packed, temperature=self.temperature)
+            logp, _ = policy_logprobs(self.model, packed, temperature=self.temperature, entropy=False)
             for s, row in zip(chunk, logp):
                 s.ref_logprobs = row[: len(s.response_ids)].tolist()

@@ -36,7 +36,7 @@ import torch
 from meshrl import algos
 from meshrl.actors.algo_config import AlgoConfig
 from meshrl.actors.data_parallel import DataParallel, clip_grad_norm
-from meshrl.modeling import Packed, ValueModel, at_least_fp32, pack, response_logprobs
+from meshrl.modeling import Packed, ValueModel, pack, policy_logprobs
 from meshrl.queues import Sample
 
 __all__ = ["StepBatch", "build_step_batch", "split_by_tokens", "PolicyUpdater"]
@@ -204,15 +204,12 @@ class PolicyUpdater:
             out[torch.tensor(mb, device=out.device)] = fn(_select(batch, mb)).to(self.dtype)
         return out
 
-    def _logprobs(self, packed: Packed, model: torch.nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _logprobs(self, packed: Packed, model: torch.nn.Module | None = None, *, entropy: bool = True
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Response log-probs ``[B, R]`` and entropies under ``model`` (the policy by default): the
+        LM head only where a response token is predicted, chunked (``modeling.policy_logprobs``)."""
         model = self.policy if model is None else model
-        logits = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask, use_cache=False).logits
-        logp = response_logprobs(logits, packed, temperature=self.temperature)  # [B, R]
-        index = packed.predict_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
-        scaled = at_least_fp32(torch.gather(logits, 1, index))  # [B, R, V]
-        if self.temperature > 0:
-            scaled = scaled / self.temperature
-        return logp, algos.entropy_from_logits(scaled)
+        return policy_logprobs(model, packed, temperature=self.temperature, entropy=entropy)
 
     def advantages(self, batch: StepBatch, old_values: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token advantages ``[B, R]`` and, with a critic, returns ``[B, R]``."""
@@ -285,12 +282,12 @@ class PolicyUpdater:
             if self.reference is None:
                 raise ValueError("algo.kl_coef > 0 but the batch has no ref_logprobs and the trainer no reference "
                                  "model: run a ReferenceWorker or set trainer.reference_in_trainer=true")
-            batch.ref_logprobs = self._forward_rows(batch, lambda p: self._logprobs(p, self.reference)[0], nograd)
+            batch.ref_logprobs = self._forward_rows(batch, lambda p: self._logprobs(p, self.reference, entropy=False)[0], nograd)
         old_values = self._forward_rows(batch, self.critic, nograd) if self.critic is not None else None
         proximal = None
         # The IS weight is π_old/π_behav: with π_old taken as the behaviour log-probs it would be 1.
         if algo.policy_loss == "decoupled_ppo" or algo.importance_sampling != "none":
-            proximal = self._forward_rows(batch, lambda p: self._logprobs(p)[0], nograd)
+            proximal = self._forward_rows(batch, lambda p: self._logprobs(p, entropy=False)[0], nograd)
         adv, returns = self.advantages(batch, old_values)  # whole groups on this rank: GRPO/RLOO need no collective
         old_logprobs = proximal if proximal is not None else batch.behavior_logprobs
         kept = 0.0

@@ -172,7 +172,9 @@ def timeline_summary(spans: Sequence[dict[str, Any]], warmup_steps: int = 1) -> 
 def run_summary(run_dir: str | Path, warmup_steps: int = 1) -> dict[str, Any]:
     """``timeline_summary`` of a run directory plus its throughput over the same window, from
     ``metrics.jsonl``: ``samples_per_s`` and ``tokens_per_s`` (trained samples and their response
-    tokens, steps after the warm-up), ``staleness_mean`` (mean over those steps)."""
+    tokens, steps after the warm-up), ``staleness_mean`` (mean over those steps), and how steady
+    those steps were: ``step_s_median``, ``step_s_p90`` and ``step_p90_over_median`` (each step's
+    ``step_time_s``), and the same for its train part (``train_s_median``, ``train_s_p90``)."""
     run_dir = Path(run_dir)
     out = timeline_summary(load_spans(run_dir), warmup_steps)
     path = run_dir / "metrics.jsonl"
@@ -185,4 +187,18 @@ def run_summary(run_dir: str | Path, warmup_steps: int = 1) -> dict[str, Any]:
         out.update(samples_per_s=samples / out["window_s"], tokens_per_s=tokens / out["window_s"],
                    staleness_mean=sum(r["staleness_mean"] for r in measured) / len(measured),
                    staleness_max=max(r["staleness_max"] for r in measured))
+        for name, key in (("step", "step_time_s"), ("train", "train_time_s")):
+            times = sorted(r[key] for r in measured if key in r)
+            if times:
+                out[f"{name}_s_median"], out[f"{name}_s_p90"] = _quantile(times, 0.5), _quantile(times, 0.9)
+        if out.get("step_s_median"):
+            out["step_p90_over_median"] = out["step_s_p90"] / out["step_s_median"]
     return out
+
+
+def _quantile(ordered: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of sorted values, linear between the two nearest ranks."""
+    pos = q * (len(ordered) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
