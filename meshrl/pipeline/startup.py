@@ -252,17 +252,17 @@ def colocated_mem_fraction(cfg: PipelineConfig, parameters: int, device_bytes: i
     its dp ranks) plus the bf16 weights it gathers (2 bytes), and at the peak of a micro-batch
     one chunk of the LM head's logits (``modeling.head_logprobs``: at most
     ``HEAD_CHUNK_ELEMENTS`` of them, about 20 bytes each in its backward) and the layers'
-    activations (about 40 bytes per hidden unit per layer and token). The server needs about 8 GiB outside its static pool (CUDA graphs,
+    activations (about 56 bytes per hidden unit per layer and token, eager; compiled layers need less). The server needs about 8 GiB outside its static pool (CUDA graphs,
     a decode batch's activations and logits), and CUDA and the allocators 4 GiB of slack.
-    Measured on an H200 (bench/RESULTS.md): at 0.5B and 16,384 tokens per micro-batch the trainer
-    passed 53 GiB, and a server given 0.62 (12 bytes per entry, no server headroom) ran it out
-    of memory; 0.3 ran."""
+    Measured on an H200 (bench/RESULTS.md): at 0.5B the chunked head's trainer peaked at 31.3 GiB
+    with micro-batches of 12,288 tokens and 42.1 GiB with one of 24,576 (eager layers); before
+    the chunked head it passed 53 GiB at 16,384, and a server given 0.62 ran it out of memory."""
     static = parameters * (16 / max(1, cfg.trainer.dp) + 2)
     tokens = cfg.trainer.tokens_per_microbatch
     from meshrl.modeling import HEAD_CHUNK_ELEMENTS
 
     logits = min(tokens * int(model.vocab_size), HEAD_CHUNK_ELEMENTS) * 20
-    activations = logits + tokens * 40 * int(model.hidden_size) * int(model.num_hidden_layers)
+    activations = logits + tokens * 56 * int(model.hidden_size) * int(model.num_hidden_layers)
     left = (device_bytes - static - activations - 12 * 2**30) / device_bytes
     return round(min(0.85, max(0.05, left)), 3)
 
