@@ -150,15 +150,17 @@ def policy_logprobs(
     fused = _fusable(lm)
     if fused is None:
         logits = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask, use_cache=False).logits
-        logp = response_logprobs(logits, packed, temperature=temperature)
         if not entropy:
-            return logp, None
+            return response_logprobs(logits, packed, temperature=temperature), None
         from meshrl.algos import entropy_from_logits
 
         index = packed.predict_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
-        scaled = at_least_fp32(torch.gather(logits, 1, index))
-        ent = entropy_from_logits(scaled / temperature if temperature > 0 else scaled)
-        return logp, torch.where(packed.response_mask > 0, ent, torch.zeros_like(ent))
+        scaled = at_least_fp32(torch.gather(logits, 1, index))  # [B, R, V], gathered once for both
+        scaled = scaled / temperature if temperature > 0 else scaled
+        logp = scaled.log_softmax(-1).gather(-1, packed.response_ids.unsqueeze(-1)).squeeze(-1)
+        valid = packed.response_mask > 0
+        return (torch.where(valid, logp, torch.zeros_like(logp)),
+                torch.where(valid, entropy_from_logits(scaled), torch.zeros_like(logp)))
     decoder, head = fused
     captured: list[torch.Tensor] = []
 
@@ -258,18 +260,14 @@ class _Math:
     instead of one per elementwise op, each a read of a [chunk, V] float32 tensor."""
 
     forward, backward = staticmethod(_head_forward), staticmethod(_head_backward)
-    compiled = False
 
 
-def compile_head(enabled: bool = True) -> None:
-    """Compile ``head_logprobs``' chunk math with ``torch.compile`` (for CUDA runs; the first
-    chunk of each shape pays the compile), or go back to eager."""
-    if enabled and not _Math.compiled:
+def compile_head() -> None:
+    """Compile ``head_logprobs``' chunk math with ``torch.compile``, for the rest of the process
+    (CUDA runs; the first chunk of each shape pays the compile)."""
+    if _Math.forward is _head_forward:
         _Math.forward = staticmethod(torch.compile(_head_forward, dynamic=True))
         _Math.backward = staticmethod(torch.compile(_head_backward, dynamic=True))
-    elif not enabled:
-        _Math.forward, _Math.backward = staticmethod(_head_forward), staticmethod(_head_backward)
-    _Math.compiled = enabled
 
 
 class _HeadLogprobs(torch.autograd.Function):

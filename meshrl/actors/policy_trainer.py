@@ -222,7 +222,8 @@ def share_of(samples: Sequence[Sample], rank: int, ranks: int) -> tuple[list[Sam
 
 class GcClock:
     """Seconds this process spent in the garbage collector, and collections of the oldest
-    generation, since it was made (``gc.callbacks``): what a step's time lost to the collector."""
+    generation, since it was made (``gc.callbacks``): what a step's time lost to the collector.
+    One per process (``gc_clock``): every trainer of the process reads the same one."""
 
     def __init__(self) -> None:
         self.seconds, self.full, self._t0 = 0.0, 0, 0.0
@@ -235,9 +236,15 @@ class GcClock:
             self.seconds += time.perf_counter() - self._t0
             self.full += info.get("generation") == 2
 
-    def close(self) -> None:
-        if self._on_gc in gc.callbacks:
-            gc.callbacks.remove(self._on_gc)
+
+_GC_CLOCK: GcClock | None = None
+
+
+def gc_clock() -> GcClock:
+    global _GC_CLOCK
+    if _GC_CLOCK is None:
+        _GC_CLOCK = GcClock()
+    return _GC_CLOCK
 
 
 def _allocator_counts(device: torch.device) -> dict[str, float]:
@@ -297,7 +304,7 @@ class PolicyTrainer:
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.steps = 0
         self.skipped_in_a_row = 0
-        self.gc_clock = GcClock()
+        self.gc_clock = gc_clock()
 
     def _place(self, model: torch.nn.Module, *, frozen: bool = False, offload: bool = False) -> torch.nn.Module:
         """Activation checkpointing (trained models), then FSDP2 or a plain move to the device."""
@@ -311,7 +318,7 @@ class PolicyTrainer:
             from meshrl.actors.data_parallel import decoder_layers
             from meshrl.modeling import compile_head
 
-            compile_head(True)
+            compile_head()
             for layer in decoder_layers(model):
                 # the bound forward, not the module: FSDP2's hooks stay eager, names stay the same
                 layer.forward = torch.compile(layer.forward, dynamic=True)
