@@ -41,6 +41,20 @@ def test_char_tokenizer_keeps_whitespace_when_auto_loaded_from_a_model_folder(tm
     assert loaded.encode(text) == ids and loaded.decode(ids) == text
 
 
+def test_char_tokenizer_restricted_to_given_characters(tmp_path):
+    """``characters`` spells a small vocabulary: the four specials, then these characters in order;
+    anything else is <unk>, and the folder round-trips through AutoTokenizer."""
+    tok = build_char_tokenizer(characters="0123456789+=")
+    assert len(tok) == 16
+    ids = tok.encode("37+45=82")
+    assert tok.decode(ids) == "37+45=82" and max(ids) == 15 and min(ids) >= 4
+    assert tok.encode("7x") == [tok.convert_tokens_to_ids("7"), tok.unk_token_id]
+    tok.save_pretrained(tmp_path)
+    assert AutoTokenizer.from_pretrained(tmp_path).encode("37+45=82") == ids
+    with pytest.raises(ValueError, match="at least one character"):
+        build_char_tokenizer(characters="")
+
+
 def test_addition_splits_are_disjoint_and_answers_are_right():
     task = AdditionTask(digits=2, num_test=300, seed=3)
     train, test = task.split("train"), task.split("test")

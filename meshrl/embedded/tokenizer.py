@@ -29,14 +29,19 @@ _BYTE_LEVEL = {" ": "\u0120", "\n": "\u010a", "\t": "\u0109"}  # GPT-2's bytes_t
 __all__ = ["build_char_tokenizer", "SPECIAL_TOKENS", "CHARACTERS"]
 
 
-def build_char_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
+def build_char_tokenizer(vocab_size: int | None = None, characters: str | None = None) -> PreTrainedTokenizerFast:
     """The embedded default's tokenizer: ids 0–3 are the specials, then one id per character.
 
+    ``characters``: only these characters (in this order), e.g. ``"0123456789+="`` for a 16-token
+    vocabulary that spells addition; any other character encodes as ``<unk>``. Default: printable ASCII.
     ``vocab_size``: pad the vocabulary with filler tokens ``<|i|>`` up to this many ids, so a model
     with a real vocabulary's shape (e.g. Qwen2.5's 151,936) decodes every id it samples to text;
     text is still encoded one character per token (a filler is never produced by encoding).
     """
-    base = SPECIAL_TOKENS + tuple(_BYTE_LEVEL.get(c, c) for c in CHARACTERS)
+    chars = CHARACTERS if characters is None else tuple(dict.fromkeys(characters))
+    if not chars:
+        raise ValueError("characters must name at least one character")
+    base = SPECIAL_TOKENS + tuple(_BYTE_LEVEL.get(c, c) for c in chars)
     if vocab_size is not None and vocab_size < len(base):
         raise ValueError(f"vocab_size must be >= {len(base)} (the specials and characters), got {vocab_size}")
     fillers = tuple(f"<|{i}|>" for i in range(len(base), vocab_size or len(base)))
