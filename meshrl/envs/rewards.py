@@ -16,8 +16,9 @@ RewardModel("/path/to/seq-cls-model")                        # a reward model on
 A function that raises, times out or returns something that is not a finite number marks its sample
 (``reward_failed``, reward 0, the ``reward_failed_frac`` metric) and the run goes on.
 
-A sync per-sample function scores ``threads`` samples at once (default 8), each call on a daemon
-thread of its own (``in_thread``, which environments use too): a blocking judge call overlaps with
+A sync per-sample function scores ``threads`` samples at once (default 8), on up to that many
+daemon threads that the reward keeps between calls (``CallThread``s, which environments use too;
+one thread started per sample cost 1,000 times an exact match's work): a blocking judge call overlaps with
 the others, while a CPU-bound function shares the GIL, so each call (what ``timeout_s`` measures)
 takes longer with more threads (``FunctionReward(fn, threads=1)`` scores one at a time). A caller
 that waits a limited time passes ``within_s``: samples not scored by then are marked, the others
@@ -25,7 +26,7 @@ kept, so a slow reward marks samples instead of outlasting its caller (the rewar
 run).
 
 Simplifications on purpose: a sync function that times out cannot be interrupted; its thread is
-abandoned (and the next samples go to fresh threads). A batched function fails or succeeds as a
+abandoned (and the next samples go to a fresh one). A batched function fails or succeeds as a
 whole.
 """
 
@@ -41,7 +42,7 @@ import traceback
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 from meshrl.tasks import Problem, RewardOutput
-from meshrl.threads import in_thread
+from meshrl.threads import CallThread, in_thread
 
 __all__ = ["FunctionReward", "HTTPReward", "Reward", "as_reward", "batched_reward", "in_thread", "is_task",
            "to_reward_output"]
@@ -110,6 +111,10 @@ class FunctionReward:
         self.timeout_s = timeout_s
         """Per sample (per batch when batched); None: the pipeline's reward.timeout_s."""
         self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+        self._idle: list[CallThread] = []  # a sync function's threads between calls
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_idle": []}  # threads stay in the process that made them
 
     def __repr__(self) -> str:
         return f"FunctionReward({getattr(self.fn, '__qualname__', self.fn)!r}, batched={self.batched})"
@@ -157,7 +162,19 @@ class FunctionReward:
             if self.is_async:
                 value = self.fn(*args)
             else:
-                value = await in_thread(self.fn, *args, timeout_s=limit, what=f"{self!r} took longer than {timeout:g}s")
+                lane = self._idle.pop() if self._idle else CallThread("meshrl-reward")
+                try:
+                    value = await lane.call(self.fn, *args, timeout_s=limit, what=f"{self!r} took longer than {timeout:g}s")
+                except TimeoutError:  # abandoned at its timeout: the thread ends if the call ever returns
+                    lane.close()
+                    raise
+                except Exception:  # the function raised: its thread is free
+                    self._idle.append(lane)
+                    raise
+                except BaseException:  # cancelled: the call may still run
+                    lane.close()
+                    raise
+                self._idle.append(lane)
             if inspect.isawaitable(value):  # async, or an async function behind a plain wrapper or a lambda
                 try:
                     value = await asyncio.wait_for(value, max(0.0, min(timeout, deadline - time.monotonic())))
