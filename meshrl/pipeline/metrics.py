@@ -108,10 +108,15 @@ class RunLog:
     def _scalars(self, rec: dict[str, Any]) -> None:
         if self._tb is None or rec["kind"] not in ("step", "eval") or not isinstance(rec.get("step"), int):
             return
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
         prefix = "" if rec["kind"] == "step" else "eval/"
-        for key, value in rec.items():
-            if key not in ("step", "time_s") and isinstance(value, (int, float)) and not isinstance(value, bool):
-                self._tb.add_scalar(prefix + key, value, rec["step"])
+        # one event per record, every scalar in it: an event per scalar (add_scalar) filled the
+        # writer's queue and blocked the train loop for a millisecond or more a step
+        summary = Summary(value=[Summary.Value(tag=prefix + key, simple_value=float(value)) for key, value in rec.items()
+                                 if key not in ("step", "time_s") and isinstance(value, (int, float))
+                                 and not isinstance(value, bool)])
+        self._tb.file_writer.add_summary(summary, rec["step"])
 
     def _write(self, rec: dict[str, Any]) -> None:
         self.records.append(rec)
