@@ -9,6 +9,9 @@ import pytest
 # Actors and the test process share two cores: one intra-op thread each keeps them from fighting.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# Float32 on every CPU (meshrl.cpu): tests compare the trainer's and the engines' numbers with float32
+# references, on CPUs with and without bf16 instructions alike. Tests of the bf16 path set it themselves.
+os.environ.setdefault("MESHRL_CPU_BF16", "0")
 
 
 @pytest.fixture(scope="session")

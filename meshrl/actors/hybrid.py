@@ -48,6 +48,7 @@ from meshrl.actors.policy_trainer import PolicyTrainer, TrainerConfig
 from meshrl.actors.rollout import RolloutWorker
 from meshrl.actors.trainer import Trainer
 from meshrl.actors.trainer_checkpoint import init_optimizer_state
+from meshrl.cpu import compute_process
 from meshrl.engines.torch_engine import TorchEngine, TorchEngineConfig
 from meshrl.envs import EnvFactory, EpisodeConfig
 from meshrl.mesh import Actor, endpoint
@@ -239,7 +240,7 @@ class HybridWorker(Actor):
             self._pool.submit(_warm_up_matmuls, device).result(timeout=colocated.switch_timeout_s)
         engine = msgspec.structs.replace(engine, contiguous_weights=engine.contiguous_weights or colocated.release_weights)
         self.rollout = RolloutWorker(model_path, engine, rollout_threads, environment=environment, episode=episode)
-        torch.set_num_threads(max(trainer.threads, rollout_threads))
+        compute_process(max(trainer.threads, rollout_threads))
         self.colo = Colocated(self.trainer.core, self.rollout.engine, release_weights=colocated.release_weights)
         self.sync_interval = trainer.sync_interval
         eng = self.rollout.engine

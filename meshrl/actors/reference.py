@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from meshrl.actors.train_step import split_by_tokens
+from meshrl.cpu import attention_for, compute_process
 from meshrl.mesh import Actor, endpoint
 from meshrl.modeling import load_causal_lm, pack, policy_logprobs
 from meshrl.queues import decode_samples, encode_samples
@@ -20,7 +21,7 @@ __all__ = ["ReferenceWorker"]
 
 class ReferenceWorker(Actor):
     def __init__(self, model_path: str, *, temperature: float, tokens_per_microbatch: int = 16384, threads: int = 1) -> None:
-        torch.set_num_threads(threads)
+        compute_process(threads)
         self.model = load_causal_lm(model_path).eval().requires_grad_(False)
         self.pad_id = self.model.config.pad_token_id or 0
         self.temperature, self.tokens_per_microbatch = temperature, tokens_per_microbatch
@@ -47,6 +48,7 @@ class ReferenceWorker(Actor):
         for rows in split_by_tokens(range(len(samples)), lengths, self.tokens_per_microbatch):
             chunk = [samples[i] for i in rows]
             packed = pack([s.prompt_ids for s in chunk], [s.response_ids for s in chunk], pad_id=self.pad_id)
-            logp, _ = policy_logprobs(self.model, packed, temperature=self.temperature, entropy=False)
+            with attention_for(packed.input_ids.device, packed.input_ids.shape[1]):
+                logp, _ = policy_logprobs(self.model, packed, temperature=self.temperature, entropy=False, share_prompts=True)
             for s, row in zip(chunk, logp):
                 s.ref_logprobs = row[: len(s.response_ids)].tolist()

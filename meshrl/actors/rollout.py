@@ -31,6 +31,7 @@ from typing import Any, Literal, Sequence
 import msgspec
 
 from meshrl import faults
+from meshrl.cpu import compute_process
 from meshrl.engines import GenerateRequest, GenerateResult
 from meshrl.engines.engine_config import TorchEngineConfig
 from meshrl.engines.sglang_server import SGLangServerConfig
@@ -107,9 +108,7 @@ class RolloutWorker(Actor):
     def __init__(self, model_path: str, engine: TorchEngineConfig, threads: int = 1, *, tp_size: int = 1,
                  tp_timeout_s: float = 600.0, environment: EnvFactory | None = None,
                  episode: EpisodeConfig = EpisodeConfig()) -> None:
-        import torch
-
-        torch.set_num_threads(threads)
+        compute_process(threads)
         self.model_path, self.config, self.tp_size = model_path, engine, tp_size
         self.server: Any = None
         """The SGLang server this worker launched (None: TorchEngine, or a server attached by URL)."""

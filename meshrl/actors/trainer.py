@@ -36,6 +36,7 @@ from meshrl.actors.data_parallel import DataParallel
 from meshrl.actors.policy_trainer import NonFiniteStepsError, PolicyTrainer, TrainerConfig, batch_stats, lr_lambda
 from meshrl.actors.sglang_sync import SGLangSource
 from meshrl.actors.trainer_checkpoint import load_trainer_state, save_trainer_state
+from meshrl.cpu import compute_process
 from meshrl.mesh import Actor, current_rank, current_size, endpoint, init_torch_distributed
 from meshrl.queues.parcels import Batch, Shares, fetch_batch
 from meshrl.reshard import DestLayout, GroupRanks, PushStats, ReshardConfig, SourceLayout
@@ -57,7 +58,7 @@ class Trainer(Actor):
         max_new_tokens: int,
         total_steps: int,
     ) -> None:
-        torch.set_num_threads(cfg.threads)
+        compute_process(cfg.threads)
         world = math.prod(current_size().values())
         if world != cfg.dp:
             raise ValueError(f"trainer.dp={cfg.dp} but the trainer mesh has {world} actors: spawn it on "

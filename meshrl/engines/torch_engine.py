@@ -40,6 +40,7 @@ from typing import Any, AsyncIterator, Iterable, Sequence
 import msgspec
 import torch
 
+from meshrl.cpu import native_bf16
 from meshrl.engines import schedule
 from meshrl.engines.batch import RunningBatch
 from meshrl.engines.cuda_graphs import DecodeGraphs, default_bucket_sizes
@@ -78,7 +79,7 @@ class TorchEngine(WeightUpdates, MemoryRelease):
                            else config.device)
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
-        dtype = _DTYPES.get(config.dtype) or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+        dtype = _DTYPES.get(config.dtype) or (torch.bfloat16 if dev.type == "cuda" or native_bf16() else torch.float32)
         self.device, self.dtype = dev, dtype
         tp = tp or TensorParallel()
         self.tp = tp

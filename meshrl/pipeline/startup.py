@@ -118,9 +118,10 @@ def _job_env_vars() -> dict[str, str]:
 
 
 PASSED_THROUGH = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
-                  "NVSHMEM_DISABLE_NVLS", "NCCL_CUMEM_ENABLE")
+                  "NVSHMEM_DISABLE_NVLS", "NCCL_CUMEM_ENABLE", "MESHRL_CPU_BF16")
 """Driver variables every worker gets as they are (a raylet started by ``ray start`` elsewhere has
-an environment of its own): the network interfaces of the process groups and the NVLink switches."""
+an environment of its own): the network interfaces of the process groups, the NVLink switches, and
+whether CPUs compute in bf16 (``meshrl.cpu``)."""
 
 
 def worker_env(environ: dict[str, str] | None = None) -> dict[str, str]:
