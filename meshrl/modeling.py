@@ -9,6 +9,7 @@ position ``P_i + j`` and is predicted by the logits at position ``P_i + j - 1``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,9 +64,27 @@ class Packed:
     predict_index: torch.Tensor  # [B, R] position whose logits predict response token j
     response_mask: torch.Tensor  # [B, R] 1.0 on response tokens (times the sample's loss mask)
     response_ids: torch.Tensor  # [B, R] response tokens (pad where masked)
+    prompt_lengths: list[int] | None = None
+    """Each row's prompt tokens (on the host, wherever the tensors are)."""
+    prompt_keys: list[int] | None = None
+    """Rows with equal keys have equal prompts (``policy_logprobs`` runs such a prompt once)."""
 
     def to(self, device: torch.device | str) -> "Packed":
-        return Packed(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.predict_index, self.response_mask, self.response_ids)))
+        return Packed(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.predict_index, self.response_mask,
+                                                self.response_ids)), self.prompt_lengths, self.prompt_keys)
+
+    def rows(self, index: list[int], width: int | None = None) -> "Packed":
+        """Rows ``index`` (their tokens up to ``width``), with their prompt lengths and keys."""
+        idx = torch.tensor(index, dtype=torch.long, device=self.input_ids.device)
+        width = self.input_ids.shape[1] if width is None else width
+        return Packed(self.input_ids[idx, :width], self.attention_mask[idx, :width], self.predict_index[idx],
+                      self.response_mask[idx], self.response_ids[idx],
+                      None if self.prompt_lengths is None else [self.prompt_lengths[i] for i in index],
+                      None if self.prompt_keys is None else [self.prompt_keys[i] for i in index])
+
+    def with_response_mask(self, response_mask: torch.Tensor) -> "Packed":
+        return Packed(self.input_ids, self.attention_mask, self.predict_index, response_mask, self.response_ids,
+                      self.prompt_lengths, self.prompt_keys)
 
     @property
     def num_response_tokens(self) -> int:
@@ -79,31 +98,33 @@ def pack(
     pad_id: int,
     loss_masks: Sequence[Sequence[int] | None] | None = None,
 ) -> Packed:
-    """Pack ``prompts[i] + responses[i]`` right-padded; every prompt needs at least one token."""
+    """Pack ``prompts[i] + responses[i]`` right-padded; every prompt needs at least one token.
+
+    Rows are padded as Python lists and each field becomes a tensor in one call: a tensor per row
+    cost more than the step's attention on the embedded model (256 rows of 14 tokens)."""
     if len(prompts) != len(responses):
         raise ValueError(f"pack: {len(prompts)} prompts but {len(responses)} responses")
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
-    B, T = len(prompts), max(lengths)
+    T = max(lengths)
     R = max(1, max(len(r) for r in responses))
-    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((B, T), dtype=torch.long)
-    predict_index = torch.zeros((B, R), dtype=torch.long)
-    response_mask = torch.zeros((B, R), dtype=torch.float32)
-    response_ids = torch.full((B, R), pad_id, dtype=torch.long)
+    ids, attn, predict, rmask, rids, keys = [], [], [], [], [], []
+    first: dict[tuple[int, ...], int] = {}  # a prompt's first row: its key
     for i, (p, r) in enumerate(zip(prompts, responses)):
+        keys.append(first.setdefault(tuple(p), i))
         if not p:
             raise ValueError(f"pack: prompt {i} is empty")
-        n = len(p) + len(r)
-        input_ids[i, :n] = torch.tensor(list(p) + list(r), dtype=torch.long)
-        attention_mask[i, :n] = 1
-        if r:
-            predict_index[i, : len(r)] = torch.arange(len(p) - 1, n - 1)
-            response_ids[i, : len(r)] = torch.tensor(list(r), dtype=torch.long)
-            mask = loss_masks[i] if loss_masks is not None and loss_masks[i] is not None else None
-            if mask is not None and len(mask) != len(r):
-                raise ValueError(f"pack: loss mask {i} has {len(mask)} entries for {len(r)} response tokens")
-            response_mask[i, : len(r)] = torch.tensor(mask, dtype=torch.float32) if mask is not None else 1.0
-    return Packed(input_ids, attention_mask, predict_index, response_mask, response_ids)
+        n, k, tail = lengths[i], len(r), R - len(r)
+        ids.append([*p, *r, *[pad_id] * (T - n)])
+        attn.append([1] * n + [0] * (T - n))
+        predict.append([*range(len(p) - 1, n - 1), *[0] * tail])
+        rids.append([*r, *[pad_id] * tail])
+        mask = loss_masks[i] if loss_masks is not None and loss_masks[i] is not None else None
+        if mask is not None and len(mask) != k:
+            raise ValueError(f"pack: loss mask {i} has {len(mask)} entries for {k} response tokens")
+        rmask.append([*(mask if mask is not None else [1] * k), *[0] * tail])
+    return Packed(torch.tensor(ids, dtype=torch.long), torch.tensor(attn, dtype=torch.long),
+                  torch.tensor(predict, dtype=torch.long), torch.tensor(rmask, dtype=torch.float32),
+                  torch.tensor(rids, dtype=torch.long), [len(p) for p in prompts], keys)
 
 
 def at_least_fp32(t: torch.Tensor) -> torch.Tensor:
@@ -134,6 +155,7 @@ HEAD_CHUNK_ELEMENTS = 2**28
 
 def policy_logprobs(
     model, packed: Packed, *, temperature: float = 1.0, entropy: bool = True, chunk_tokens: int | None = None,
+    share_prompts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs ``[B, R]`` of the response tokens under ``log_softmax(logits / temperature)``, and
     with ``entropy`` each position's entropy ``[B, R]`` (differentiable); 0 where the response mask is.
@@ -145,6 +167,9 @@ def policy_logprobs(
     (``head_logprobs``). ``model`` is a causal LM (or a callable with it as ``.model``, as
     ``lora.BaseModel``); one whose head is not a plain bias-free linear map (logit soft-capping,
     scaled logits) or that cannot skip its logits takes the full-logits path.
+
+    ``share_prompts``: rows with one prompt (a GRPO group; ``packed.prompt_keys``) run that
+    prompt's forward once; its keys and values serve each of them (``_shared_prompt_hidden``).
     """
     lm = model if isinstance(model, nn.Module) else model.model
     fused = _fusable(lm)
@@ -162,20 +187,12 @@ def policy_logprobs(
         return (torch.where(valid, logp, torch.zeros_like(logp)),
                 torch.where(valid, entropy_from_logits(scaled), torch.zeros_like(logp)))
     decoder, head = fused
-    captured: list[torch.Tensor] = []
-
-    def keep(_module, _args, out) -> None:
-        captured.append(out[0] if isinstance(out, tuple) else out.last_hidden_state)
-
-    handle = decoder.register_forward_hook(keep)
-    try:
-        # logits_to_keep=1: the model's own head runs on one position; ours on the ones that count
-        model(input_ids=packed.input_ids, attention_mask=packed.attention_mask, use_cache=False, logits_to_keep=1)
-    finally:
-        handle.remove()
-    hidden = captured[-1]  # [B, T, H], after the final norm
+    picked = _shared_prompt_hidden(model, decoder, packed) if share_prompts else None
+    if picked is None:
+        hidden = _decoder_output(model, decoder, input_ids=packed.input_ids, attention_mask=packed.attention_mask,
+                                 use_cache=False)  # [B, T, H], after the final norm
+        picked = torch.gather(hidden, 1, packed.predict_index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # [B, R, H]
     b, r = packed.predict_index.shape
-    picked = torch.gather(hidden, 1, packed.predict_index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # [B, R, H]
     # the weight as the model holds it now: under FSDP2 the root's unsharded parameter (the root
     # keeps it through backward), so its gradient is reduced with the root's others
     logp, ent = head_logprobs(picked.reshape(b * r, -1), head.weight, packed.response_ids.reshape(-1),
@@ -185,6 +202,85 @@ def policy_logprobs(
     if ent is not None:
         ent = torch.where(valid, ent.reshape(b, r), torch.zeros((), dtype=ent.dtype, device=ent.device))
     return logp, ent
+
+
+def _decoder_output(model, decoder: nn.Module, **inputs):
+    """The decoder's last hidden state (after the final norm) for ``model(**inputs)``, with the
+    model's own head run on one position only; with ``use_cache``, also the returned cache."""
+    captured: list[torch.Tensor] = []
+
+    def keep(_module, _args, out) -> None:
+        captured.append(out[0] if isinstance(out, tuple) else out.last_hidden_state)
+
+    handle = decoder.register_forward_hook(keep)
+    try:
+        # logits_to_keep=1: the model's own head runs on one position; ours on the ones that count.
+        # The whole model is called, not the decoder: under FSDP2 the root gathers its parameters.
+        out = model(**inputs, logits_to_keep=1)
+    finally:
+        handle.remove()
+    if not inputs.get("use_cache"):
+        return captured[-1]
+    cache = getattr(out, "cache", None)  # transformers >= 5.2x; `past_key_values` before
+    return captured[-1], cache if cache is not None else getattr(out, "past_key_values", None)
+
+
+@functools.cache
+def _cache_kwarg_of(cls: type) -> str:
+    try:
+        return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+    except (TypeError, ValueError):
+        return "past_key_values"
+
+
+def _cache_kwarg(decoder: nn.Module) -> str:
+    """The decoder's name for a given cache: ``cache`` (transformers >= 5.2x), ``past_key_values`` before."""
+    return _cache_kwarg_of(type(decoder))
+
+
+_NO_SHARED_PROMPTS: set[type] = set()
+"""Model classes whose cache cannot serve several rows from one prompt (found at first use)."""
+
+
+def _shared_prompt_hidden(model, decoder: nn.Module, packed: Packed) -> torch.Tensor | None:
+    """``[B, R, H]``: the hidden states that predict each response token, with each distinct prompt
+    of ``packed`` run once. The prompts' forward (``[G, P]``) returns their keys and values; every
+    row takes its prompt's (a differentiable ``index_select``: the backward sums the rows' gradients
+    into the prompt) and runs its response tokens but the last (``[B, R-1]``) at positions after its
+    prompt. Response token 0 is predicted by the prompt's last hidden state, token ``j`` by the row's
+    own at ``j - 1``. None (the caller runs every row whole): no two rows share a prompt, or the
+    model's cache is not a plain per-layer key/value cache (sliding windows, hybrid layers)."""
+    keys, lengths = packed.prompt_keys, packed.prompt_lengths
+    if keys is None or lengths is None or len(set(keys)) == len(keys) or type(decoder) in _NO_SHARED_PROMPTS:
+        return None
+    device = packed.input_ids.device
+    group_of: dict[int, int] = {}
+    rows_group = [group_of.setdefault(k, len(group_of)) for k in keys]  # [B] each row's prompt
+    first = {g: i for i, g in reversed(list(enumerate(rows_group)))}  # a row of each prompt
+    firsts = [first[g] for g in range(len(group_of))]
+    plen = torch.tensor([lengths[i] for i in firsts], device=device)  # [G]
+    width = max(lengths[i] for i in firsts)
+    prompt_mask = (torch.arange(width, device=device)[None, :] < plen[:, None]).long()  # [G, P]
+    prompt_ids = packed.input_ids[torch.tensor(firsts, device=device), :width] * prompt_mask  # [G, P]
+    hidden, cache = _decoder_output(model, decoder, input_ids=prompt_ids, attention_mask=prompt_mask, use_cache=True)
+    layers = getattr(cache, "layers", None)
+    if not layers or any(type(layer).__name__ != "DynamicLayer" for layer in layers) or not hasattr(cache, "reorder_cache"):
+        _NO_SHARED_PROMPTS.add(type(decoder))
+        return None
+    group = torch.tensor(rows_group, device=device)  # [B]
+    row_plen = plen[group]  # [B]
+    last = hidden[group, row_plen - 1]  # [B, H]: predicts response token 0
+    r = packed.response_ids.shape[1]
+    if r == 1:
+        return last[:, None]
+    cache.reorder_cache(group)  # [G, ...] -> [B, ...] keys and values
+    steps = torch.arange(r - 1, device=device)[None, :]
+    response_len = packed.attention_mask.sum(1) - row_plen  # [B]
+    mask = torch.cat([prompt_mask[group], (steps < response_len[:, None]).long()], 1)  # [B, P + R - 1]
+    given = {_cache_kwarg(decoder): cache}
+    own, _ = _decoder_output(model, decoder, input_ids=packed.response_ids[:, :-1], attention_mask=mask,
+                             position_ids=row_plen[:, None] + steps, use_cache=True, **given)  # [B, R-1, H]
+    return torch.cat([last[:, None], own], 1)
 
 
 _FUSABLE: dict[type, bool] = {}

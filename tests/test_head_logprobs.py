@@ -114,3 +114,55 @@ def test_policy_logprobs_equal_the_full_logits_path_with_gradients(kind):
     assert (logp[packed.response_mask == 0] == 0).all() and (ent[packed.response_mask == 0] == 0).all()
     for name, param in model.named_parameters():
         torch.testing.assert_close(got[name], param.grad, rtol=1e-9, atol=1e-12, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_shared_prompts_give_the_same_logprobs_entropies_and_gradients(kind, attention):
+    """GRPO groups (rows with one prompt) run their prompt once and reuse its keys and values: the
+    same numbers as every row run whole, gradients included (the prompt's summed over its rows).
+    Prompts of different lengths (padding between a short prompt and its response), one-token and
+    empty responses, a loss mask, and a prompt that only one row has."""
+    model = _model(kind)
+    model.set_attn_implementation(attention)
+    prompts = [[1, 2, 3], [1, 2, 3], [1, 2, 3], [4, 5], [4, 5], [6, 7, 8, 9, 10], [11]]
+    responses = [[12, 13, 14, 15], [16], [17, 18, 19], [20, 21, 22, 12, 13], [], [14, 15], [16, 17]]
+    packed = pack(prompts, responses, pad_id=0, loss_masks=[None, None, [1, 0, 1], None, None, None, None])
+    assert packed.prompt_keys == [0, 0, 0, 3, 3, 5, 6]
+
+    import meshrl.modeling as modeling
+
+    runs = []
+    for share in (True, False):
+        calls = []
+        forward = modeling._decoder_output
+        modeling._decoder_output = lambda *a, **k: (calls.append(tuple(k["input_ids"].shape)), forward(*a, **k))[1]
+        try:
+            logp, ent = policy_logprobs(model, packed, temperature=0.8, share_prompts=share)
+        finally:
+            modeling._decoder_output = forward
+        (logp.sum() + 0.3 * ent.sum()).backward()
+        runs.append((logp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, calls))
+        model.zero_grad(set_to_none=True)
+    (logp, ent, grads, calls), (ref, ref_ent, ref_grads, ref_calls) = runs
+    assert calls == [(4, 5), (7, 4)] and ref_calls == [(7, 7)]  # 4 distinct prompts, then 7 rows' responses
+    torch.testing.assert_close(logp, ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(ent, ref_ent, rtol=1e-10, atol=1e-10)
+    assert torch.count_nonzero(logp) == int(packed.response_mask.sum())
+    # float64 models still norm in float32 (HF's RMSNorm upcasts to float32): other shapes, other roundings
+    # (a key bias's gradient is 0 but for that rounding: softmax is blind to a shift of every key)
+    scale = max(g.abs().max().item() for g in ref_grads.values())
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=0, atol=1e-7 * scale, msg=lambda m: f"{name}: {m}")
+
+
+def test_rows_keep_their_prompt_keys_and_a_batch_without_shared_prompts_runs_whole():
+    packed = pack([[1, 2], [3], [1, 2]], [[4], [5, 6], [7]], pad_id=0)
+    part = packed.rows([2, 1, 0], width=3)
+    assert part.prompt_keys == [0, 1, 0] and part.prompt_lengths == [2, 1, 2]
+    assert part.input_ids.tolist() == [[1, 2, 7], [3, 5, 6], [1, 2, 4]]
+    model = _model("qwen2")
+    import meshrl.modeling as modeling
+
+    lone = packed.rows([0, 1])  # two different prompts: nothing to share
+    assert modeling._shared_prompt_hidden(model, model.get_decoder(), lone) is None

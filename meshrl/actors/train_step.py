@@ -62,10 +62,7 @@ class StepBatch:
 
 
 def _pad(rows: Sequence[Sequence[float]], width: int) -> torch.Tensor:
-    out = torch.zeros((len(rows), width), dtype=torch.float32)
-    for i, row in enumerate(rows):
-        out[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
-    return out
+    return torch.tensor([[*row, *[0.0] * (width - len(row))] for row in rows], dtype=torch.float32)  # [B, width]
 
 
 def build_step_batch(samples: Sequence[Sample], *, pad_id: int) -> StepBatch:
@@ -109,13 +106,7 @@ def split_by_tokens(indices: Sequence[int], lengths: Sequence[int], tokens_per_m
 
 
 def _select(batch: StepBatch, rows: list[int]) -> Packed:
-    p = batch.packed
-    idx = torch.tensor(rows, dtype=torch.long, device=p.input_ids.device)
-    width = max(batch.lengths[i] for i in rows)
-    return Packed(
-        p.input_ids[idx, :width], p.attention_mask[idx, :width], p.predict_index[idx],
-        p.response_mask[idx], p.response_ids[idx],
-    )
+    return batch.packed.rows(rows, width=max(batch.lengths[i] for i in rows))
 
 
 def _empty(batch: StepBatch) -> Packed:
@@ -125,8 +116,7 @@ def _empty(batch: StepBatch) -> Packed:
 
 def _masked(p: Packed, keep: torch.Tensor) -> Packed:
     """``p`` with the loss mask of the rows not in ``keep`` (``[B]`` bool) zeroed."""
-    return Packed(p.input_ids, p.attention_mask, p.predict_index, p.response_mask * keep[:, None].to(p.response_mask.dtype),
-                  p.response_ids)
+    return p.with_response_mask(p.response_mask * keep[:, None].to(p.response_mask.dtype))
 
 
 class PolicyUpdater:
@@ -150,10 +140,12 @@ class PolicyUpdater:
         minibatches: int = 1,
         dp: DataParallel | None = None,
         reference: torch.nn.Module | None = None,
+        share_prompts: bool = True,
     ) -> None:
         if algo.uses_critic and critic is None:
             raise ValueError("algo.advantage=gae needs a critic")
         self.policy, self.critic, self.algo, self.reference = policy, critic, algo, reference
+        self.share_prompts = share_prompts
         self.dp = dp if dp is not None else DataParallel(None)
         self.temperature, self.max_new_tokens = temperature, max_new_tokens
         # what the no-grad passes gather in: float32 (bf16 compute is upcast), float64 for a float64 policy
@@ -207,9 +199,10 @@ class PolicyUpdater:
     def _logprobs(self, packed: Packed, model: torch.nn.Module | None = None, *, entropy: bool = True
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Response log-probs ``[B, R]`` and entropies under ``model`` (the policy by default): the
-        LM head only where a response token is predicted, chunked (``modeling.policy_logprobs``)."""
+        LM head only where a response token is predicted, chunked, and each prompt of a group run
+        once (``modeling.policy_logprobs``)."""
         model = self.policy if model is None else model
-        return policy_logprobs(model, packed, temperature=self.temperature, entropy=entropy)
+        return policy_logprobs(model, packed, temperature=self.temperature, entropy=entropy, share_prompts=self.share_prompts)
 
     def advantages(self, batch: StepBatch, old_values: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token advantages ``[B, R]`` and, with a critic, returns ``[B, R]``."""
