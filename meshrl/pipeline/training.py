@@ -3,8 +3,10 @@
 ```text
 train loop, until run.total_steps or the run stops:
   queue.get_batch      waits for: samples_per_step samples (whole groups) within max_staleness
-                                  of the current version
+                                  of the version the step trains at
                        unblocked by: rollout loop put_ref (or queue.close when stopping)
+                       asked for while the step before trains (not after a checkpoint's step):
+                       the trainer starts the next step as soon as its weights are sent
   trainer.train_step   (every dp rank fetches only its share, whole groups, by their refs)
   every sync_interval steps: version += 1 and a push to every engine (meshrl.pipeline.weight_sync). distributed:
   the engines' receives are armed while the step computes the version (reshard.meshes.arm), the
@@ -17,6 +19,7 @@ train loop, until run.total_steps or the run stops:
   flight (meshrl.pipeline.checkpoint)
   queue.set_version(version)  only once every engine serves it (a detached push: when its flip
                               lands), so admission never grants a batch that starts on v - 1
+  the step record (with queue.metrics) is written beside the next step, in step order
 resume: trainer.load_checkpoint → push its weights as the saved version → queue.restore
         → re-issue the requests that were in flight (or cancel unknown reservations)
 a rollout worker restarted in place (meshrl.pipeline.revival): loaded when the trainer's weights are
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import shutil
 import time
 from pathlib import Path
@@ -40,6 +44,7 @@ from meshrl.pipeline.metrics import RunLog
 from meshrl.pipeline.rollout_loop import Roles, RolloutDriver, bounded
 from meshrl.pipeline.weight_sync import weight_sync
 from meshrl.pipeline.audit import AuditLog
+from meshrl.queues import QueueClosed
 from meshrl.queues.snapshot import ledger_mark
 
 __all__ = ["TrainLoop"]
@@ -116,63 +121,81 @@ class TrainLoop:
                     await self.push(self.version, publish=self.published < self.version)
 
     async def _run(self) -> None:
-        cfg, timeout, queue = self.cfg, self.cfg.run.step_timeout_s, self.roles.queue
+        cfg, timeout = self.cfg, self.cfg.run.step_timeout_s
         last_end = time.perf_counter()
         # generated tokens arrive a whole request at a time: rate them over the last few steps, not one
         window = collections.deque([(last_end, self.rollout.generated_tokens)], maxlen=TOKENS_WINDOW_STEPS + 1)
-        while self.step < cfg.run.total_steps and not self.rollout.stopping.is_set():
-            t0 = self.log.now()
-            # waits for: samples_per_step samples within max_staleness of `version`;
-            # unblocked by: rollout loop put_ref (or queue.close when the run stops)
-            # by reference: the blobs' refs, split into whole groups per trainer dp rank; each rank
-            # fetches its own share from the producers' nodes
-            batch = await bounded(queue.get_batch_refs.call_one(cfg.trainer.samples_per_step, self.version, timeout=timeout,
-                                                                shares=cfg.trainer.dp), timeout + 30, "a batch from the queue")
-            t1 = self.log.now()
-            await self._hold_weights()  # from here the trainer's weights are ahead of `version`
-            if self._pushes_after(self.step + 1) and not self.revivals.down:
-                self.sync.arm(self.version + 1)  # the engines post their receives while the step computes
-            # every dp rank trains its own share; the metrics are global (rank 0's)
-            metrics = (await self.roles.trainer.train_step.call(batch, self.version).within(timeout)).values()[0]
-            t2 = self.log.now()
-            self.log.span("trainer", "train_step", t1, t2)
-            if "colocated/switch_to_train_s" in metrics:  # placement=colocated: the step began by freeing the KV cache
-                self.log.span("colocated", "switch_to_train", t1, t1 + metrics["colocated/switch_to_train_s"])
-            self.step += 1
-            await self.audit.record(self.step, batch.groups)
-            sync_s, pushed = 0.0, self._pushes_after(self.step)
-            every = cfg.run.checkpoint_every
-            last = self.step == cfg.run.total_steps and cfg.run.checkpoint_at_end
-            checkpoint = (every > 0 and self.step % every == 0) or last
-            if pushed:
-                self.version = await self.push(self.version + 1, publish=not checkpoint)
-                sync_s = self.log.now() - t2
-                self.log.span("sync", "push_weights", t2, t2 + sync_s, version=self.version)
-            now = time.perf_counter()
-            queue_m = await bounded(queue.metrics.call_one(), timeout, "the queue's metrics")
-            generated = self.rollout.generated_tokens
-            self.log.step({
-                "step": self.step, "version": self.version, **metrics,
-                "step_time_s": now - last_end, "batch_wait_s": t1 - t0, "sync_time_s": sync_s,
-                **self.sync.phases(),
-                "tokens_per_s": (generated - window[0][1]) / max(now - window[0][0], 1e-9), "generated_tokens": generated,
-                "reissued_calls": self.rollout.reissued_calls, "restarts": self.restarts,
-                "reissued_requests": self.revivals.reissued_requests, "revived_workers": self.revivals.revived,
-                **{f"queue/{k}": v for k, v in queue_m.items() if isinstance(v, (int, float))},
-            })
-            last_end = now
-            window.append((now, generated))
-            if checkpoint:
-                # before set_version: at max_staleness=0 no rollout is in flight now
-                await self.settle()
-                await self.checkpoint()
+        upcoming: asyncio.Future | None = None
+        """The next step's batch, asked for while this step trains (``_prefetches``)."""
+        try:
+            while self.step < cfg.run.total_steps and (upcoming is not None or not self.rollout.stopping.is_set()):
+                t0 = self.log.now()
+                if upcoming is None:
+                    batch = await self._batch(self.version)
+                else:  # asked for during the last step; taken (or not yet) whether or not the run is stopping
+                    taking, upcoming = upcoming, None
+                    try:
+                        batch = await taking
+                    except QueueClosed:
+                        if self.rollout.stopping.is_set():  # stopped before it was complete: nothing was taken
+                            break
+                        raise
+                t1 = self.log.now()
+                await self._hold_weights()  # from here the trainer's weights are ahead of `version`
+                if self._pushes_after(self.step + 1) and not self.revivals.down:
+                    self.sync.arm(self.version + 1)  # the engines post their receives while the step computes
+                # every dp rank trains its own share; the metrics are global (rank 0's)
+                training = self.roles.trainer.train_step.call(batch, self.version).within(timeout)
+                if self._prefetches(self.step + 1):
+                    after = self.version + self._pushes_after(self.step + 1)  # the version the next step trains at
+                    upcoming = asyncio.ensure_future(self._batch(after))
+                metrics = (await training).values()[0]
+                t2 = self.log.now()
+                self.log.span("trainer", "train_step", t1, t2)
+                if "colocated/switch_to_train_s" in metrics:  # placement=colocated: the step began by freeing the KV cache
+                    self.log.span("colocated", "switch_to_train", t1, t1 + metrics["colocated/switch_to_train_s"])
+                self.step += 1
+                await self.audit.record(self.step, batch.groups)
+                sync_s, pushed = 0.0, self._pushes_after(self.step)
+                every = cfg.run.checkpoint_every
+                last = self.step == cfg.run.total_steps and cfg.run.checkpoint_at_end
+                checkpoint = (every > 0 and self.step % every == 0) or last
                 if pushed:
-                    await self._publish(self.version)
-            if cfg.run.eval_every and self.step % cfg.run.eval_every == 0 and self.step < cfg.run.total_steps:
-                await self.settle()  # evaluated at the version the step record names
-                self.evals.append(asyncio.create_task(self._evaluate()))
-            if pushed:
-                self._release_weights()
+                    self.version = await self.push(self.version + 1, publish=not checkpoint)
+                    sync_s = self.log.now() - t2
+                    self.log.span("sync", "push_weights", t2, t2 + sync_s, version=self.version)
+                now = time.perf_counter()
+                generated = self.rollout.generated_tokens
+                self._record({
+                    "step": self.step, "version": self.version, **metrics,
+                    "step_time_s": now - last_end, "batch_wait_s": t1 - t0, "sync_time_s": sync_s,
+                    **self.sync.phases(),
+                    "tokens_per_s": (generated - window[0][1]) / max(now - window[0][0], 1e-9), "generated_tokens": generated,
+                    "reissued_calls": self.rollout.reissued_calls, "restarts": self.restarts,
+                    "reissued_requests": self.revivals.reissued_requests, "revived_workers": self.revivals.revived,
+                })
+                last_end = now
+                window.append((now, generated))
+                if checkpoint:
+                    # before set_version: at max_staleness=0 no rollout is in flight now
+                    await self.settle()
+                    await self.checkpoint()
+                    if pushed:
+                        await self._publish(self.version)
+                if cfg.run.eval_every and self.step % cfg.run.eval_every == 0 and self.step < cfg.run.total_steps:
+                    await self.settle()  # evaluated at the version the step record names
+                    await self.recorded()  # its record after this step's
+                    self.evals.append(asyncio.create_task(self._evaluate()))
+                if pushed:
+                    self._release_weights()
+        except BaseException:
+            if upcoming is not None:  # a step failed: the run ends (or resumes from its newest checkpoint)
+                upcoming.cancel()
+                await asyncio.gather(upcoming, return_exceptions=True)
+            with contextlib.suppress(Exception):  # the records written so far stay; the step's own error is raised
+                await self.recorded()
+            raise
+        await self.recorded()
         await self._hold_weights()
         await self.settle()
         if self.step == cfg.run.total_steps and not self._pushes_after(self.step):
@@ -182,6 +205,48 @@ class TrainLoop:
             self.version = await self.push(self.version + 1)
             await self.settle()
             self.log.span("sync", "push_weights", t0, self.log.now(), version=self.version)
+
+    async def _batch(self, version: int) -> Any:
+        """The next batch for a step at ``version``, by reference: the blobs' refs, split into whole
+        groups per trainer dp rank; each rank fetches its own share from the producers' nodes."""
+        timeout = self.cfg.run.step_timeout_s
+        # waits for: samples_per_step samples within max_staleness of `version`;
+        # unblocked by: rollout loop put_ref (or queue.close when the run stops)
+        return await bounded(self.roles.queue.get_batch_refs.call_one(self.cfg.trainer.samples_per_step, version,
+                                                                      timeout=timeout, shares=self.cfg.trainer.dp),
+                             timeout + 30, "a batch from the queue")
+
+    def _prefetches(self, step: int) -> bool:
+        """Whether the batch of the step after ``step`` is asked for while ``step`` trains: not when
+        ``step`` is the last, checkpoints (its queue snapshot must hold every sample not trained), or
+        the run is stopping. A batch taken early is trained even if the run stops meanwhile (a step
+        in flight finishes); the queue's admission is the same either way (``meshrl.queues.admission``:
+        taking a batch only moves the consumed position it would move a step later)."""
+        every, total = self.cfg.run.checkpoint_every, self.cfg.run.total_steps
+        checkpoints = (every > 0 and step % every == 0) or (step == total and self.cfg.run.checkpoint_at_end)
+        return step < total and not checkpoints and not self.rollout.stopping.is_set()
+
+    def _record(self, fields: dict[str, Any]) -> None:
+        """The step record, with the queue's metrics after the step, written beside the next step:
+        the queue's answer and the writing (TensorBoard, the progress line) are off the train loop's
+        path. Records are written in step order (``recorded`` waits for them)."""
+        before = self._recording
+
+        async def write() -> None:
+            if before is not None:
+                await before
+            queue_m = await bounded(self.roles.queue.metrics.call_one(), self.cfg.run.step_timeout_s, "the queue's metrics")
+            self.log.step({**fields, **{f"queue/{k}": v for k, v in queue_m.items() if isinstance(v, (int, float))}})
+
+        self._recording = asyncio.ensure_future(write())
+
+    _recording: asyncio.Future | None = None
+
+    async def recorded(self) -> None:
+        """Until every step record so far is written (a failed queue call raises here)."""
+        if self._recording is not None:
+            recording, self._recording = self._recording, None
+            await recording
 
     def _pushes_after(self, step: int) -> bool:
         """Every trainer.sync_interval steps: the queue's admission counts on that cadence (a push
@@ -231,6 +296,7 @@ class TrainLoop:
 
     async def checkpoint(self) -> Path:
         """Trainer state, queue snapshot and controller state of this step (module docstring)."""
+        await self.recorded()  # the checkpoint keeps the log up to its step
         t0, timeout, ledger = self.log.now(), self.cfg.run.step_timeout_s, self.rollout.ledger
         partial = ckpt.partial_dir(self.out_dir, self.step)
         if partial.exists():
