@@ -1,15 +1,19 @@
 """The laptop figure: meshrl's main job against a synchronous single-process GRPO loop, side by side.
 
-    python bench/laptop_grpo.py                       # 32 and 256 samples per step, about 6 minutes on 2 cores
+    python bench/laptop_grpo.py                       # 32 and 256 samples per step, about 2 minutes on 2 cores
     python bench/laptop_grpo.py --sizes 32 --steps 60 --out /tmp/laptop
+    python bench/laptop_grpo.py --loop-bf16           # the loop also under bf16 autocast
 
-Both train the same model directory (a random 2-layer, 128-wide Qwen2 with a 16-token vocabulary:
-the four specials, the digits, ``+`` and ``=``) on the built-in ``a+b=`` task with GRPO, 8
-completions of exactly 8 tokens per prompt. The loop is what a first RL script looks like: HF
-``generate``, exact-match rewards, group-normalised advantages, one optimiser step, repeat. The main
-job is ``examples/async_ppo.py --model DIR algo=grpo`` with the same sizes. Each size runs the loop
-then the main job, back to back; the table gives samples per second over the steps after the
-warm-up and their ratio. Everything a run writes goes under ``--out``.
+Both train the same model directory (a 2-layer, 128-wide Qwen2 with a 16-token vocabulary: the
+four specials, the digits, ``+`` and ``=``; taught the answer format by a short supervised phase,
+since a random policy never earns a reward) on the built-in ``a+b=`` task with GRPO, 8
+completions of exactly 8 tokens per prompt (EOS may be among them: the answer ends at the first).
+The loop is what a first RL script looks like: HF ``generate``, exact-match rewards,
+group-normalised advantages, one optimiser step, repeat, in float32 as HF loads the model. The
+main job is ``examples/async_ppo.py --model DIR algo=grpo`` with the same sizes and its defaults
+(bf16 compute on a CPU with bf16 instructions: ``meshrl.cpu``). Each size runs the loop then the
+main job, back to back; the table gives samples per second over the steps after the warm-up,
+their ratio, and each side's mean reward. Everything a run writes goes under ``--out``.
 """
 
 from __future__ import annotations
@@ -63,8 +67,10 @@ def write_model(path: Path, sft_steps: int = 300, target_accuracy: float = 0.3) 
     tok.save_pretrained(path)
 
 
-def sync_loop(model_dir: Path, samples: int, steps: int, warmup: int) -> dict:
-    """HF generate → reward → GRPO advantages → one AdamW step, in this process; samples/s after warm-up."""
+def sync_loop(model_dir: Path, samples: int, steps: int, warmup: int, *, bf16: bool = False) -> dict:
+    """HF generate → reward → GRPO advantages → one AdamW step, in this process; samples/s after warm-up.
+    ``bf16``: generation and the forward/backward under CPU bf16 autocast (fp32 weights and AdamW), as
+    meshrl computes on a CPU with bf16 instructions (``meshrl.cpu``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from meshrl.tasks.arithmetic import AdditionTask
@@ -72,6 +78,9 @@ def sync_loop(model_dir: Path, samples: int, steps: int, warmup: int) -> dict:
     tok = AutoTokenizer.from_pretrained(model_dir)
     tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    # exactly NEW_TOKENS tokens, EOS among them (the answer ends at the first): the main job's
+    # rollout.ignore_eos=true. (min_new_tokens would forbid EOS, and every reward would be 0.)
+    model.generation_config.eos_token_id = None
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     problems, rng = list(AdditionTask(2).split("train")), random.Random(0)
     times, rewards = [], []
@@ -80,9 +89,9 @@ def sync_loop(model_dir: Path, samples: int, steps: int, warmup: int) -> dict:
         batch = rng.sample(problems, samples // GROUP)
         enc = tok([p.prompt for p in batch], return_tensors="pt", padding=True)
         model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             seqs = model.generate(**enc, do_sample=True, temperature=TEMPERATURE, top_k=0, max_new_tokens=NEW_TOKENS,
-                                  min_new_tokens=NEW_TOKENS, num_return_sequences=GROUP, pad_token_id=tok.pad_token_id)
+                                  num_return_sequences=GROUP, pad_token_id=tok.pad_token_id)
         prompt_len = enc["input_ids"].shape[1]
         completions = tok.batch_decode(seqs[:, prompt_len:], skip_special_tokens=False)
         reward = torch.tensor([float(c.split(tok.eos_token)[0].strip() == batch[i // GROUP].answer)
@@ -90,7 +99,8 @@ def sync_loop(model_dir: Path, samples: int, steps: int, warmup: int) -> dict:
         adv = ((reward - reward.mean(1, keepdim=True)) / (reward.std(1, keepdim=True) + 1e-6)).view(-1)
         model.train()
         mask = torch.cat([enc["attention_mask"].repeat_interleave(GROUP, 0), torch.ones_like(seqs[:, prompt_len:])], 1)
-        logits = model(input_ids=seqs, attention_mask=mask).logits[:, prompt_len - 1 : -1].float() / TEMPERATURE
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logits = model(input_ids=seqs, attention_mask=mask).logits[:, prompt_len - 1 : -1].float() / TEMPERATURE
         logp = torch.log_softmax(logits, -1).gather(-1, seqs[:, prompt_len:, None]).squeeze(-1)
         loss = -(adv[:, None] * logp).mean()
         opt.zero_grad(set_to_none=True)
@@ -117,14 +127,19 @@ def main_job(model_dir: Path, samples: int, steps: int, warmup: int, out: Path, 
     from meshrl.pipeline.timeline import run_summary
 
     summary = run_summary(run_dir, warmup_steps=warmup)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rewards = [r["reward_mean"] for r in records if r["kind"] == "step"][warmup:]
     return {"samples_per_s": summary["samples_per_s"], "step_s": summary["window_s"] / summary["steps"],
-            "command": " ".join(cmd[1:])}
+            "reward_mean": sum(rewards) / max(1, len(rewards)), "command": " ".join(cmd[1:])}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[32, 256], help="samples per step (multiples of 8)")
-    parser.add_argument("--steps", type=int, default=0, help="measured steps per run (default: 2,400 samples' worth, 20 at least)")
+    parser.add_argument("--steps", type=int, default=0,
+                        help="measured steps per run (default: 16,000 samples' worth, 100 at least: 5-15 s of each side)")
+    parser.add_argument("--loop-bf16", action="store_true",
+                        help="also time the loop under CPU bf16 autocast (how much of the ratio is precision)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("runs/laptop_grpo"))
     parser.add_argument("--skip-loop", action="store_true", help="only the main job (profiling)")
@@ -138,16 +153,20 @@ def main() -> None:
         write_model(model_dir)
     rows = []
     for samples in args.sizes:
-        steps = args.steps or max(20, 2400 // samples)
+        steps = args.steps or max(100, 16000 // samples)
         loop = None if args.skip_loop else sync_loop(model_dir, samples, steps, args.warmup)
+        loop_bf16 = sync_loop(model_dir, samples, steps, args.warmup, bf16=True) if args.loop_bf16 else None
         job = main_job(model_dir, samples, steps, args.warmup, args.out, args.overrides)
-        rows.append({"samples_per_step": samples, "steps": steps, "loop": loop, "main_job": job})
+        rows.append({"samples_per_step": samples, "steps": steps, "loop": loop, "loop_bf16": loop_bf16, "main_job": job})
         (args.out / "results.json").write_text(json.dumps(rows, indent=2))
-    print(f"{'samples/step':>12} {'steps':>5} {'loop samples/s':>15} {'main job samples/s':>19} {'ratio':>6}")
+    nan = {"samples_per_s": float("nan"), "reward_mean": float("nan")}
+    print(f"{'samples/step':>12} {'steps':>5} {'loop samples/s':>15} {'loop bf16':>10} {'main job samples/s':>19} "
+          f"{'ratio':>6} {'vs bf16':>8} {'reward loop/job':>16}")
     for r in rows:
-        loop = r["loop"]["samples_per_s"] if r["loop"] else float("nan")
-        job = r["main_job"]["samples_per_s"]
-        print(f"{r['samples_per_step']:>12} {r['steps']:>5} {loop:>15.0f} {job:>19.0f} {job / loop:>6.2f}")
+        loop, loop_bf16, job = r["loop"] or nan, r["loop_bf16"] or nan, r["main_job"]
+        print(f"{r['samples_per_step']:>12} {r['steps']:>5} {loop['samples_per_s']:>15.0f} {loop_bf16['samples_per_s']:>10.0f} "
+              f"{job['samples_per_s']:>19.0f} {job['samples_per_s'] / loop['samples_per_s']:>6.2f} "
+              f"{job['samples_per_s'] / loop_bf16['samples_per_s']:>8.2f} {loop['reward_mean']:>8.3f}/{job['reward_mean']:.3f}")
 
 
 if __name__ == "__main__":

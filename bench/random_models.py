@@ -42,15 +42,17 @@ def write_model(path: Path, shape: str) -> None:
 
 def make_batch(step: int, args: argparse.Namespace, vocab: int):
     """``args.samples`` random samples (``args.prompt_len`` + ``args.response_len`` tokens, groups of 8
-    when they divide, else 2) whose behaviour log-probs are what a random model gives: ratios near 1."""
+    when they divide, else 2, a group's samples completions of one prompt) whose behaviour log-probs
+    are what a random model gives: ratios near 1."""
     from meshrl.queues import Sample
 
     rng = random.Random(step)
     group = 8 if args.samples % 8 == 0 else 2
     uniform = -math.log(vocab)
+    prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.samples // group)]
     return [
         Sample(prompt_id=i // group, group_id=step * 100_000 + i // group, group_size=group,
-               prompt_ids=[rng.randrange(vocab) for _ in range(args.prompt_len)],
+               prompt_ids=prompts[i // group],
                response_ids=[rng.randrange(vocab) for _ in range(args.response_len)],
                behavior_logprobs=[uniform + rng.uniform(-0.1, 0.1) for _ in range(args.response_len)],
                behavior_version=step, reward=float(rng.random() < 0.5))
