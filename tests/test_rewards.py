@@ -390,6 +390,53 @@ def test_sync_per_sample_rewards_are_scored_concurrently_and_within_the_callers_
         release.set()
 
 
+def test_a_fast_sync_reward_goes_to_its_threads_in_chunks_and_keeps_per_sample_outcomes():
+    """A thread hop per sample cost 440 times an exact match's own work: once its calls are timed,
+    a fast function's samples go in chunks (here 256 samples in 8 hops, one per thread), each sample
+    still its own outcome (a raise marks that sample alone); a chunk past its time keeps what it
+    scored and marks the rest."""
+    problems = [Problem(id=i, prompt=f"{i}+1=", answer=str(i + 1)) for i in range(256)]
+    threads_seen: set[int] = set()
+    release = threading.Event()
+
+    def exact(problem: Problem, completion: str) -> float:
+        threads_seen.add(threading.get_ident())
+        if problem.id == 7:
+            raise ValueError("no")
+        return float(completion == problem.answer)
+
+    reward = FunctionReward(exact, timeout_s=60)
+    comps = [p.answer if p.id % 2 else "?" for p in problems]
+    first = score(reward, problems[:4], comps[:4])  # one sample a hop: the calls get timed
+    assert reward._chunk_size(256) == 32  # 2 ms of these calls is far more than an equal share of 8 threads
+    hops = []
+    real_call = reward._call
+
+    async def counted(*args, **kwargs):
+        hops.append(len(args[0]) if kwargs.get("run") else 1)
+        return await real_call(*args, **kwargs)
+
+    reward._call = counted
+    out = score(reward, problems, comps)
+    assert hops == [32] * 8 and len(threads_seen) <= 8
+    assert [o is None for o in out] == [p.id == 7 for p in problems]  # the raise marked its own sample only
+    assert [o.reward for o in out if o is not None] == [float(p.id % 2) for p in problems if p.id != 7]
+    assert [o.reward for o in first] == [0.0, 1.0, 0.0, 1.0]
+
+    def hangs_at_5(problem: Problem, completion: str) -> float:
+        if problem.id == 5 and not release.is_set():
+            release.wait()
+        return 1.0
+
+    try:
+        slow = FunctionReward(hangs_at_5, timeout_s=0.05, threads=2)
+        score(slow, problems[8:12], ["x"] * 4)  # timed
+        out = score(slow, problems[:16], ["x"] * 16)  # chunks of 8: samples 0-4 scored, 5-7 past the chunk's time
+        assert [o is None for o in out] == [5 <= i < 8 for i in range(16)]
+    finally:
+        release.set()
+
+
 def test_a_task_with_a_score_helper_is_scored_by_its_reward():
     """A Task is recognised as a Task before a Reward (any object with a ``score`` attribute passes
     the runtime-checkable protocol): its ``reward`` scores, not its ``score`` helper."""
