@@ -152,10 +152,16 @@ class _Receive:
     timings: dict[str, float]
     started_at: float
     armed: bool
+    wake: threading.Event
+    """Set by ``receive`` (the push is under way: the trainer signals any moment) and by a withdrawal."""
 
 
 _SIGNAL_POLL_S = 0.002
-"""How often an armed receive looks for the trainer's signal (one store round trip each)."""
+"""How often an armed receive looks for the trainer's signal once the push is under way (one store
+round trip each)."""
+_IDLE_POLL_S = 0.05
+"""How often it looks before (a store round trip every 2 ms for the whole step cost an engine 5% of
+a core, and the trainer's process, which serves the store, as much again)."""
 
 
 class Resharder:
@@ -212,6 +218,7 @@ class Resharder:
 
         if self._receiving is not None:
             self._receiving.stop.set()
+            self._receiving.wake.set()
         if self.group is not None:
             dist.destroy_process_group(self.group)
             self.group = None
@@ -338,6 +345,7 @@ class Resharder:
         if armed is None:
             return
         armed.stop.set()
+        armed.wake.set()
         try:
             await asyncio.wait_for(asyncio.shield(armed.task), self.config.timeout_s + 5.0)
         except BaseException:
@@ -353,12 +361,17 @@ class Resharder:
                 self._signals.delete_key(f"v{version - 1}")  # read by every engine before v was armed
 
     def _run_when_signalled(self, version: int, buffers: Mapping[str, torch.Tensor], timings: dict[str, float],
-                            stop: threading.Event, deadline: float, after: Any) -> tuple[int, int]:
+                            stop: threading.Event, wake: threading.Event, deadline: float, after: Any) -> tuple[int, int]:
         """The armed receive's thread: wait for the trainer's "sending v" key, then run the plan at once."""
         t0 = time.perf_counter()
-        # check() polls without blocking: a timed-out store wait logs a warning each time
+        # check() polls without blocking: a timed-out store wait logs a warning each time. Slowly
+        # until the controller's receive call wakes this thread (it comes with the trainer's send)
         while not self._signals.check([f"v{version}"]):
-            if stop.wait(_SIGNAL_POLL_S):
+            if not wake.is_set():
+                wake.wait(_IDLE_POLL_S)
+            else:
+                stop.wait(_SIGNAL_POLL_S)
+            if stop.is_set():
                 raise ReshardError(f"the armed receive of v{version} was withdrawn before the trainer sent it")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the trainer did not start sending v{version} within the armed receive's "
@@ -385,19 +398,21 @@ class Resharder:
         if self.device.type == "cuda":  # the staging copy (and any sources) are ready as of now
             after = torch.cuda.Event()
             after.record(torch.cuda.current_stream(self.device))
-        stop, timings = threading.Event(), {"stage_s": time.perf_counter() - t0}
+        stop, wake, timings = threading.Event(), threading.Event(), {"stage_s": time.perf_counter() - t0}
         if signal_deadline is None:
             run = functools.partial(self._run, sources, buffers, timings, after)
         else:
-            run = functools.partial(self._run_when_signalled, version, buffers, timings, stop, signal_deadline, after)
+            run = functools.partial(self._run_when_signalled, version, buffers, timings, stop, wake, signal_deadline,
+                                    after)
         # The transfer blocks on the group: run it off the event loop, which keeps generating on v.
         return _Receive(version, asyncio.ensure_future(asyncio.to_thread(run)), stop, timings,
-                        time.perf_counter(), signal_deadline is not None)
+                        time.perf_counter(), signal_deadline is not None, wake)
 
     async def _finish_receive(self, target: ReshardTarget, version: int) -> tuple[int, dict[str, float]]:
         """Wait for the started receive's thread, then flip between two steps; on any failure the
         staging copy is dropped and the engine stays on its version."""
         rec, self._receiving, old = self._receiving, None, target.version
+        rec.wake.set()  # an armed thread: the trainer is sending now
         if rec.version != version:
             self._receiving = rec
             await self.disarm(target)
