@@ -42,7 +42,7 @@ def test_example_runs_end_to_end_and_writes_its_outputs(request, tmp_path, algo)
     extra.append(f"trainer.sync_interval={sync}")
     args = [*TINY, *extra, f"run.output_dir={tmp_path / 'run'}"]
     if algo == "ppo":
-        out = run_example(tmp_path, *args)
+        out = run_example(tmp_path, *args, env={"MESHRL_CPU_BF16": "auto"})  # a user's CPU: bf16 where it has bf16 instructions
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         stdout = out.stdout
     else:
