@@ -154,8 +154,8 @@ class FunctionReward:
                     return await self._call_chunk(chunk, timeout=timeout, deadline=deadline)
                 except asyncio.CancelledError:
                     raise
-                except BaseException as exc:  # noqa: BLE001 - a timeout or the function's error marks the sample
-                    return [exc]
+                except BaseException as exc:  # noqa: BLE001 - a timeout or the function's error marks the samples
+                    return [exc] * len(chunk)
 
         values = [v for part in await asyncio.gather(*(one(c) for c in chunks)) for v in part]
         late = [v for v in values if isinstance(v, _OverBudget)]

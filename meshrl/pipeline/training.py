@@ -156,10 +156,7 @@ class TrainLoop:
                     self.log.span("colocated", "switch_to_train", t1, t1 + metrics["colocated/switch_to_train_s"])
                 self.step += 1
                 await self.audit.record(self.step, batch.groups)
-                sync_s, pushed = 0.0, self._pushes_after(self.step)
-                every = cfg.run.checkpoint_every
-                last = self.step == cfg.run.total_steps and cfg.run.checkpoint_at_end
-                checkpoint = (every > 0 and self.step % every == 0) or last
+                sync_s, pushed, checkpoint = 0.0, self._pushes_after(self.step), self._checkpoints_after(self.step)
                 if pushed:
                     self.version = await self.push(self.version + 1, publish=not checkpoint)
                     sync_s = self.log.now() - t2
@@ -222,9 +219,12 @@ class TrainLoop:
         the run is stopping. A batch taken early is trained even if the run stops meanwhile (a step
         in flight finishes); the queue's admission is the same either way (``meshrl.queues.admission``:
         taking a batch only moves the consumed position it would move a step later)."""
+        return step < self.cfg.run.total_steps and not self._checkpoints_after(step) and not self.rollout.stopping.is_set()
+
+    def _checkpoints_after(self, step: int) -> bool:
+        """Every run.checkpoint_every steps, and after the last with run.checkpoint_at_end."""
         every, total = self.cfg.run.checkpoint_every, self.cfg.run.total_steps
-        checkpoints = (every > 0 and step % every == 0) or (step == total and self.cfg.run.checkpoint_at_end)
-        return step < total and not checkpoints and not self.rollout.stopping.is_set()
+        return (every > 0 and step % every == 0) or (step == total and self.cfg.run.checkpoint_at_end)
 
     def _record(self, fields: dict[str, Any]) -> None:
         """The step record, with the queue's metrics after the step, written beside the next step:
