@@ -59,8 +59,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="trainer.compile: torch.compile the decoder layers and the head math")
     p.add_argument("--lora-rank", type=int, default=0, help="trainer.lora.rank (0: full fine-tuning)")
     p.add_argument("--no-mixed-precision", action="store_true", help="fp32 compute on GPU")
-    p.add_argument("--no-share-prompts", action="store_true",
-                   help="trainer.share_prompts=false: every row runs its group's prompt again")
+    p.add_argument("--share-prompts", choices=["auto", "true", "false"], default="auto",
+                   help="trainer.share_prompts (auto: the default, off with --compile; false: every row runs its "
+                        "group's prompt again)")
     p.add_argument("--tiny", action="store_true", help="a 2-layer model and a small batch")
     p.add_argument("--cpu", action="store_true", help="gloo on CPU instead of NCCL")
     p.add_argument("--json", help="also write the results here")
@@ -112,7 +113,7 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, work: str) -> None
         cfg = TrainerConfig(samples_per_step=args.samples, tokens_per_microbatch=args.tokens_per_microbatch, lr=1e-6,
                             dp=args.dp, device=device.type, mixed_precision=not args.no_mixed_precision,
                             activation_checkpointing=args.activation_checkpointing, max_skipped_steps=0, compile=args.compile,
-                            share_prompts=not args.no_share_prompts,
+                            share_prompts={"auto": None, "true": True, "false": False}[args.share_prompts],
                             lora=LoRAConfig(rank=args.lora_rank))
         algo = AlgoConfig(advantage="gae") if args.algo == "ppo" else AlgoConfig(advantage="grpo", samples_per_prompt=8)
         t0 = time.perf_counter()

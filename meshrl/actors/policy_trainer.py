@@ -87,12 +87,14 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     the same autocast; a separate reference worker computes in fp32, so the KL to it starts at
     ~1e-4, not 0. None (the default): on where the CPU has bf16 instructions (``meshrl.cpu``),
     as TorchEngine's ``dtype=auto`` is bf16 there; never for float64 master weights."""
-    share_prompts: bool = True
+    share_prompts: bool | None = None
     """Rows of one prompt in a micro-batch (a GRPO group) run the prompt's forward once: its keys and
     values serve every completion, and the backward sums their gradients into it. The same numbers
     as running each row whole, with a prompt's tokens computed once instead of once per sample
     (37% fewer tokens for the embedded model's GRPO groups of 8). Off under activation
-    checkpointing (its layers keep no cache)."""
+    checkpointing (its layers keep no cache). None (the default): on, except with ``compile`` on
+    CUDA, where compiled layers fed a cache are not measured yet (``bench/share_prompts_gpu.sh``;
+    true turns it on there too)."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward (less memory, ~1/3 more compute)."""
     compile: bool = False
@@ -307,7 +309,7 @@ class PolicyTrainer:
             self.policy, self.critic, algo, temperature=temperature, max_new_tokens=max_new_tokens,
             tokens_per_microbatch=cfg.tokens_per_microbatch, ppo_epochs=cfg.ppo_epochs,
             minibatches=cfg.minibatches_per_step, dp=dp, reference=self.reference,
-            share_prompts=cfg.share_prompts and not cfg.activation_checkpointing,  # checkpointed layers keep no cache
+            share_prompts=self._shares_prompts(cfg, dp),
         )
         # Seeded alike on every rank: each rank computes every rank's mini-batch split.
         self.generator = torch.Generator().manual_seed(cfg.seed)
@@ -317,6 +319,14 @@ class PolicyTrainer:
         auto = cfg.cpu_bf16_autocast is None and dtype == torch.float32 and native_bf16()
         self.cpu_autocast = self.dp.device.type == "cpu" and (bool(cfg.cpu_bf16_autocast) or auto)
         """Forward and backward under CPU bf16 autocast (``cpu_bf16_autocast``)."""
+
+    @staticmethod
+    def _shares_prompts(cfg: TrainerConfig, dp: DataParallel) -> bool:
+        """``cfg.share_prompts`` resolved: checkpointed layers keep no cache; compiled ones are not
+        measured with one yet (the default leaves them out)."""
+        if cfg.activation_checkpointing:
+            return False
+        return cfg.share_prompts if cfg.share_prompts is not None else not (cfg.compile and dp.device.type == "cuda")
 
     def _place(self, model: torch.nn.Module, *, frozen: bool = False, offload: bool = False) -> torch.nn.Module:
         """Activation checkpointing (trained models), then FSDP2 or a plain move to the device."""
