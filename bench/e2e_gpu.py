@@ -300,7 +300,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="a 2-layer model on CPU (checks the script; numbers mean nothing)")
     p.add_argument("--out", default="runs/e2e", help="output directory")
     p.add_argument("overrides", nargs="*", help="extra dotted config overrides for every run, e.g. rollout.engine.cuda_graphs=false")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # overrides may come before and after the options
     if args.tiny:
         args.models = "tiny"
     return args

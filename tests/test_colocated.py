@@ -2,7 +2,7 @@
 
 Invariant: at max_staleness=0 with fixed seeds, a colocated run trains exactly like a
 disaggregated one (same samples, losses, final weights). Also: one-step overlap (η = 1) with the
-engine's weights released while training; the mode gate (a train step waits for the generate
+engine's weights released while training; colocated.overlap (generation through the step); the mode gate (a train step waits for the generate
 calls in flight, generate calls wait for the hand-over); memory release/restore of the engine;
 the configuration errors; and the GPU benchmark's CPU smoke run.
 """
@@ -162,6 +162,57 @@ def test_mode_gate_orders_generation_train_steps_and_the_hand_over(ray_cluster, 
         procs.stop()
 
 
+def test_overlap_generates_through_the_train_step_and_the_hand_over(ray_cluster, tmp_path):
+    """colocated.overlap: no switch. A generate in flight keeps running while the step trains (nothing
+    released, the gate open) and across the in-place hand-over, whose version its later tokens carry."""
+    from meshrl.actors import AlgoConfig, TrainerConfig
+    from meshrl.actors.hybrid import ColocatedConfig, HybridWorker
+    from meshrl.actors.reward import RolloutJob, score_job
+    from meshrl.mesh import spawn_procs
+    from meshrl.tasks import Problem, TaskConfig, build_task
+
+    model_dir = _tiny_model_dir(tmp_path / "m")
+    procs = spawn_procs({"procs": 1}, cpus_per_proc=0.01, name="hybrid_overlap")
+    try:
+        w = procs.spawn("hybrid", HybridWorker, model_dir, TrainerConfig(samples_per_step=4), AlgoConfig(samples_per_prompt=4),
+                        TorchEngineConfig(device="cpu", max_batch_size=8, max_seq_len=512),
+                        ColocatedConfig(switch_timeout_s=60, overlap=True),
+                        temperature=1.0, max_new_tokens=4, total_steps=10)
+        one = w.slice(procs=0)
+
+        async def scenario():
+            task, tok = build_task(TaskConfig(digits=1, num_test=16)), AutoTokenizer.from_pretrained(model_dir)
+            reqs = [GenerateRequest(input_ids=tok.encode("1+2="), sampling=SamplingParams(max_new_tokens=4, n=4, seed=3))]
+            results = await one.generate.call_one(reqs).within(60)
+            batch = score_job(task, tok, RolloutJob(problems=[Problem(id=0, prompt="1+2=", answer="3")],
+                                                    prompt_ids=[reqs[0].input_ids], results=results, group_ids=[0])).encoded
+            long = asyncio.ensure_future(one.generate.call_one(_requests(2, 500, seed=5)).within(60))
+            for _ in range(3000):
+                if (await one.colocated_state.call_one().within(30))["in_flight"] == 1:
+                    break
+                await asyncio.sleep(0.01)
+            else:
+                raise AssertionError("the long generate never showed up in flight")
+            metrics = await one.train_step.call_one(batch, 0).within(60)
+            state = await one.colocated_state.call_one().within(30)
+            assert not long.done(), "the train step waited for the generate in flight"
+            assert state["mode"] == "rollout" and not state["kv_released"] and state["in_flight"] == 1
+            assert "colocated/switch_to_train_s" not in metrics and metrics["samples"] == 4
+            # a new generate is not held back either
+            short = await one.generate.call_one(_requests(1, 3, seed=7)).within(60)
+            assert short[0].completions[0].versions == [0, 0, 0]
+            stats = await one.reshard_receive.call_one(1).within(60)
+            assert stats.version == 1 and stats.bytes > 0
+            versions = (await long)[0].completions[0].versions
+            assert len(versions) == 500 and versions[0] == 0 and versions[-1] == 1 and versions == sorted(versions)
+            state = await one.colocated_state.call_one().within(30)
+            assert state["switches"] == 0 and state["version"] == 1
+
+        asyncio.run(scenario())
+    finally:
+        procs.stop()
+
+
 def test_a_failed_hand_over_keeps_generation_out_until_one_succeeds(ray_cluster, tmp_path):
     """The hand-over restores the engine's memory, then writes the weights: when the write fails, the
     engine holds restored-but-unwritten (released: zero) weights under the old version, so rollout
@@ -216,6 +267,8 @@ def test_a_failed_hand_over_keeps_generation_out_until_one_succeeds(ray_cluster,
     (["placement=colocated", "trainer.device=cuda", "rollout.engine.device=cpu"], "rollout.engine.device"),
     (["placement=colocated", "colocated.release_weights=true", "trainer.sync_interval=2"], "colocated.release_weights"),
     (["colocated.release_weights=true"], "colocated.release_weights"),
+    (["colocated.overlap=true"], "colocated.overlap"),
+    (["placement=colocated", "colocated.overlap=true", "colocated.release_weights=true"], "colocated"),
 ])
 def test_bad_colocated_configs_fail_naming_the_key(overrides, key):
     with pytest.raises(ConfigError, match=f"`{key}`"):

@@ -24,11 +24,16 @@ back at the same address. Metrics of every phase (``colocated/*``: peak GiB allo
 seconds, graph re-captures) ride along in ``train_step``'s metrics: the rollout phase and the
 hand-over are those that ended before this step.
 
-Simplifications, on purpose: rollout and training never overlap on the device (with
-max_staleness >= 1 the rollout of the next version waits for the step, but the queue already
-holds it, so the trainer never waits for generation it could have overlapped); one engine
-replica per trainer rank, without engine tensor parallelism; ``release_weights`` needs a push
-after every step (trainer.sync_interval = 1: the old weights are gone).
+With ``colocated.overlap=true`` the two modes become one: the gate stays open and nothing is
+released, so the engine keeps generating (the previous version's rollouts, which max_staleness >= 1
+admits) while the step trains, on its own CUDA stream in the trainer thread; the hand-over is the
+in-place push between two decode steps. Both phases' memory is resident at once (size the KV cache
+for it), and on one GPU the engine's decode steps, short of work at small batches, fill what the
+step's kernels leave idle.
+
+Simplifications, on purpose: one engine replica per trainer rank, without engine tensor
+parallelism; ``release_weights`` needs a push after every step (trainer.sync_interval = 1: the
+old weights are gone) and takes turns (no overlap).
 """
 
 from __future__ import annotations
@@ -69,10 +74,17 @@ class ColocatedConfig(msgspec.Struct, frozen=True, kw_only=True):
     switch_timeout_s: float = 600.0
     """Longest wait for the generate calls in flight before a train step, and of a generate call
     for the rollout mode to come back (train step and hand-over)."""
+    overlap: bool = False
+    """Generation goes on while the trainer steps (the previous version's rollouts, as with
+    disaggregated roles): no switch, both phases' memory resident, the step on its own CUDA stream.
+    Needs queue.max_staleness >= 1 to gain anything; not with release_weights."""
 
     def __post_init__(self) -> None:
         if not self.switch_timeout_s > 0:
             raise ValueError(f"colocated.switch_timeout_s must be > 0, got {self.switch_timeout_s}")
+        if self.overlap and self.release_weights:
+            raise ValueError("colocated.overlap keeps the engine generating through the train step, so its weights "
+                             "cannot be released: set colocated.release_weights=false or colocated.overlap=false")
 
 
 class Colocated:
@@ -234,6 +246,9 @@ class HybridWorker(Actor):
                 init_optimizer_state(opt)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="trainer")  # every trainer call, in order
         device = self.trainer.core.dp.device
+        self.overlap = colocated.overlap
+        # overlap: the trainer's kernels on a stream of their own, beside the engine's decode steps
+        self._stream = torch.cuda.Stream(device) if self.overlap and device.type == "cuda" else None
         if device.type == "cuda":
             # the trainer thread's cuBLAS workspace is persistent: allocate it now, not inside the KV
             # cache's freed segment during the first step (which would move the cache for good)
@@ -249,7 +264,19 @@ class HybridWorker(Actor):
         self._switch = asyncio.Lock()  # one train step or hand-over at a time
 
     async def _on_trainer(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if self._stream is not None:
+            fn = functools.partial(self._on_stream, fn)
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def _on_stream(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn`` on the trainer's stream, after what the engine's stream has queued (a hand-over's
+        copy out of the parameters this step updates), and finished on the device when it returns
+        (the next hand-over, on the engine's stream, reads what it wrote)."""
+        self._stream.wait_stream(torch.cuda.default_stream(self._stream.device))  # the engine's steps and copies
+        with torch.cuda.stream(self._stream):
+            out = fn(*args)
+        self._stream.synchronize()
+        return out
 
     # ---- rollout side: RolloutWorker's generate, run_episodes and version (composed below) -----
 
@@ -259,6 +286,8 @@ class HybridWorker(Actor):
     async def train_step(self, batch: Any, version: int) -> dict[str, float]:
         """Switch to training, run one step; switch back now unless a push follows (module docstring)."""
         async with self._switch:
+            if self.overlap:  # the engine goes on generating; the push that follows writes in place
+                return self.colo.finish_train(await self._on_trainer(self.trainer.train_step, batch, version))
             if self.colo.mode == "rollout":
                 await self._gate.close()
                 try:

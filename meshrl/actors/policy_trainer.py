@@ -93,7 +93,7 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     as running each row whole, with a prompt's tokens computed once instead of once per sample
     (37% fewer tokens for the embedded model's GRPO groups of 8). Off under activation
     checkpointing (its layers keep no cache). None (the default): on, except with ``compile`` on
-    CUDA, where compiled layers fed a cache are not measured yet (``bench/share_prompts_gpu.sh``;
+    CUDA, where compiled layers fed a cache are not measured yet (``bench/one_gpu.sh``;
     true turns it on there too)."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward (less memory, ~1/3 more compute)."""

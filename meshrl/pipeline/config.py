@@ -299,6 +299,9 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.placement == "colocated" and self.colocated.release_weights:
             raise ConfigError("`colocated.release_weights`: TorchEngine's hand-over; an SGLang server sharing the "
                               "trainer's GPU keeps its memory (size it with rollout.engine.sglang.mem_fraction_static)")
+        if self.placement == "colocated" and self.colocated.overlap:
+            raise ConfigError("`colocated.overlap`: TorchEngine's (one process, two CUDA streams); an SGLang server "
+                              "sharing the trainer's GPU takes turns with it (release and resume its memory)")
         if engine.kv_cache_bytes:
             raise ConfigError("`rollout.engine.kv_cache_bytes`: an SGLang server sizes its KV cache itself: set "
                               "rollout.engine.sglang.mem_fraction_static instead")
@@ -328,8 +331,9 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError(f"`reshard.apply`: tensor-parallel engines (rollout.tp_size={tp}) take staged updates "
                               f"only (each rank goes live at rank 0's flip), got {self.reshard.apply}")
         if self.placement != "colocated":
-            if self.colocated.release_weights:
-                raise ConfigError("`colocated.release_weights`: only applies with placement=colocated")
+            for key in ("release_weights", "overlap"):
+                if getattr(self.colocated, key):
+                    raise ConfigError(f"`colocated.{key}`: only applies with placement=colocated")
             return
         dp, engine_device = self.trainer.dp, self.rollout.engine.device
         if self.rollout.num_workers != dp:
