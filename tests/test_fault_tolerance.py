@@ -137,20 +137,19 @@ def test_killed_reward_reference_and_rollout_workers_are_restarted_in_place_and_
 def test_a_hung_reward_worker_misses_its_heartbeat_and_is_restarted(ray_cluster, tmp_path, tiny_model):
     """A reward worker that stops answering (SIGSTOP: its calls and its heartbeat wait forever) is
     killed after run.heartbeat_timeout_s and restarted in place; the run completes, nothing lost."""
-    # 30 steps of at least 50 ms (slow_reward) after the kill: the restart's record comes from
-    # supervision's probe of the new process (up to 1 s after it is back), and a run that ended
-    # first (10 fast steps did) would not hold it
-    cfg = _config(tiny_model, tmp_path / "hung", "run.max_worker_restarts=2", "run.total_steps=32",
+    # the restart's record comes from supervision's probe of the new process (up to 1 s after it is
+    # back): a run that ends sooner waits for it (supervision.settle), so it is in the log
+    cfg = _config(tiny_model, tmp_path / "hung", "run.max_worker_restarts=2", "run.total_steps=10",
                   "run.heartbeat_timeout_s=5")
-    summary, stopped, records = asyncio.run(_run_with_kills(cfg, [(2, "reward/0")], seed=3, sig=signal.SIGSTOP,
-                                                            reward=slow_reward))
-    assert summary["steps"] == 32 and {r["role"] for r in summary["restarts"]} <= {"samples"}, summary["restarts"]
+    summary, stopped, records = asyncio.run(_run_with_kills(cfg, [(2, "reward/0")], seed=3, sig=signal.SIGSTOP))
+    assert summary["steps"] == 10 and {r["role"] for r in summary["restarts"]} <= {"samples"}, summary["restarts"]
     hung = [r for _, r in records if r["kind"] == "hung"]
     assert [(r["role"], r["rank"], r["timeout_s"]) for r in hung] == [("reward", 0, 5)], hung
     t_stop = stopped[0][1]
     t_back = min(t for t, r in records if t > t_stop and r["kind"] in ("worker_restart", "restart"))
     assert t_back - t_stop < 30, f"the hung reward worker was back after {t_back - t_stop:.1f}s"
-    assert summary["audit"]["ok"] and summary["audit"]["trained_samples"] == 32 * 8, summary["audit"]
+    assert [r["role"] for _, r in records if r["kind"] == "worker_restart"] == ["reward"]
+    assert summary["audit"]["ok"] and summary["audit"]["trained_samples"] == 10 * 8, summary["audit"]
 
 
 def slow_reward(problem, completion: str) -> float:

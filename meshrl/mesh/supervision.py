@@ -17,7 +17,8 @@ Where the callback runs: on the event loop that was running when ``spawn`` was c
 ``call_soon_threadsafe``; a coroutine result is scheduled there as a task), otherwise on the
 supervision thread. A callback's exception is logged, never raised.
 
-``stop()`` unwatches before it kills, and an unwatch also holds while the thread is busy with that
+``settle(timeout_s)`` waits until every restart that happened has been reported (an owner that
+is about to stop calls it). ``stop()`` unwatches before it kills, and an unwatch also holds while the thread is busy with that
 actor (e.g. running its callback): a deliberately stopped actor is never reported as dead.
 """
 
@@ -97,6 +98,12 @@ class _Supervisor:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="meshrl-supervisor", daemon=True)
                 self._thread.start()
+
+    def restarting(self) -> list[str]:
+        """``mesh/rank`` of every watched actor that died and is not reported back yet."""
+        with self._lock:
+            entries = {id(e): e for e in [*self._by_ref.values(), *(e for _, e in self._later)]}
+        return sorted(f"{e.mesh}/{e.rank}" for e in entries.values() if e.cause)
 
     def unwatch(self, match: Callable[[_Watched], bool]) -> None:
         with self._lock:
@@ -250,6 +257,22 @@ def watch(
     _supervisor.watch(
         [_Watched(h, mesh, uid, proc_uid, r, on_restart, loop) for h, r in zip(handles, ranks)]
     )
+
+
+def restarting() -> list[str]:
+    """``mesh/rank`` of every supervised actor seen dead whose restart is not reported yet."""
+    return _supervisor.restarting()
+
+
+def settle(timeout_s: float) -> list[str]:
+    """Wait (at most ``timeout_s``, blocking: call it off the event loop) until no supervised actor is
+    between its death and the report of its restart, so an owner that is about to stop hears of the
+    restarts that already happened (a probe answers up to ``REPROBE_AFTER_S`` after the actor is back).
+    Returns the actors still restarting at the deadline (``mesh/rank``)."""
+    deadline = time.monotonic() + timeout_s
+    while (pending := restarting()) and time.monotonic() < deadline:
+        time.sleep(REPROBE_S / 2)
+    return pending
 
 
 def unwatch(uid: str, ranks: set[int]) -> None:
