@@ -3,6 +3,7 @@
     python bench/laptop_grpo.py                       # 32 and 256 samples per step, about 2 minutes on 2 cores
     python bench/laptop_grpo.py --sizes 32 --steps 60 --out /tmp/laptop
     python bench/laptop_grpo.py --loop-bf16           # the loop also under bf16 autocast
+    python bench/laptop_grpo.py --repeats 3           # each side 3 times, alternating: medians and the pairs' range
 
 Both train the same model directory (a 2-layer, 128-wide Qwen2 with a 16-token vocabulary: the
 four specials, the digits, ``+`` and ``=``; taught the answer format by a short supervised phase,
@@ -12,8 +13,9 @@ The loop is what a first RL script looks like: HF ``generate``, exact-match rewa
 group-normalised advantages, one optimiser step, repeat, in float32 as HF loads the model. The
 main job is ``examples/async_ppo.py --model DIR algo=grpo`` with the same sizes and its defaults
 (bf16 compute on a CPU with bf16 instructions: ``meshrl.cpu``). Each size runs the loop then the
-main job, back to back; the table gives samples per second over the steps after the warm-up,
-their ratio, and each side's mean reward. Everything a run writes goes under ``--out``.
+main job, back to back (``--repeats``: that many times, alternating); the table gives samples per
+second over the steps after the warm-up (the median of the repeats), their ratio, the range of the
+ratios of the pairs run back to back, and each side's mean reward. Everything a run writes goes under ``--out``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -113,16 +116,17 @@ def sync_loop(model_dir: Path, samples: int, steps: int, warmup: int, *, bf16: b
             "reward_mean": sum(rewards[warmup:]) / steps}
 
 
-def main_job(model_dir: Path, samples: int, steps: int, warmup: int, out: Path, extra: list[str]) -> dict:
+def main_job(model_dir: Path, samples: int, steps: int, warmup: int, out: Path, extra: list[str], name: str = "") -> dict:
     """``examples/async_ppo.py --model DIR algo=grpo`` at these sizes; the run's own summary record."""
-    run_dir = out / f"main_job_{samples}"
+    name = name or f"main_job_{samples}"
+    run_dir = out / name
     cmd = [sys.executable, str(ROOT / "examples" / "async_ppo.py"), "--model", str(model_dir), "algo=grpo",
            f"algo.samples_per_prompt={GROUP}", f"rollout.max_new_tokens={NEW_TOKENS}", "rollout.ignore_eos=true",
            f"trainer.samples_per_step={samples}",
            f"rollout.prompts_per_request={min(16, samples // GROUP)}", f"run.total_steps={warmup + steps}", f"run.eval_every={warmup + steps}",
            f"run.output_dir={run_dir}", *extra]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    with open(out / f"main_job_{samples}.log", "w") as log:
+    with open(out / f"{name}.log", "w") as log:
         subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     from meshrl.pipeline.timeline import run_summary
 
@@ -143,6 +147,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("runs/laptop_grpo"))
     parser.add_argument("--skip-loop", action="store_true", help="only the main job (profiling)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each side per size, alternating loop and main job; the table gives the median "
+                             "of each side and the range of the pairs' ratios (this machine's noise: ±15%% between sittings)")
     parser.add_argument("overrides", nargs="*", help="extra dotted overrides for the main job")
     args = parser.parse_args()
     if any(s % GROUP for s in args.sizes):
@@ -151,22 +158,33 @@ def main() -> None:
     model_dir = args.out / "model"
     if not (model_dir / "config.json").is_file():
         write_model(model_dir)
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
     rows = []
     for samples in args.sizes:
         steps = args.steps or max(100, 16000 // samples)
-        loop = None if args.skip_loop else sync_loop(model_dir, samples, steps, args.warmup)
-        loop_bf16 = sync_loop(model_dir, samples, steps, args.warmup, bf16=True) if args.loop_bf16 else None
-        job = main_job(model_dir, samples, steps, args.warmup, args.out, args.overrides)
-        rows.append({"samples_per_step": samples, "steps": steps, "loop": loop, "loop_bf16": loop_bf16, "main_job": job})
-        (args.out / "results.json").write_text(json.dumps(rows, indent=2))
+        for repeat in range(args.repeats):
+            loop = None if args.skip_loop else sync_loop(model_dir, samples, steps, args.warmup)
+            loop_bf16 = sync_loop(model_dir, samples, steps, args.warmup, bf16=True) if args.loop_bf16 else None
+            job = main_job(model_dir, samples, steps, args.warmup, args.out, args.overrides,
+                           f"main_job_{samples}" + (f"_{repeat}" if args.repeats > 1 else ""))
+            rows.append({"samples_per_step": samples, "steps": steps, "repeat": repeat, "loop": loop,
+                         "loop_bf16": loop_bf16, "main_job": job})
+            (args.out / "results.json").write_text(json.dumps(rows, indent=2))
     nan = {"samples_per_s": float("nan"), "reward_mean": float("nan")}
-    print(f"{'samples/step':>12} {'steps':>5} {'loop samples/s':>15} {'loop bf16':>10} {'main job samples/s':>19} "
-          f"{'ratio':>6} {'vs bf16':>8} {'reward loop/job':>16}")
-    for r in rows:
-        loop, loop_bf16, job = r["loop"] or nan, r["loop_bf16"] or nan, r["main_job"]
-        print(f"{r['samples_per_step']:>12} {r['steps']:>5} {loop['samples_per_s']:>15.0f} {loop_bf16['samples_per_s']:>10.0f} "
-              f"{job['samples_per_s']:>19.0f} {job['samples_per_s'] / loop['samples_per_s']:>6.2f} "
-              f"{job['samples_per_s'] / loop_bf16['samples_per_s']:>8.2f} {loop['reward_mean']:>8.3f}/{job['reward_mean']:.3f}")
+
+    def rate(runs: list[dict | None]) -> float:
+        return statistics.median((r or nan)["samples_per_s"] for r in runs)
+
+    print(f"{'samples/step':>12} {'steps':>5} {'runs':>4} {'loop samples/s':>15} {'loop bf16':>10} {'main job samples/s':>19} "
+          f"{'ratio':>6} {'pairs':>11} {'vs bf16':>8} {'reward loop/job':>16}")
+    for samples in args.sizes:
+        rs = [r for r in rows if r["samples_per_step"] == samples]
+        loop, loop_bf16, job = rate([r["loop"] for r in rs]), rate([r["loop_bf16"] for r in rs]), rate([r["main_job"] for r in rs])
+        pairs = [r["main_job"]["samples_per_s"] / (r["loop"] or nan)["samples_per_s"] for r in rs]
+        reward = statistics.mean((r["loop"] or nan)["reward_mean"] for r in rs), statistics.mean(r["main_job"]["reward_mean"] for r in rs)
+        print(f"{samples:>12} {rs[0]['steps']:>5} {len(rs):>4} {loop:>15.0f} {loop_bf16:>10.0f} {job:>19.0f} {job / loop:>6.2f} "
+              f"{min(pairs):>5.2f}-{max(pairs):<5.2f} {job / loop_bf16:>8.2f} {reward[0]:>8.3f}/{reward[1]:.3f}")
 
 
 if __name__ == "__main__":
