@@ -60,7 +60,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lora-rank", type=int, default=0, help="trainer.lora.rank (0: full fine-tuning)")
     p.add_argument("--no-mixed-precision", action="store_true", help="fp32 compute on GPU")
     p.add_argument("--share-prompts", choices=["auto", "true", "false"], default="auto",
-                   help="trainer.share_prompts (auto: the default, off with --compile; false: every row runs its "
+                   help="trainer.share_prompts (auto: the default, off on CUDA; false: every row runs its "
                         "group's prompt again)")
     p.add_argument("--tiny", action="store_true", help="a 2-layer model and a small batch")
     p.add_argument("--cpu", action="store_true", help="gloo on CPU instead of NCCL")

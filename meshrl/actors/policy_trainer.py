@@ -92,9 +92,9 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     values serve every completion, and the backward sums their gradients into it. The same numbers
     as running each row whole, with a prompt's tokens computed once instead of once per sample
     (37% fewer tokens for the embedded model's GRPO groups of 8). Off under activation
-    checkpointing (its layers keep no cache). None (the default): on, except with ``compile`` on
-    CUDA, where compiled layers fed a cache are not measured yet (``bench/one_gpu.sh``;
-    true turns it on there too)."""
+    checkpointing (its layers keep no cache). None (the default): on the CPU only. On CUDA it
+    loses: the compiled 0.5B trainer took 0.336 s a step with it against 0.217 s without on one
+    H100 (bench/RESULTS.md; ``bench/one_gpu.sh trainer [--compile]``); true turns it on there."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward (less memory, ~1/3 more compute)."""
     compile: bool = False
@@ -322,11 +322,11 @@ class PolicyTrainer:
 
     @staticmethod
     def _shares_prompts(cfg: TrainerConfig, dp: DataParallel) -> bool:
-        """``cfg.share_prompts`` resolved: checkpointed layers keep no cache; compiled ones are not
-        measured with one yet (the default leaves them out)."""
+        """``cfg.share_prompts`` resolved: checkpointed layers keep no cache; the default is the CPU's
+        (on CUDA a prompt's cache cost more than its recomputation saved)."""
         if cfg.activation_checkpointing:
             return False
-        return cfg.share_prompts if cfg.share_prompts is not None else not (cfg.compile and dp.device.type == "cuda")
+        return cfg.share_prompts if cfg.share_prompts is not None else dp.device.type == "cpu"
 
     def _place(self, model: torch.nn.Module, *, frozen: bool = False, offload: bool = False) -> torch.nn.Module:
         """Activation checkpointing (trained models), then FSDP2 or a plain move to the device."""
