@@ -10,6 +10,7 @@ the configuration errors; and the GPU benchmark's CPU smoke run.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from pathlib import Path
 
@@ -109,38 +110,55 @@ def test_engine_release_and_restore_memory_keeps_generation_identical(tmp_path):
                                     ).release_memory(weights=True)
 
 
-def test_mode_gate_orders_generation_train_steps_and_the_hand_over(ray_cluster, tmp_path):
+@contextlib.contextmanager
+def _hybrid(tmp_path: Path, name: str, colocated, max_seq_len: int = 512):
+    """One HybridWorker on the CPU over the tiny model: its one-actor mesh and the model directory."""
     from meshrl.actors import AlgoConfig, TrainerConfig
-    from meshrl.actors.hybrid import ColocatedConfig, HybridWorker
-    from meshrl.actors.reward import RolloutJob, score_job
+    from meshrl.actors.hybrid import HybridWorker
     from meshrl.mesh import spawn_procs
-    from meshrl.tasks import Problem, TaskConfig, build_task
 
     model_dir = _tiny_model_dir(tmp_path / "m")
-    procs = spawn_procs({"procs": 1}, cpus_per_proc=0.01, name="hybrid_gate")
+    procs = spawn_procs({"procs": 1}, cpus_per_proc=0.01, name=name)
     try:
         w = procs.spawn("hybrid", HybridWorker, model_dir, TrainerConfig(samples_per_step=4), AlgoConfig(samples_per_prompt=4),
-                        TorchEngineConfig(device="cpu", max_batch_size=8, max_seq_len=512), ColocatedConfig(switch_timeout_s=60),
+                        TorchEngineConfig(device="cpu", max_batch_size=8, max_seq_len=max_seq_len), colocated,
                         temperature=1.0, max_new_tokens=4, total_steps=10)
-        one = w.slice(procs=0)
+        yield w.slice(procs=0), model_dir
+    finally:
+        procs.stop()
+
+
+async def _engine_batch(one, model_dir: str) -> bytes:
+    """A training batch from the engine itself, scored by the arithmetic task."""
+    from meshrl.actors.reward import RolloutJob, score_job
+    from meshrl.tasks import Problem, TaskConfig, build_task
+
+    task, tok = build_task(TaskConfig(digits=1, num_test=16)), AutoTokenizer.from_pretrained(model_dir)
+    reqs = [GenerateRequest(input_ids=tok.encode("1+2="), sampling=SamplingParams(max_new_tokens=4, n=4, seed=3))]
+    results = await one.generate.call_one(reqs).within(60)
+    return score_job(task, tok, RolloutJob(problems=[Problem(id=0, prompt="1+2=", answer="3")],
+                                           prompt_ids=[reqs[0].input_ids], results=results, group_ids=[0])).encoded
+
+
+async def _long_generate_in_flight(one) -> asyncio.Future:
+    """A generate of ~500 decode steps, returned once the worker counts it in flight."""
+    long = asyncio.ensure_future(one.generate.call_one(_requests(2, 500, seed=5)).within(60))
+    for _ in range(3000):
+        if (await one.colocated_state.call_one().within(30))["in_flight"] == 1:
+            return long
+        await asyncio.sleep(0.01)
+    raise AssertionError("the long generate never showed up in flight")
+
+
+def test_mode_gate_orders_generation_train_steps_and_the_hand_over(ray_cluster, tmp_path):
+    from meshrl.actors.hybrid import ColocatedConfig
+
+    with _hybrid(tmp_path, "hybrid_gate", ColocatedConfig(switch_timeout_s=60)) as (one, model_dir):
 
         async def scenario():
-            # a training batch from the engine itself, scored by the arithmetic task
-            task, tok = build_task(TaskConfig(digits=1, num_test=16)), AutoTokenizer.from_pretrained(model_dir)
-            problems = [Problem(id=0, prompt="1+2=", answer="3")]
-            reqs = [GenerateRequest(input_ids=tok.encode("1+2="), sampling=SamplingParams(max_new_tokens=4, n=4, seed=3))]
-            results = await one.generate.call_one(reqs).within(60)
-            batch = score_job(task, tok, RolloutJob(problems=problems, prompt_ids=[reqs[0].input_ids], results=results,
-                                                    group_ids=[0])).encoded
+            batch = await _engine_batch(one, model_dir)
             # a long generate is in flight: the train step waits for it, then frees the KV cache
-            long = asyncio.ensure_future(one.generate.call_one(_requests(2, 500, seed=5)).within(60))
-            # the train step goes in as soon as the generate is seen in flight (it runs ~500 steps)
-            for _ in range(3000):
-                if (await one.colocated_state.call_one().within(30))["in_flight"] == 1:
-                    break
-                await asyncio.sleep(0.01)
-            else:
-                raise AssertionError("the long generate never showed up in flight")
+            long = await _long_generate_in_flight(one)  # the train step goes in as soon as it is seen
             assert not long.done()
             metrics = await one.train_step.call_one(batch, 0).within(60)
             assert long.done() and len((await long)[0].completions[0].output_ids) == 500
@@ -158,41 +176,18 @@ def test_mode_gate_orders_generation_train_steps_and_the_hand_over(ray_cluster, 
             assert state["mode"] == "rollout" and not state["kv_released"] and state["switches"] == 1
 
         asyncio.run(scenario())
-    finally:
-        procs.stop()
 
 
 def test_overlap_generates_through_the_train_step_and_the_hand_over(ray_cluster, tmp_path):
     """colocated.overlap: no switch. A generate in flight keeps running while the step trains (nothing
     released, the gate open) and across the in-place hand-over, whose version its later tokens carry."""
-    from meshrl.actors import AlgoConfig, TrainerConfig
-    from meshrl.actors.hybrid import ColocatedConfig, HybridWorker
-    from meshrl.actors.reward import RolloutJob, score_job
-    from meshrl.mesh import spawn_procs
-    from meshrl.tasks import Problem, TaskConfig, build_task
+    from meshrl.actors.hybrid import ColocatedConfig
 
-    model_dir = _tiny_model_dir(tmp_path / "m")
-    procs = spawn_procs({"procs": 1}, cpus_per_proc=0.01, name="hybrid_overlap")
-    try:
-        w = procs.spawn("hybrid", HybridWorker, model_dir, TrainerConfig(samples_per_step=4), AlgoConfig(samples_per_prompt=4),
-                        TorchEngineConfig(device="cpu", max_batch_size=8, max_seq_len=512),
-                        ColocatedConfig(switch_timeout_s=60, overlap=True),
-                        temperature=1.0, max_new_tokens=4, total_steps=10)
-        one = w.slice(procs=0)
+    with _hybrid(tmp_path, "hybrid_overlap", ColocatedConfig(switch_timeout_s=60, overlap=True)) as (one, model_dir):
 
         async def scenario():
-            task, tok = build_task(TaskConfig(digits=1, num_test=16)), AutoTokenizer.from_pretrained(model_dir)
-            reqs = [GenerateRequest(input_ids=tok.encode("1+2="), sampling=SamplingParams(max_new_tokens=4, n=4, seed=3))]
-            results = await one.generate.call_one(reqs).within(60)
-            batch = score_job(task, tok, RolloutJob(problems=[Problem(id=0, prompt="1+2=", answer="3")],
-                                                    prompt_ids=[reqs[0].input_ids], results=results, group_ids=[0])).encoded
-            long = asyncio.ensure_future(one.generate.call_one(_requests(2, 500, seed=5)).within(60))
-            for _ in range(3000):
-                if (await one.colocated_state.call_one().within(30))["in_flight"] == 1:
-                    break
-                await asyncio.sleep(0.01)
-            else:
-                raise AssertionError("the long generate never showed up in flight")
+            batch = await _engine_batch(one, model_dir)
+            long = await _long_generate_in_flight(one)
             metrics = await one.train_step.call_one(batch, 0).within(60)
             state = await one.colocated_state.call_one().within(30)
             assert not long.done(), "the train step waited for the generate in flight"
@@ -209,35 +204,19 @@ def test_overlap_generates_through_the_train_step_and_the_hand_over(ray_cluster,
             assert state["switches"] == 0 and state["version"] == 1
 
         asyncio.run(scenario())
-    finally:
-        procs.stop()
 
 
 def test_a_failed_hand_over_keeps_generation_out_until_one_succeeds(ray_cluster, tmp_path):
     """The hand-over restores the engine's memory, then writes the weights: when the write fails, the
     engine holds restored-but-unwritten (released: zero) weights under the old version, so rollout
     calls must keep waiting, not generate from them (the gate used to reopen in a finally)."""
-    from meshrl.actors import AlgoConfig, TrainerConfig
-    from meshrl.actors.hybrid import ColocatedConfig, HybridWorker
-    from meshrl.actors.reward import RolloutJob, score_job
-    from meshrl.mesh import spawn_procs
-    from meshrl.tasks import Problem, TaskConfig, build_task
+    from meshrl.actors.hybrid import ColocatedConfig
 
-    model_dir = _tiny_model_dir(tmp_path / "m")
-    procs = spawn_procs({"procs": 1}, cpus_per_proc=0.01, name="hybrid_failed_handover")
-    try:
-        w = procs.spawn("hybrid", HybridWorker, model_dir, TrainerConfig(samples_per_step=4), AlgoConfig(samples_per_prompt=4),
-                        TorchEngineConfig(device="cpu", max_batch_size=8, max_seq_len=64),
-                        ColocatedConfig(switch_timeout_s=3, release_weights=True),
-                        temperature=1.0, max_new_tokens=4, total_steps=10)
-        one = w.slice(procs=0)
+    with _hybrid(tmp_path, "hybrid_failed_handover", ColocatedConfig(switch_timeout_s=3, release_weights=True),
+                 max_seq_len=64) as (one, model_dir):
 
         async def scenario():
-            task, tok = build_task(TaskConfig(digits=1, num_test=16)), AutoTokenizer.from_pretrained(model_dir)
-            reqs = [GenerateRequest(input_ids=tok.encode("1+2="), sampling=SamplingParams(max_new_tokens=4, n=4, seed=3))]
-            results = await one.generate.call_one(reqs).within(60)
-            batch = score_job(task, tok, RolloutJob(problems=[Problem(id=0, prompt="1+2=", answer="3")],
-                                                    prompt_ids=[reqs[0].input_ids], results=results, group_ids=[0])).encoded
+            batch = await _engine_batch(one, model_dir)
             await one.train_step.call_one(batch, 0).within(60)
             with pytest.raises(ValueError, match="policy version must be an integer"):
                 await one.reshard_receive.call_one("1").within(60)  # stands in for any failed write
@@ -257,8 +236,6 @@ def test_a_failed_hand_over_keeps_generation_out_until_one_succeeds(ray_cluster,
             assert out[0].completions[0].versions == [2, 2, 2]
 
         asyncio.run(scenario())
-    finally:
-        procs.stop()
 
 
 @pytest.mark.parametrize("overrides, key", [

@@ -26,11 +26,11 @@ hand-over are those that ended before this step.
 
 With ``colocated.overlap=true`` the two modes become one: the gate stays open and nothing is
 released, so the engine keeps generating (the previous version's rollouts, which max_staleness >= 1
-admits) while the step trains, on its own CUDA stream in the trainer thread (the engine's stream
-has the highest priority: its small decode kernels go first as the step's free SMs); the hand-over
-is the in-place push between two decode steps. Both phases' memory is resident at once (size the KV cache
-for it), and on one GPU the engine's decode steps, short of work at small batches, fill what the
-step's kernels leave idle.
+admits) while the step trains, on its own CUDA stream in the trainer thread; the hand-over is the
+in-place push between two decode steps. Both phases' memory is resident at once (size the KV cache
+for it). Measured on one H100 (bench/RESULTS.md) it gains little: while the step runs, the
+engine's decode loop, sharing this process's interpreter and the device, moves at a seventh of its
+pace.
 
 Simplifications, on purpose: one engine replica per trainer rank, without engine tensor
 parallelism; ``release_weights`` needs a push after every step (trainer.sync_interval = 1: the
@@ -248,12 +248,8 @@ class HybridWorker(Actor):
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="trainer")  # every trainer call, in order
         device = self.trainer.core.dp.device
         self.overlap = colocated.overlap
-        # overlap on CUDA: the trainer's kernels on a stream of their own, and the engine's on one of the
-        # highest priority, so that its decode steps take SMs as the step's kernels free them (on one
-        # stream priority they queued behind them, and generation all but stopped while the step ran)
-        cuda_overlap = self.overlap and device.type == "cuda"
-        self._stream = torch.cuda.Stream(device) if cuda_overlap else None
-        self._engine_stream = torch.cuda.Stream(device, priority=-1) if cuda_overlap else None  # (above 0, the default)
+        # overlap on CUDA: the trainer's kernels on a stream of their own, beside the engine's (the default)
+        self._stream = torch.cuda.Stream(device) if self.overlap and device.type == "cuda" else None
         if device.type == "cuda":
             # the trainer thread's cuBLAS workspace is persistent: allocate it now, not inside the KV
             # cache's freed segment during the first step (which would move the cache for good)
@@ -268,12 +264,6 @@ class HybridWorker(Actor):
                                                               f"waiting={eng.num_waiting}, version={eng.version}")
         self._switch = asyncio.Lock()  # one train step or hand-over at a time
 
-    def _engine_side(self) -> None:
-        """Overlap on CUDA: the engine runs on its stream (set once on the actor's event-loop thread,
-        where every engine call, step and hand-over runs)."""
-        if self._engine_stream is not None and torch.cuda.current_stream(self._engine_stream.device) != self._engine_stream:
-            torch.cuda.set_stream(self._engine_stream)
-
     async def _on_trainer(self, fn: Callable[..., Any], *args: Any) -> Any:
         if self._stream is not None:
             fn = functools.partial(self._on_stream, fn)
@@ -283,7 +273,7 @@ class HybridWorker(Actor):
         """``fn`` on the trainer's stream, after what the engine's stream has queued (a hand-over's
         copy out of the parameters this step updates), and finished on the device when it returns
         (the next hand-over, on the engine's stream, reads what it wrote)."""
-        self._stream.wait_stream(self._engine_stream)  # the engine's steps and hand-over copies queued so far
+        self._stream.wait_stream(torch.cuda.default_stream(self._stream.device))  # the engine's steps and copies
         with torch.cuda.stream(self._stream):
             out = fn(*args)
         self._stream.synchronize()
@@ -327,7 +317,6 @@ class HybridWorker(Actor):
     @endpoint
     async def reshard_receive(self, version: int) -> PushStats:
         """The hand-over: the trainer's weights into the engine as ``version``, and back to rollout mode."""
-        self._engine_side()
         async with self._switch:
             # A failed hand-over keeps the gate closed: the engine may hold restored-but-unwritten or half-
             # written weights, so rollout calls wait (and time out naming the switch) until one succeeds
@@ -374,7 +363,6 @@ def _gated(method: Callable[..., Any]) -> Any:
 
     @functools.wraps(method)
     async def call(self: HybridWorker, *args: Any) -> Any:
-        self._engine_side()
         async with self._gate.rollout(method.__name__):
             return await method(self.rollout, *args)
 

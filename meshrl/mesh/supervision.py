@@ -18,8 +18,9 @@ Where the callback runs: on the event loop that was running when ``spawn`` was c
 supervision thread. A callback's exception is logged, never raised.
 
 ``settle(timeout_s)`` waits until every restart that happened has been reported (an owner that
-is about to stop calls it). ``stop()`` unwatches before it kills, and an unwatch also holds while the thread is busy with that
-actor (e.g. running its callback): a deliberately stopped actor is never reported as dead.
+is about to stop calls it). ``stop()`` unwatches before it kills, and an unwatch also holds while
+the thread is busy with that actor (e.g. running its callback): a deliberately stopped actor is
+never reported as dead.
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ from meshrl.actors.hybrid import HybridWorker
 from meshrl.config import ConfigError, to_yaml
 from meshrl.embedded import warm_start
 from meshrl.envs import EnvFactory
-from meshrl.mesh import ActorFailure, ActorMesh, ProcMesh, spawn_procs, supervision
+from meshrl.mesh import ActorFailure, ActorMesh, ProcMesh, spawn_procs
 from meshrl.pipeline import checkpoint as ckpt
 from meshrl.pipeline import evaluation
 from meshrl.pipeline.config import PipelineConfig
@@ -80,11 +80,6 @@ from meshrl.tasks import NamedFunction, Task, build_task, load_reward_function, 
 __all__ = ["Pipeline"]
 
 logger = logging.getLogger(__name__)
-
-RESTART_REPORT_S = 3.0
-"""How long a finished run waits for supervision to report a restart that happened (its probe of the
-new process answers up to a second after it is back), so the log holds its ``worker_restart``."""
-
 
 async def _enumerate(items: AsyncIterator[Any]) -> AsyncIterator[tuple[int, Any]]:
     i = 0
@@ -408,12 +403,7 @@ class Pipeline:
             audit = await train.audit.verdict(train.step, self._echo) if cfg.run.audit else None
             # every dp rank takes part (the full weights are gathered); rank 0 writes
             final_dir = (await roles.trainer.save_hf.call(str(self.out_dir / "final")).within(cfg.run.step_timeout_s)).values()[0]
-            if cfg.run.max_worker_restarts:  # a restart that happened is in the log before it closes
-                restarting = await asyncio.to_thread(supervision.settle, RESTART_REPORT_S)
-                await asyncio.sleep(0)  # (the reports are delivered onto this loop)
-                if restarting:
-                    self._echo(f"the run ends while {', '.join(restarting)} restart(s): not waited for longer "
-                               f"than {RESTART_REPORT_S:g}s")
+            await self.recovery.reported(cfg)  # a restart that happened is in the log before it closes
         finally:
             self._closed = True  # a user's call still running fails from here as "shut down" (_user_call)
             self.recovery.log = self.recovery.revivals = None

@@ -8,6 +8,7 @@ Recovery.recovered  the resumed run is back: the recovery seconds, a marker on t
 Recovery.restarted  Ray re-created a worker in place (run.max_worker_restarts); a rollout worker
                     serves again once loaded with the current weights (meshrl.pipeline.revival)
 Recovery.revived    that rollout worker is back: its record and the recovery seconds
+Recovery.reported   the run is over: the restarts that happened are reported before its log closes
 Recovery.watch      the heartbeat: a process that answers none within run.heartbeat_timeout_s is
                     hung; it is killed, and its death takes one of the ways above
 ```
@@ -26,13 +27,17 @@ import asyncio
 import time
 from typing import Any, Callable
 
-from meshrl.mesh import ActorFailure, RestartEvent
+from meshrl.mesh import ActorFailure, RestartEvent, supervision
 from meshrl.pipeline.config import PipelineConfig
 from meshrl.pipeline.metrics import RunLog
 from meshrl.pipeline.revival import Revivals, death
 from meshrl.pipeline.rollout_loop import Roles
 
 __all__ = ["Recovery", "death"]
+
+RESTART_REPORT_S = 3.0
+"""How long a finished run waits for supervision to report a restart that happened (its probe of the
+new process answers up to a second after it is back), so the log holds its ``worker_restart``."""
 
 
 class Recovery:
@@ -95,6 +100,17 @@ class Recovery:
             log.record("worker_restart", role=event.mesh, rank=event.rank, restarts=event.restarts,
                        cause=event.cause[:500], step=self.step())
             log.span(event.mesh, "restart", log.now(), log.now(), worker=event.rank)
+
+    async def reported(self, cfg: PipelineConfig) -> None:
+        """Wait (at most ``RESTART_REPORT_S``) until supervision has reported every in-place restart
+        under way, so a run that ends within a second of one still records it (``restarted``)."""
+        if not cfg.run.max_worker_restarts:
+            return
+        restarting = await asyncio.to_thread(supervision.settle, RESTART_REPORT_S)
+        await asyncio.sleep(0)  # (the reports are delivered onto this loop)
+        if restarting:
+            self.echo(f"the run ends while {', '.join(restarting)} restart(s): not waited for longer than "
+                      f"{RESTART_REPORT_S:g}s")
 
     def revived(self, *, rank: int, version: int, step: int, recovery_s: float) -> None:
         """A restarted rollout worker serves ``version`` again, ``recovery_s`` after its death."""
