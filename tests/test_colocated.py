@@ -111,18 +111,18 @@ def test_engine_release_and_restore_memory_keeps_generation_identical(tmp_path):
 
 
 @contextlib.contextmanager
-def _hybrid(tmp_path: Path, name: str, colocated, max_seq_len: int = 512):
-    """One HybridWorker on the CPU over the tiny model: its one-actor mesh and the model directory."""
+def _hybrid(tmp_path: Path, name: str, colocated, max_seq_len: int = 512, device: str = "cpu"):
+    """One HybridWorker over the tiny model (on ``device``): its one-actor mesh and the model directory."""
     from meshrl.actors import AlgoConfig, TrainerConfig
     from meshrl.actors.hybrid import HybridWorker
     from meshrl.mesh import spawn_procs
 
     model_dir = _tiny_model_dir(tmp_path / "m")
-    procs = spawn_procs({"procs": 1}, cpus_per_proc=0.01, name=name)
+    procs = spawn_procs({"procs": 1}, cpus_per_proc=0.01, gpus_per_proc=1 if device == "cuda" else None, name=name)
     try:
-        w = procs.spawn("hybrid", HybridWorker, model_dir, TrainerConfig(samples_per_step=4), AlgoConfig(samples_per_prompt=4),
-                        TorchEngineConfig(device="cpu", max_batch_size=8, max_seq_len=max_seq_len), colocated,
-                        temperature=1.0, max_new_tokens=4, total_steps=10)
+        w = procs.spawn("hybrid", HybridWorker, model_dir, TrainerConfig(samples_per_step=4, device=device),
+                        AlgoConfig(samples_per_prompt=4), TorchEngineConfig(device=device, max_batch_size=8, max_seq_len=max_seq_len),
+                        colocated, temperature=1.0, max_new_tokens=4, total_steps=10)
         yield w.slice(procs=0), model_dir
     finally:
         procs.stop()
@@ -178,12 +178,16 @@ def test_mode_gate_orders_generation_train_steps_and_the_hand_over(ray_cluster, 
         asyncio.run(scenario())
 
 
-def test_overlap_generates_through_the_train_step_and_the_hand_over(ray_cluster, tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_overlap_generates_through_the_train_step_and_the_hand_over(ray_cluster, tmp_path, device):
     """colocated.overlap: no switch. A generate in flight keeps running while the step trains (nothing
-    released, the gate open) and across the in-place hand-over, whose version its later tokens carry."""
+    released, the gate open) and across the in-place hand-over, whose version its later tokens carry.
+    On CUDA the step runs on the trainer's own stream beside the engine's decode loop."""
     from meshrl.actors.hybrid import ColocatedConfig
 
-    with _hybrid(tmp_path, "hybrid_overlap", ColocatedConfig(switch_timeout_s=60, overlap=True)) as (one, model_dir):
+    with _hybrid(tmp_path, f"hybrid_overlap_{device}", ColocatedConfig(switch_timeout_s=60, overlap=True),
+                 device=device) as (one, model_dir):
 
         async def scenario():
             batch = await _engine_batch(one, model_dir)

@@ -118,11 +118,24 @@ def _lazy_tables(tree: ast.Module, package: str, modules: dict[str, Path]) -> di
     return out
 
 
+def _parse(text: str, path: Path) -> ast.Module:
+    """``ast.parse``, again on CPython's spurious "AST constructor recursion depth mismatch": before
+    3.11.8 and 3.12.1 (python/cpython#106905) the AST builder's depth count could be thrown off while
+    another thread of the process parsed, as a test worker's leftover threads (Ray's, torch's) may."""
+    for attempt in range(5):
+        try:
+            return ast.parse(text, str(path))
+        except SystemError as exc:
+            if "recursion depth mismatch" not in str(exc) or attempt == 4:
+                raise
+    raise AssertionError("unreachable")
+
+
 def import_graph(root: Path, package: str = "meshrl") -> dict[str, list[Edge]]:
     """Module -> its imports of modules of ``package`` (the rule: this file's docstring)."""
     modules = _modules(root, package)
     texts = {m: p.read_text() for m, p in modules.items()}
-    trees = {m: ast.parse(texts[m], str(p)) for m, p in modules.items()}
+    trees = {m: _parse(texts[m], p) for m, p in modules.items()}
     is_package = {m: p.name == "__init__.py" for m, p in modules.items()}
     exports: dict[str, dict[str, str]] = {}  # package -> name -> module it comes from
     for m, tree in trees.items():
