@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -140,9 +141,9 @@ async def _engine_batch(one, model_dir: str) -> bytes:
                                            prompt_ids=[reqs[0].input_ids], results=results, group_ids=[0])).encoded
 
 
-async def _long_generate_in_flight(one) -> asyncio.Future:
-    """A generate of ~500 decode steps, returned once the worker counts it in flight."""
-    long = asyncio.ensure_future(one.generate.call_one(_requests(2, 500, seed=5)).within(60))
+async def _long_generate_in_flight(one, tokens: int = 500) -> asyncio.Future:
+    """A generate of ``tokens`` decode steps, returned once the worker counts it in flight."""
+    long = asyncio.ensure_future(one.generate.call_one(_requests(2, tokens, seed=5)).within(60))
     for _ in range(3000):
         if (await one.colocated_state.call_one().within(30))["in_flight"] == 1:
             return long
@@ -186,15 +187,21 @@ def test_overlap_generates_through_the_train_step_and_the_hand_over(ray_cluster,
     On CUDA the step runs on the trainer's own stream beside the engine's decode loop."""
     from meshrl.actors.hybrid import ColocatedConfig
 
+    # on CUDA the tiny model decodes fast: a longer generate, and a first step (allocator, cuBLAS) taken before it
+    tokens = 500 if device == "cpu" else 2000
     with _hybrid(tmp_path, f"hybrid_overlap_{device}", ColocatedConfig(switch_timeout_s=60, overlap=True),
-                 device=device) as (one, model_dir):
+                 max_seq_len=tokens + 16, device=device) as (one, model_dir):
 
         async def scenario():
             batch = await _engine_batch(one, model_dir)
-            long = await _long_generate_in_flight(one)
+            if device == "cuda":
+                await one.train_step.call_one(batch, 0).within(60)
+            long = await _long_generate_in_flight(one, tokens)
+            t0 = time.perf_counter()
             metrics = await one.train_step.call_one(batch, 0).within(60)
+            step_s = time.perf_counter() - t0
             state = await one.colocated_state.call_one().within(30)
-            assert not long.done(), "the train step waited for the generate in flight"
+            assert not long.done(), f"the train step ({step_s:.3f} s) waited for the generate in flight"
             assert state["mode"] == "rollout" and not state["kv_released"] and state["in_flight"] == 1
             assert "colocated/switch_to_train_s" not in metrics and metrics["samples"] == 4
             # a new generate is not held back either
@@ -203,7 +210,7 @@ def test_overlap_generates_through_the_train_step_and_the_hand_over(ray_cluster,
             stats = await one.reshard_receive.call_one(1).within(60)
             assert stats.version == 1 and stats.bytes > 0
             versions = (await long)[0].completions[0].versions
-            assert len(versions) == 500 and versions[0] == 0 and versions[-1] == 1 and versions == sorted(versions)
+            assert len(versions) == tokens and versions[0] == 0 and versions[-1] == 1 and versions == sorted(versions)
             state = await one.colocated_state.call_one().within(30)
             assert state["switches"] == 0 and state["version"] == 1
 
