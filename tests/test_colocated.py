@@ -187,8 +187,9 @@ def test_overlap_generates_through_the_train_step_and_the_hand_over(ray_cluster,
     On CUDA the step runs on the trainer's own stream beside the engine's decode loop."""
     from meshrl.actors.hybrid import ColocatedConfig
 
-    # on CUDA the tiny model decodes fast: a longer generate, and a first step (allocator, cuBLAS) taken before it
-    tokens = 500 if device == "cpu" else 2000
+    # on CUDA the tiny model decodes 2,000 tokens within a step of 0.15 s (one H200): a far longer generate, and a
+    # first step (allocator, cuBLAS) taken before it
+    tokens = 500 if device == "cpu" else 30_000
     with _hybrid(tmp_path, f"hybrid_overlap_{device}", ColocatedConfig(switch_timeout_s=60, overlap=True),
                  max_seq_len=tokens + 16, device=device) as (one, model_dir):
 
