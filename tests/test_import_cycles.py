@@ -119,9 +119,10 @@ def _lazy_tables(tree: ast.Module, package: str, modules: dict[str, Path]) -> di
 
 
 def _parse(text: str, path: Path) -> ast.Module:
-    """``ast.parse``, again on CPython's spurious "AST constructor recursion depth mismatch": before
-    3.11.8 and 3.12.1 (python/cpython#106905) the AST builder's depth count could be thrown off while
-    another thread of the process parsed, as a test worker's leftover threads (Ray's, torch's) may."""
+    """``ast.parse``, again on CPython's spurious "AST constructor recursion depth mismatch"
+    (python/cpython#106905): the AST builder keeps its depth count in the interpreter's state, and
+    another thread of the process that parses meanwhile (a test worker runs Ray's and torch's) can
+    throw it off; this suite's CPython 3.11.7 raised it once in a full run."""
     for attempt in range(5):
         try:
             return ast.parse(text, str(path))
