@@ -372,13 +372,16 @@ class PolicyTrainer:
         batch = build_step_batch(mine, pad_id=self.pad_id)
         parts = self.dp.gather_objects(_batch_sums(mine[:count], version), what="the batch's statistics")
         stats = stats_of(*parts)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cpu_autocast), \
-                attention_for(self.dp.device, max(batch.lengths)):
-            metrics = self.updater.step(
-                batch, policy_optimizer=self.optimizer, critic_optimizer=self.critic_optimizer,
-                max_grad_norm=self.cfg.max_grad_norm, generator=self.generator,
-                rows=range(start, start + count), total=total,
-            )
+        try:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cpu_autocast), \
+                    attention_for(self.dp.device, max(batch.lengths)):
+                metrics = self.updater.step(
+                    batch, policy_optimizer=self.optimizer, critic_optimizer=self.critic_optimizer,
+                    max_grad_norm=self.cfg.max_grad_norm, generator=self.generator,
+                    rows=range(start, start + count), total=total,
+                )
+        except torch.OutOfMemoryError as exc:
+            raise torch.OutOfMemoryError(self._out_of_memory(exc, max(batch.lengths))) from exc
         metrics["lr"] = self.scheduler.get_last_lr()[0]
         with warnings.catch_warnings():  # the schedule counts steps, also those whose updates were all skipped
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
@@ -401,6 +404,19 @@ class PolicyTrainer:
         metrics["trainer/gc_full"] = float(self.gc_clock.full - gc_full)
         metrics.update({f"trainer/{k}": v - alloc[k] for k, v in _allocator_counts(self.dp.device).items()})
         return {**stats, **metrics}
+
+    def _out_of_memory(self, exc: torch.OutOfMemoryError, longest: int) -> str:
+        """torch's out-of-memory message, with what the step held and the settings that lower it."""
+        device, used = self.dp.device, ""
+        if device.type == "cuda":
+            used = (f"{torch.cuda.memory_allocated(device) / 2**30:.1f} GiB held by torch of "
+                    f"{torch.cuda.get_device_properties(device).total_memory / 2**30:.1f} GiB, ")
+        return (f"the train step ran out of memory on {device} ({used}micro-batches of up to "
+                f"trainer.tokens_per_microbatch={self.cfg.tokens_per_microbatch} padded tokens, rows of up to "
+                f"{longest} tokens): lower trainer.tokens_per_microbatch, set trainer.activation_checkpointing=true "
+                f"or add trainer.dp ranks; with placement=colocated the engine shares the device, so also a smaller "
+                f"KV cache (rollout.engine.max_batch_size, rollout.engine.kv_cache_bytes) or colocated.overlap=false "
+                f"(its cache is then freed while the step trains). torch said: {exc}")
 
     def policy_state(self) -> dict[str, torch.Tensor]:
         """The policy's full tensors under HF names (LoRA merged): on rank 0 (``{}`` elsewhere); a collective."""
