@@ -6,6 +6,11 @@ Run on ``nvidia-h200-x2`` after ``source .whlb/install-on-gpu.sh`` (trainer on G
     python3 bench/e2e_gpu.py --models 0.5b,1.5b --budget-s 480 --out $OUT/e2e
     python3 bench/e2e_gpu.py --tiny --out runs/e2e-tiny                # CPU, a 2-layer model: checks the script
 
+On one GPU (``nvidia-h200`` or an H100), trainer and engine in one process, the engine generating through
+the step (at 1.5B, 4,096 tokens per micro-batch fit an 80 GB card beside the resident engine):
+
+    python3 bench/e2e_gpu.py --models 0.5b --out $OUT/e2e placement=colocated rollout.num_workers=1 colocated.overlap=true
+
 For each model and each η in ``--etas`` it runs the library's own ``Pipeline`` in this process, on one
 local Ray cluster, with the same configuration: GRPO (``--samples-per-prompt`` per group), a random
 Qwen2.5-shaped model (bf16 weights, a vocabulary of 151,936 ids and a character tokenizer padded to
