@@ -98,9 +98,11 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward (less memory, ~1/3 more compute)."""
     compile: bool = False
-    """On cuda: ``torch.compile`` each decoder layer's forward (dynamic shapes) and the LM head's
-    chunked log-prob math (``modeling.compile_head``): fused elementwise kernels instead of one
-    launch per op. The first steps pay the compile (tens of seconds)."""
+    """``torch.compile`` each decoder layer's forward (dynamic shapes) and the LM head's chunked
+    log-prob math (``modeling.compile_head``): fused elementwise kernels instead of one launch (on
+    the CPU, one dispatch) per op. The first steps pay the compile: tens of seconds, up to a minute
+    on a 2-core CPU, where inductor builds C++ kernels with g++ (without one the trainer refuses at
+    start). The laptop model's 256-sample GRPO step, in one process: 58 -> 48 ms (bench/RESULTS.md)."""
     reference_in_trainer: bool = False
     """With algo.kl_coef > 0: a frozen copy of the initial policy in the trainer computes the
     reference log-probs (sharded like the policy) instead of a ReferenceWorker. With LoRA the
@@ -257,6 +259,18 @@ def gc_clock() -> GcClock:
     return _GC_CLOCK
 
 
+def _need_cpp_compiler() -> None:
+    """trainer.compile on the CPU: inductor builds C++ kernels, so say at start when it cannot."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        get_cpp_compiler()
+    except Exception as exc:
+        raise RuntimeError(f"trainer.compile=true on the CPU needs a C++ compiler for torch.compile's kernels, "
+                           f"and none was found ({exc}): install g++ or set "
+                           "trainer.compile=false") from exc
+
+
 def _allocator_counts(device: torch.device) -> dict[str, float]:
     """The CUDA caching allocator's cumulative counts that make a step slow when they move:
     retries (a failed cudaMalloc: every cached block freed, then again) and device mallocs/frees."""
@@ -336,10 +350,12 @@ class PolicyTrainer:
                 target.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
             else:
                 target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if self.cfg.compile and self.dp.device.type == "cuda":
+        if self.cfg.compile:  # cuda or cpu
             from meshrl.actors.data_parallel import decoder_layers
             from meshrl.modeling import compile_head
 
+            if self.dp.device.type == "cpu":
+                _need_cpp_compiler()
             compile_head()
             for layer in decoder_layers(model):
                 # the bound forward, not the module: FSDP2's hooks stay eager, names stay the same
