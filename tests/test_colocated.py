@@ -47,7 +47,9 @@ def _run(tmp_path: Path, name: str, *extra: str) -> tuple[list[dict], Path]:
 
 @pytest.mark.slow
 def test_colocated_at_staleness_zero_equals_disaggregated(ray_cluster, tmp_path):
-    colocated, colocated_final = _run(tmp_path, "colocated", "queue.max_staleness=0", "placement=colocated", *SGD)
+    # the colocated run scores in its hybrid workers (reward.num_workers=0), the other in a reward worker
+    colocated, colocated_final = _run(tmp_path, "colocated", "queue.max_staleness=0", "placement=colocated",
+                                      "reward.num_workers=0", *SGD)
     disaggregated, disaggregated_final = _run(tmp_path, "disaggregated", "queue.max_staleness=0", *SGD)
     assert [r["staleness_max"] for r in colocated] == [0.0, 0.0, 0.0]
     for got, want in zip(colocated, disaggregated, strict=True):

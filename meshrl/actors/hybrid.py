@@ -236,7 +236,7 @@ class HybridWorker(Actor):
     def __init__(self, model_path: str, trainer: TrainerConfig, algo: AlgoConfig, engine: TorchEngineConfig,
                  colocated: ColocatedConfig, *, rollout_threads: int = 1, temperature: float, max_new_tokens: int,
                  total_steps: int, environment: EnvFactory | None = None,
-                 episode: EpisodeConfig = EpisodeConfig()) -> None:
+                 episode: EpisodeConfig = EpisodeConfig(), scorer: tuple[Any, float] | None = None) -> None:
         if colocated.release_weights and trainer.sync_interval != 1:
             raise ValueError("colocated.release_weights needs trainer.sync_interval=1 (a push after every step)")
         # the trainer's persistent memory first (parameters, optimiser state), then the engine's
@@ -255,7 +255,8 @@ class HybridWorker(Actor):
             # cache's freed segment during the first step (which would move the cache for good)
             self._pool.submit(_warm_up_matmuls, device).result(timeout=colocated.switch_timeout_s)
         engine = msgspec.structs.replace(engine, contiguous_weights=engine.contiguous_weights or colocated.release_weights)
-        self.rollout = RolloutWorker(model_path, engine, rollout_threads, environment=environment, episode=episode)
+        self.rollout = RolloutWorker(model_path, engine, rollout_threads, environment=environment, episode=episode,
+                                     scorer=scorer)
         compute_process(max(trainer.threads, rollout_threads))
         self.colo = Colocated(self.trainer.core, self.rollout.engine, release_weights=colocated.release_weights)
         self.sync_interval = trainer.sync_interval
@@ -362,11 +363,16 @@ def _gated(method: Callable[..., Any]) -> Any:
     (it waits while the process trains; ``_Gate``)."""
 
     @functools.wraps(method)
-    async def call(self: HybridWorker, *args: Any) -> Any:
+    async def call(self: HybridWorker, *args: Any, **kwargs: Any) -> Any:
         async with self._gate.rollout(method.__name__):
-            return await method(self.rollout, *args)
+            return await method(self.rollout, *args, **kwargs)
 
     return endpoint(call)
+
+
+async def _score(self: HybridWorker, *args: Any, **kwargs: Any) -> Any:
+    """``RolloutWorker.score`` (reward.num_workers=0): no engine in it, so in either mode."""
+    return await self.rollout.score(*args, **kwargs)
 
 
 async def _version(self: HybridWorker) -> int:
@@ -376,6 +382,7 @@ async def _version(self: HybridWorker) -> int:
 
 for _name in ("gather_weights", "export_weights", "save_hf", "save_checkpoint"):
     setattr(HybridWorker, _name, _on_trainer_thread(getattr(Trainer, _name)))
-for _name in ("generate", "run_episodes"):
+for _name in ("generate", "run_episodes", "play_scored"):
     setattr(HybridWorker, _name, _gated(getattr(RolloutWorker, _name)))
 HybridWorker.version = endpoint(_version)
+HybridWorker.score = endpoint(_score)

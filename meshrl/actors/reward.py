@@ -30,7 +30,7 @@ from meshrl.queues import Sample, encode_samples
 from meshrl.queues.wire import SampleMeta, meta_of
 from meshrl.tasks import Problem, RewardOutput, Task
 
-__all__ = ["RewardConfig", "RewardWorker", "RolloutJob", "Scored", "call_reward", "score_job", "score_job_with",
+__all__ = ["RewardConfig", "RewardWorker", "RolloutJob", "Scored", "call_reward", "score_generations", "score_job", "score_job_with",
            "scoring_time_s"]
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,9 @@ log = logging.getLogger(__name__)
 
 class RewardConfig(msgspec.Struct, frozen=True, kw_only=True):
     num_workers: int = 1
-    """Reward workers; jobs go to the least busy one."""
+    """Reward workers; jobs go to the least busy one. 0: each rollout worker scores its own
+    generations in its own process (no reward process, no hop between the two): for rewards that
+    cost little beside generation (exact match, a regex), on a machine with few cores."""
     timeout_s: float = 60.0
     """Longest call of a reward function: per sample, or per batch for a batched one; past it the
     samples are marked reward_failed (functions and scorers with their own timeout_s keep it). A
@@ -52,8 +54,8 @@ class RewardConfig(msgspec.Struct, frozen=True, kw_only=True):
     moves at most this much per request, however long the samples are. 0: always by reference."""
 
     def __post_init__(self) -> None:
-        if self.num_workers < 1 or not self.timeout_s > 0:
-            raise ValueError(f"reward: need num_workers >= 1 and timeout_s > 0, got {self.num_workers}, {self.timeout_s}")
+        if self.num_workers < 0 or not self.timeout_s > 0:
+            raise ValueError(f"reward: need num_workers >= 0 and timeout_s > 0, got {self.num_workers}, {self.timeout_s}")
         if self.inline_bytes < 0:
             raise ValueError(f"reward.inline_bytes: must be >= 0, got {self.inline_bytes}")
 
@@ -250,14 +252,23 @@ class RewardWorker(Actor):
         ``results`` / ``episodes``: the job's generations, when the caller passes the generate
         call's ref (``Future.ref``): Ray fetches them from the rollout worker's node for this call,
         so they never pass through the caller."""
-        received = time.time()
-        if results is not None:
-            job.results = results
-        if episodes is not None:
-            job.episodes, job.prompt_ids = episodes, [group[0].prompt_ids for group in episodes]
-        scored = await score_job_with(self.reward, self.tokenizer, job, self.timeout_s, within_s=within_s)
-        scored.received = received
-        faults.point("reward.score")
-        by_ref = by_ref and len(scored.encoded) >= (by_ref if type(by_ref) is int else 0)
-        return scored.by_ref() if by_ref else scored
+        return await score_generations(self.reward, self.tokenizer, job, self.timeout_s, within_s=within_s, by_ref=by_ref,
+                                       results=results, episodes=episodes)
 
+
+async def score_generations(reward: Reward | None, tokenizer: Any, job: RolloutJob, timeout_s: float, *,
+                            within_s: float | None = None, by_ref: bool | int = False,
+                            results: list[GenerateResult] | None = None,
+                            episodes: list[list[Episode]] | None = None) -> Scored:
+    """What ``RewardWorker.score`` does, in any process that holds a reward and the tokenizer (a
+    reward worker's, or with ``reward.num_workers=0`` a rollout worker's: ``RolloutWorker.play_scored``)."""
+    received = time.time()
+    if results is not None:
+        job.results = results
+    if episodes is not None:
+        job.episodes, job.prompt_ids = episodes, [group[0].prompt_ids for group in episodes]
+    scored = await score_job_with(reward, tokenizer, job, timeout_s, within_s=within_s)
+    scored.received = received
+    faults.point("reward.score")
+    by_ref = by_ref and len(scored.encoded) >= (by_ref if type(by_ref) is int else 0)
+    return scored.by_ref() if by_ref else scored

@@ -31,6 +31,7 @@ from typing import Any, Literal, Sequence
 import msgspec
 
 from meshrl import faults
+from meshrl.actors.reward import RolloutJob, Scored, score_generations
 from meshrl.cpu import compute_process
 from meshrl.engines import GenerateRequest, GenerateResult
 from meshrl.engines.engine_config import TorchEngineConfig
@@ -107,7 +108,9 @@ class RolloutWorker(Actor):
 
     def __init__(self, model_path: str, engine: TorchEngineConfig, threads: int = 1, *, tp_size: int = 1,
                  tp_timeout_s: float = 600.0, environment: EnvFactory | None = None,
-                 episode: EpisodeConfig = EpisodeConfig()) -> None:
+                 episode: EpisodeConfig = EpisodeConfig(), scorer: tuple[Any, float] | None = None) -> None:
+        """``scorer``: ``(reward, timeout_s)`` as a ``RewardWorker`` takes them, with reward.num_workers=0:
+        this worker then scores its own generations (``play_scored``, ``score``)."""
         compute_process(threads)
         self.model_path, self.config, self.tp_size = model_path, engine, tp_size
         self.server: Any = None
@@ -124,10 +127,16 @@ class RolloutWorker(Actor):
             self.reshard = DestSide(self.engine)
         self.environment, self.episode = environment, episode
         self.tokenizer = None
-        if environment is not None:
+        if environment is not None or scorer is not None:
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.scorer = None
+        if scorer is not None:
+            from meshrl.envs import as_reward
+
+            reward, timeout_s = scorer
+            self.scorer = (None if reward is None else as_reward(reward, timeout_s=timeout_s), timeout_s)
 
     @endpoint
     async def start_sglang(self, log_dir: str, trainer_ip: str, mem_fraction: float | None = None) -> str:
@@ -216,6 +225,25 @@ class RolloutWorker(Actor):
         seq = self.engine.cache.max_seq_len if self.reshard is not None else self._max_seq_len()
         return await self._calling(run_episodes(self.engine, self.tokenizer, self.environment, requests, self.episode,
                                                 max_seq_len=seq))
+
+    @endpoint
+    async def play_scored(self, job: RolloutJob, requests: Sequence[GenerateRequest] | Sequence[EpisodeRequest], *,
+                          within_s: float | None = None, by_ref: bool | int = False) -> Scored:
+        """``generate`` (or ``run_episodes``, for ``EpisodeRequest``s) and ``score`` in one call, in this
+        process: reward.num_workers=0, no reward worker and no second hop for the generations."""
+        if requests and isinstance(requests[0], EpisodeRequest):
+            return await self.score(job, within_s, by_ref, episodes=await self.run_episodes(requests))
+        return await self.score(job, within_s, by_ref, results=await self.generate(requests))
+
+    @endpoint
+    async def score(self, job: RolloutJob, within_s: float | None = None, by_ref: bool | int = False,
+                    results: list[GenerateResult] | None = None, episodes: list[list[Episode]] | None = None) -> Scored:
+        """``RewardWorker.score`` in this worker (reward.num_workers=0): held-out evaluation's scoring."""
+        if self.scorer is None:
+            raise RuntimeError("score: this rollout worker holds no reward (reward.num_workers=0 gives it one)")
+        reward, timeout_s = self.scorer
+        return await score_generations(reward, self.tokenizer, job, timeout_s, within_s=within_s, by_ref=by_ref,
+                                       results=results, episodes=episodes)
 
     def _max_seq_len(self) -> int:
         """An SGLang server's context: rollout.engine.max_seq_len, or the model's positions (capped as TorchEngine's)."""

@@ -190,8 +190,12 @@ class Pipeline:
                             steps_per_version=cfg.trainer.sync_interval, ledger=cfg.run.audit)
         max_new_tokens = cfg.rollout.episode.max_tokens if env else cfg.rollout.max_new_tokens
         sglang = cfg.rollout.engine.backend == "sglang"
-        # colocated SGLang: each trainer rank and one server share a GPU (half of it each, for Ray)
-        share = 0.5 if cfg.placement == "colocated" and sglang else 1
+        share = 0.5 if cfg.placement == "colocated" and sglang else 1  # colocated SGLang: half a GPU each, for Ray
+        if callable(getattr(self.reward, "start", None)):  # a reward served by a mesh of its own
+            await self.reward.start(self._spawn)
+        # without an environment the task's reward is the default; an environment's rewards stand alone
+        reward = self.reward if self.reward is not None else None if env else self.task
+        scorer = {} if cfg.reward.num_workers else {"scorer": (reward, cfg.reward.timeout_s)}  # rollouts score
         if cfg.placement == "colocated" and not sglang:
             # one process per trainer rank holds the trainer and an engine replica (meshrl.actors.hybrid);
             # "procs" is the dim the rollout loops slice, and the trainer's dp axis
@@ -199,7 +203,7 @@ class Pipeline:
                 "hybrid", HybridWorker, model_dir, cfg.trainer, cfg.algo, cfg.rollout.engine, cfg.colocated,
                 rollout_threads=cfg.rollout.threads, temperature=cfg.rollout.temperature, max_new_tokens=max_new_tokens,
                 total_steps=cfg.run.total_steps, dims={"procs": cfg.trainer.dp}, gpus_per_proc=int(cfg.trainer.device == "cuda"),
-                **({"environment": env, "episode": cfg.rollout.episode} if env else {}),
+                **({"environment": env, "episode": cfg.rollout.episode} if env else {}), **scorer,
             )
         else:
             engine_gpus = int(cfg.rollout.engine.device.startswith("cuda")) * share  # one GPU per engine rank
@@ -210,14 +214,10 @@ class Pipeline:
                                    dims=dims, gpus_per_proc=engine_gpus * (tp if sglang else 1), tp_size=tp,
                                    tp_timeout_s=cfg.run.step_timeout_s,
                                    **({"environment": env, "episode": cfg.rollout.episode} if env else {}),
-                                   **(restarts if restarts_rollout_in_place(cfg) else {}))
+                                   **(restarts if restarts_rollout_in_place(cfg) else {}), **scorer)
             self._servers = rollouts if sglang else None
-        if callable(getattr(self.reward, "start", None)):  # a reward served by a mesh of its own
-            await self.reward.start(self._spawn)
-        # without an environment the task's reward is the default; an environment's rewards stand alone
-        reward = self.reward if self.reward is not None else None if env else self.task
-        rewards = self._spawn("reward", RewardWorker, reward, model_dir, cfg.reward.timeout_s, procs=cfg.reward.num_workers,
-                              **restarts)
+        rewards = (self._spawn("reward", RewardWorker, reward, model_dir, cfg.reward.timeout_s, procs=cfg.reward.num_workers,
+                               **restarts) if cfg.reward.num_workers else None)
         if cfg.placement != "colocated" or sglang:
             trainer = self._spawn(
                 "trainer", Trainer, model_dir, cfg.trainer, cfg.algo, temperature=cfg.rollout.temperature,
@@ -228,7 +228,7 @@ class Pipeline:
         if cfg.algo.kl_coef > 0 and not cfg.trainer.reference_in_trainer:
             reference = self._spawn("reference", ReferenceWorker, model_dir, temperature=cfg.rollout.temperature,
                                     tokens_per_microbatch=cfg.trainer.tokens_per_microbatch, **restarts)
-        meshes = [queue, rollouts, rewards] + ([trainer] if trainer is not rollouts else []) + ([reference] if reference else [])
+        meshes = [m for m in (queue, rollouts, rewards, trainer if trainer is not rollouts else None, reference) if m is not None]
         await asyncio.gather(*(m.ready().within(self.cfg.run.step_timeout_s) for m in meshes))
         engines = rollouts  # every engine rank: weight pushes reach them all
         if "tp" in rollouts.sizes:  # generation goes to each replica's rank 0; the others follow its schedule
@@ -323,7 +323,7 @@ class Pipeline:
                        "run.resume=latest follows this run")
         reference = cfg.algo.kl_coef > 0 and not cfg.trainer.reference_in_trainer
         tp = f" (x{cfg.rollout.tp_size} tensor-parallel ranks each)" if cfg.rollout.tp_size > 1 else ""
-        self._echo(f"starting roles: queue, {cfg.rollout.num_workers} rollout{tp}, {cfg.reward.num_workers} reward, "
+        self._echo(f"starting roles: queue, {cfg.rollout.num_workers} rollout{tp}, {cfg.reward.num_workers or 'no'} reward, "
                    f"trainer (dp={cfg.trainer.dp})" + (", reference" if reference else ""))
         self.log = log = RunLog(self.out_dir, cfg.run.total_steps, progress=cfg.run.progress,
                                 tensorboard=cfg.run.tensorboard, resumed_step=resumed_step)
@@ -543,11 +543,11 @@ class Pipeline:
         of the running attempt: what an operator (or a fault-injection test) signals."""
         roles = (await self._running("Pipeline.processes")).roles
         meshes = {"queue": roles.queue, "rollout": roles.engines, "reward": roles.rewards, "trainer": roles.trainer,
-                  **({"reference": roles.reference} if roles.reference is not None else {})}
+                  "reference": roles.reference}
         out: dict[str, int] = {}
         for name, mesh in meshes.items():
-            if name == "trainer" and mesh is roles.engines:
-                continue  # colocated: the hybrid workers are listed as rollout
+            if mesh is None or (name == "trainer" and mesh is roles.engines):
+                continue  # no such role; colocated: the hybrid workers are listed as rollout
             deadline = time.monotonic() + 60
             while True:
                 try:

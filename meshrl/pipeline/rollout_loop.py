@@ -57,7 +57,8 @@ class Roles:
     queue: ActorMesh
     rollouts: ActorMesh
     """The engines that take generation calls (with tensor parallelism: each replica's rank 0)."""
-    rewards: ActorMesh
+    rewards: ActorMesh | None
+    """None (reward.num_workers=0): the rollout workers score their own generations."""
     trainer: ActorMesh
     reference: ActorMesh | None
     engines: ActorMesh | None = None
@@ -118,13 +119,18 @@ class RolloutDriver:
         the job's field (and ``RewardWorker.score``'s keyword) they go to."""
         call = worker.run_episodes if self.environment else worker.generate
         adverb = call.call_one if len(worker) == 1 else call.choose
+        job, requests = self.job(problems, greedy=greedy, n=n, group_ids=group_ids)
+        return adverb(requests), job, "episodes" if self.environment else "results"
+
+    def job(self, problems: list[Problem], *, greedy: bool, n: int, group_ids: list[int] | None
+            ) -> tuple[RolloutJob, list[GenerateRequest] | list[EpisodeRequest]]:
+        """The job ``problems``' generations (or episodes) belong to, and the requests that make them."""
         job = RolloutJob(problems=problems, prompt_ids=[], results=[], group_ids=group_ids or [-1] * len(problems))
         if self.environment:
-            reqs = [EpisodeRequest(problem=p, n=n, sampling=self._sampling(greedy=greedy, n=1, seed=self._seed(group_ids, i)))
-                    for i, p in enumerate(problems)]
-            return adverb(reqs), job, "episodes"
+            return job, [EpisodeRequest(problem=p, n=n, sampling=self._sampling(greedy=greedy, n=1, seed=self._seed(group_ids, i)))
+                         for i, p in enumerate(problems)]
         job.prompt_ids, requests = self.requests(problems, greedy=greedy, n=n, group_ids=group_ids)
-        return adverb(requests), job, "results"
+        return job, requests
 
     async def play(self, problems: list[Problem], *, greedy: bool, n: int, group_ids: list[int] | None,
                    what: str) -> RolloutJob:
@@ -217,11 +223,17 @@ class RolloutDriver:
         # trainer rank fetches them itself: this process moves ids, metas and refs only. The
         # reward worker answers within `timeout` of getting them, marking what a slow reward
         # has not scored by then.
-        generating, job_in, kind = self.start_play(worker, problems, greedy=False, n=n, group_ids=group_ids)
         inline = max(1, self.cfg.reward.inline_bytes)  # by reference from this size on (reward.inline_bytes)
-        scored = await self.again(
-            lambda: self.roles.rewards.score.choose(job_in, within_s=timeout, by_ref=inline, **{kind: generating.ref()}),
-            2 * timeout, f"rollout worker {worker_index} to generate and a reward worker to score", generating)
+        if self.roles.rewards is None:  # reward.num_workers=0: one call, generated and scored in the worker
+            job_in, requests = self.job(problems, greedy=False, n=n, group_ids=group_ids)
+            call = worker.play_scored.call_one if len(worker) == 1 else worker.play_scored.choose
+            scored = await bounded(call(job_in, requests, within_s=timeout, by_ref=inline), 2 * timeout,
+                                   f"rollout worker {worker_index} to generate and score")
+        else:
+            generating, job_in, kind = self.start_play(worker, problems, greedy=False, n=n, group_ids=group_ids)
+            scored = await self.again(
+                lambda: self.roles.rewards.score.choose(job_in, within_s=timeout, by_ref=inline, **{kind: generating.ref()}),
+                2 * timeout, f"rollout worker {worker_index} to generate and a reward worker to score", generating)
         t1 = t0 + max(0.0, scored.received - wall0)  # when the generations reached the reward worker
         self.log.span("rollout", "generate", t0, t1, worker=worker_index)
         samples = scored.ref or scored.encoded  # refs, or a small request's bytes
