@@ -5,6 +5,8 @@
 #   bash bench/one_gpu.sh e2e                   the 0.5B GRPO workload end to end (must 4's command), shared prompts
 #                                               on and off
 #   bash bench/one_gpu.sh overlap               the same workload, colocated taking turns and colocated.overlap=true
+#   bash bench/one_gpu.sh reward                the same workload scored by a reward worker, then in the hybrid
+#                                               worker itself (reward.num_workers=0)
 # Logs and each run's output go under $OUT.
 set -u
 OUT=${OUT:-/tmp/one_gpu}; mkdir -p "$OUT"
@@ -25,5 +27,6 @@ case "$1" in
     done ;;
   e2e) for share in true false; do e2e "share_$share" trainer.share_prompts=$share; done ;;
   overlap) e2e turns colocated.overlap=false; e2e overlap colocated.overlap=true ;;
-  *) echo "usage: bash bench/one_gpu.sh trainer [--compile] | e2e | overlap"; exit 2 ;;
+  reward) e2e reward_worker reward.num_workers=1; e2e in_rollout reward.num_workers=0 ;;
+  *) echo "usage: bash bench/one_gpu.sh trainer [--compile] | e2e | overlap | reward"; exit 2 ;;
 esac

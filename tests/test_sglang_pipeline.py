@@ -166,7 +166,8 @@ def test_attached_servers_train_on_policy_at_staleness_zero_and_are_left_running
     try:
         wait_healthy(server, f"http://127.0.0.1:{port}", 120.0)
         out = tmp_path / "run"
-        cfg = _config(tiny_model, out, "queue.max_staleness=0", "run.total_steps=2",
+        # the rollout worker scores what its server generated (reward.num_workers=0): no reward worker
+        cfg = _config(tiny_model, out, "queue.max_staleness=0", "run.total_steps=2", "reward.num_workers=0",
                       f'rollout.engine.sglang.urls=["http://127.0.0.1:{port}"]')
         summary = asyncio.run(Pipeline(cfg, task=DigitShareTask()).run())
         assert summary["steps"] == 2
@@ -174,7 +175,7 @@ def test_attached_servers_train_on_policy_at_staleness_zero_and_are_left_running
         steps = _steps(out)
         assert [r["step"] for r in steps] == [1, 2] and all(r["samples"] == 8 for r in steps)
         for r in steps:
-            assert r["staleness_max"] == 0.0
+            assert r["staleness_max"] == 0.0 and r["reward_failed_frac"] == 0.0
             assert abs(r["ratio_mean"] - 1) <= ON_POLICY_RATIO_ATOL and abs(r["ratio_max"] - 1) <= ON_POLICY_RATIO_ATOL, r
             assert 0 <= r["mismatch_kl"] <= ON_POLICY_KL_MAX, r
         assert server.poll() is None  # and nothing stopped: it is the user's

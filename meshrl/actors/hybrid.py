@@ -363,11 +363,20 @@ def _gated(method: Callable[..., Any]) -> Any:
     (it waits while the process trains; ``_Gate``)."""
 
     @functools.wraps(method)
-    async def call(self: HybridWorker, *args: Any, **kwargs: Any) -> Any:
+    async def call(self: HybridWorker, *args: Any) -> Any:
         async with self._gate.rollout(method.__name__):
-            return await method(self.rollout, *args, **kwargs)
+            return await method(self.rollout, *args)
 
     return endpoint(call)
+
+
+async def _play_scored(self: HybridWorker, job: Any, requests: Any, *, within_s: float | None = None,
+                       by_ref: bool | int = False) -> Any:
+    """``RolloutWorker.play_scored``: generated in rollout mode (``_Gate``), scored outside it (a train
+    step may begin meanwhile)."""
+    async with self._gate.rollout("play_scored"):
+        generations = await self.rollout.play(requests)
+    return await self.rollout.score(job, within_s, by_ref, **generations)
 
 
 async def _score(self: HybridWorker, *args: Any, **kwargs: Any) -> Any:
@@ -382,7 +391,8 @@ async def _version(self: HybridWorker) -> int:
 
 for _name in ("gather_weights", "export_weights", "save_hf", "save_checkpoint"):
     setattr(HybridWorker, _name, _on_trainer_thread(getattr(Trainer, _name)))
-for _name in ("generate", "run_episodes", "play_scored"):
+for _name in ("generate", "run_episodes"):
     setattr(HybridWorker, _name, _gated(getattr(RolloutWorker, _name)))
 HybridWorker.version = endpoint(_version)
+HybridWorker.play_scored = endpoint(_play_scored)
 HybridWorker.score = endpoint(_score)

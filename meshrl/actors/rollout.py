@@ -231,9 +231,13 @@ class RolloutWorker(Actor):
                           within_s: float | None = None, by_ref: bool | int = False) -> Scored:
         """``generate`` (or ``run_episodes``, for ``EpisodeRequest``s) and ``score`` in one call, in this
         process: reward.num_workers=0, no reward worker and no second hop for the generations."""
+        return await self.score(job, within_s, by_ref, **await self.play(requests))
+
+    async def play(self, requests: Sequence[GenerateRequest] | Sequence[EpisodeRequest]) -> dict[str, Any]:
+        """``generate``, or ``run_episodes`` for ``EpisodeRequest``s: their answer as ``score``'s keyword."""
         if requests and isinstance(requests[0], EpisodeRequest):
-            return await self.score(job, within_s, by_ref, episodes=await self.run_episodes(requests))
-        return await self.score(job, within_s, by_ref, results=await self.generate(requests))
+            return {"episodes": await self.run_episodes(requests)}
+        return {"results": await self.generate(requests)}
 
     @endpoint
     async def score(self, job: RolloutJob, within_s: float | None = None, by_ref: bool | int = False,
