@@ -358,12 +358,12 @@ class _Math:
     forward, backward = staticmethod(_head_forward), staticmethod(_head_backward)
 
 
-def compile_head() -> None:
-    """Compile ``head_logprobs``' chunk math with ``torch.compile``, for the rest of the process
-    (CUDA runs; the first chunk of each shape pays the compile)."""
+def compile_head(backend: str = "inductor") -> None:
+    """Compile ``head_logprobs``' chunk math with ``torch.compile`` (``backend``), for the rest of the
+    process (the first chunk of each shape pays the compile)."""
     if _Math.forward is _head_forward:
-        _Math.forward = staticmethod(torch.compile(_head_forward, dynamic=True))
-        _Math.backward = staticmethod(torch.compile(_head_backward, dynamic=True))
+        _Math.forward = staticmethod(torch.compile(_head_forward, dynamic=True, backend=backend))
+        _Math.backward = staticmethod(torch.compile(_head_backward, dynamic=True, backend=backend))
 
 
 class _HeadLogprobs(torch.autograd.Function):

@@ -14,6 +14,15 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("MESHRL_CPU_BF16", "0")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Files with end-to-end (``slow``) tests first, in their own order, then the rest. pytest-xdist
+    hands whole files to its two workers in this order (``--dist loadfile --no-loadscope-reorder``:
+    its default order, most tests first, started a one-test 60-second soak last, with the other
+    worker idle): the long files start early and the many short ones fill in the tail."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)  # stable: each file's tests keep their order
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """A real local Ray cluster with 2 CPUs; actors ask for fractions of a CPU."""

@@ -144,6 +144,7 @@ def _small(model: str, tmp_path, steps: int) -> meshrl.PipelineConfig:
         f"run.total_steps={steps}", "run.eval_every=0", "run.progress=false", "task.digits=1", "task.num_test=4",
         "algo=grpo", "algo.samples_per_prompt=2", "queue.max_staleness=1", "trainer.samples_per_step=4",
         "rollout.prompts_per_request=2", "rollout.requests_in_flight=1", "rollout.max_new_tokens=3",
+        "reward.num_workers=0",  # the rollout worker scores: one process fewer (these tests are about the run's control)
     ])
 
 

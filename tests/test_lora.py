@@ -248,6 +248,7 @@ def test_pipeline_with_lora_serves_the_adapted_policy_at_every_version(ray_clust
         "run.progress=false", "task.digits=1", "task.num_test=8", "algo=grpo", "algo.samples_per_prompt=2",
         "queue.max_staleness=0", "trainer.samples_per_step=8", "rollout.prompts_per_request=2",
         "rollout.requests_in_flight=2", "rollout.max_new_tokens=3", "trainer.lr=3e-2", "trainer.lora.rank=4",
+        "reward.num_workers=0",  # the rollout worker scores: one process fewer
     ])
     summary = asyncio.run(Pipeline(cfg, reward=_digit_share).run())
     steps = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "step"]

@@ -61,6 +61,7 @@ def _config(model_dir: str, out: Path) -> PipelineConfig:
         "run.checkpoint_at_end=false", "run.progress=false", "run.step_timeout_s=120",
         "queue.max_staleness=0", "trainer.samples_per_step=8", "rollout.prompts_per_request=8",
         "rollout.requests_in_flight=1", "rollout.max_new_tokens=4",
+        "reward.num_workers=0",  # the rollout worker scores (one process fewer; where scoring runs is not tested here)
     ])
 
 

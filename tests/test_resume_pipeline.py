@@ -55,6 +55,7 @@ def _config(model_dir: str, out: Path, *extra: str) -> PipelineConfig:
         "rollout.requests_in_flight=1", "rollout.max_new_tokens=4", "trainer.lr=1e-3",
         # critic, proximal log-probs and an in-trainer reference: every piece of state a resume needs
         "algo.policy_loss=decoupled_ppo", "algo.kl_coef=0.05", "trainer.reference_in_trainer=true",
+        "reward.num_workers=0",  # the rollout worker scores: its requests re-issued on resume are scored as before
         "trainer.dp=2", *extra,  # FSDP2 over 2 real trainer actors: the controller's dp > 1 path
     ])
 

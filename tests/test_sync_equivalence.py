@@ -71,14 +71,16 @@ def synchronous_reference(cfg: PipelineConfig, model_dir: str) -> tuple[list[dic
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,transport", [(1, "distributed"), (2, "distributed"), (2, "object_store")])
-def test_async_pipeline_at_staleness_zero_equals_synchronous_training(ray_cluster, tmp_path, capsys, tp, transport):
+@pytest.mark.parametrize("tp,transport,reward_workers", [(1, "distributed", 1), (2, "distributed", 1),
+                                                         (2, "object_store", 0)])
+def test_async_pipeline_at_staleness_zero_equals_synchronous_training(ray_cluster, tmp_path, capsys, tp, transport,
+                                                                      reward_workers):
     """``tp=2``: each engine replica is two tensor-parallel actors (leader-driven), and the weight pushes
     reach both shards (each its own slices, or both the whole tensors); the run must still be the
-    synchronous one on a single unsharded engine."""
+    synchronous one on a single unsharded engine. ``reward_workers=0``: the rollout workers score."""
     cfg = load_config(PipelineConfig, None, [*OVERRIDES, f"warmstart.cache_dir={tmp_path / 'cache'}",
                                              f"run.output_dir={tmp_path / 'run'}", f"rollout.tp_size={tp}",
-                                             f"reshard.transport={transport}"])
+                                             f"reshard.transport={transport}", f"reward.num_workers={reward_workers}"])
     summary = asyncio.run(Pipeline(cfg).run())
     assert ("x 2 tensor-parallel ranks, as the engines report" in capsys.readouterr().out) == (tp == 2)
     model_dir = str(warm_start(cfg.model.embedded, build_task(cfg.task), cfg.warmstart, log=lambda _: None))

@@ -379,11 +379,6 @@ async def _play_scored(self: HybridWorker, job: Any, requests: Any, *, within_s:
     return await self.rollout.score(job, within_s, by_ref, **generations)
 
 
-async def _score(self: HybridWorker, *args: Any, **kwargs: Any) -> Any:
-    """``RolloutWorker.score`` (reward.num_workers=0): no engine in it, so in either mode."""
-    return await self.rollout.score(*args, **kwargs)
-
-
 async def _version(self: HybridWorker) -> int:
     """The policy version the engine serves."""
     return self.rollout.engine.version
@@ -395,4 +390,3 @@ for _name in ("generate", "run_episodes"):
     setattr(HybridWorker, _name, _gated(getattr(RolloutWorker, _name)))
 HybridWorker.version = endpoint(_version)
 HybridWorker.play_scored = endpoint(_play_scored)
-HybridWorker.score = endpoint(_score)

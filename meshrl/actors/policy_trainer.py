@@ -103,6 +103,10 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     the CPU, one dispatch) per op. The first steps pay the compile: tens of seconds, up to a minute
     on a 2-core CPU, where inductor builds C++ kernels with g++ (without one the trainer refuses at
     start). The laptop model's 256-sample GRPO step, in one process: 58 -> 48 ms (bench/RESULTS.md)."""
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
+    """torch.compile's backend with ``compile``: inductor (fused kernels); aot_eager or eager trace the
+    same graphs and run them with eager ops, building nothing (to tell a compiled run's numbers from
+    the kernels' without a compiler, or quickly)."""
     reference_in_trainer: bool = False
     """With algo.kl_coef > 0: a frozen copy of the initial policy in the trainer computes the
     reference log-probs (sharded like the policy) instead of a ReferenceWorker. With LoRA the
@@ -354,12 +358,13 @@ class PolicyTrainer:
             from meshrl.actors.data_parallel import decoder_layers
             from meshrl.modeling import compile_head
 
-            if self.dp.device.type == "cpu":
+            backend = self.cfg.compile_backend
+            if self.dp.device.type == "cpu" and backend == "inductor":
                 _need_cpp_compiler()
-            compile_head()
+            compile_head(backend)
             for layer in decoder_layers(model):
                 # the bound forward, not the module: FSDP2's hooks stay eager, names stay the same
-                layer.forward = torch.compile(layer.forward, dynamic=True)
+                layer.forward = torch.compile(layer.forward, dynamic=True, backend=backend)
         if self.dp.sharded:
             cuda = self.dp.device.type == "cuda"
             return shard_model(model, self.dp, mixed_precision=self.cfg.mixed_precision and cuda, cpu_offload=offload and cuda)

@@ -30,8 +30,8 @@ from meshrl.queues import Sample, encode_samples
 from meshrl.queues.wire import SampleMeta, meta_of
 from meshrl.tasks import Problem, RewardOutput, Task
 
-__all__ = ["RewardConfig", "RewardWorker", "RolloutJob", "Scored", "call_reward", "score_generations", "score_job", "score_job_with",
-           "scoring_time_s"]
+__all__ = ["RewardConfig", "RewardWorker", "RolloutJob", "Scored", "call_reward", "score_generations", "score_job",
+           "score_job_with", "scoring_time_s"]
 
 log = logging.getLogger(__name__)
 

@@ -7,6 +7,8 @@ show exactly where the weights changed. The ``reshard_*`` endpoints are the engi
 flip atomically); the engine keeps generating on the old version while they arrive.
 With an environment (``meshrl.envs``), ``run_episodes`` plays multi-turn episodes on the same
 engine: every policy turn is a generate call, so turns of all episodes batch together.
+With ``reward.num_workers=0`` a worker also holds the reward and scores what it generated
+(``play_scored``): the samples leave it built and encoded, as a reward worker's would.
 
 With ``rollout.tp_size = T > 1`` the rollout mesh has dims ``{procs: num_workers, tp: T}``: each
 replica is T actors (one GPU each on CUDA) joined in one process group (``init_torch_distributed``)
@@ -110,7 +112,7 @@ class RolloutWorker(Actor):
                  tp_timeout_s: float = 600.0, environment: EnvFactory | None = None,
                  episode: EpisodeConfig = EpisodeConfig(), scorer: tuple[Any, float] | None = None) -> None:
         """``scorer``: ``(reward, timeout_s)`` as a ``RewardWorker`` takes them, with reward.num_workers=0:
-        this worker then scores its own generations (``play_scored``, ``score``)."""
+        this worker then scores its own generations (``play_scored``)."""
         compute_process(threads)
         self.model_path, self.config, self.tp_size = model_path, engine, tp_size
         self.server: Any = None
@@ -239,10 +241,9 @@ class RolloutWorker(Actor):
             return {"episodes": await self.run_episodes(requests)}
         return {"results": await self.generate(requests)}
 
-    @endpoint
     async def score(self, job: RolloutJob, within_s: float | None = None, by_ref: bool | int = False,
                     results: list[GenerateResult] | None = None, episodes: list[list[Episode]] | None = None) -> Scored:
-        """``RewardWorker.score`` in this worker (reward.num_workers=0): held-out evaluation's scoring."""
+        """``RewardWorker.score``, in this worker (reward.num_workers=0)."""
         if self.scorer is None:
             raise RuntimeError("score: this rollout worker holds no reward (reward.num_workers=0 gives it one)")
         reward, timeout_s = self.scorer

@@ -31,10 +31,10 @@ async def evaluate(driver: RolloutDriver, task: Task, log: RunLog, *, step: int,
 
     async def part(problems: list[Problem]) -> Any:
         async with gate:
+            if roles.rewards is None:  # reward.num_workers=0: generated and scored in one rollout worker call
+                return await driver.play(problems, greedy=True, n=1, group_ids=None, scored=True,
+                                         what="held-out generation and scoring")
             job = await driver.play(problems, greedy=True, n=1, group_ids=None, what="held-out generation")
-        if roles.rewards is None:  # reward.num_workers=0: a rollout worker scores
-            scorers = await driver.serving_rollouts("held-out scoring")
-            return await bounded(scorers.score.choose(job, within_s=timeout), timeout, "held-out scoring")
         return await driver.again(lambda: roles.rewards.score.choose(job, within_s=timeout), timeout, "held-out scoring")
 
     scored = await asyncio.gather(*(part(problems[i : i + chunk]) for i in range(0, len(problems), chunk)))

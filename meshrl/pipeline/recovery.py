@@ -124,7 +124,8 @@ class Recovery:
         timeout = cfg.run.heartbeat_timeout_s
         if timeout <= 0:
             return
-        meshes = {"queue": roles.queue, "rollout": roles.engines, **({"reward": roles.rewards} if roles.rewards else {}),
+        meshes = {"queue": roles.queue, "rollout": roles.engines,
+                  **({"reward": roles.rewards} if roles.rewards is not None else {}),
                   **({"trainer": roles.trainer} if roles.trainer is not roles.engines else {}),
                   **({"reference": roles.reference} if roles.reference is not None else {})}
         killed: set[tuple[str, int]] = set()  # not taken for hung again until it answers: its restart takes a while

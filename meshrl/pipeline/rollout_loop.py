@@ -7,6 +7,7 @@ rollout loop (× workers × requests_in_flight), until the run stops:
   rollout.generate          single-turn: one request per prompt, n samples each
   or rollout.run_episodes   with an environment: n episodes per prompt (meshrl.envs.episode)
   reward.score              samples built and encoded on the reward worker
+  (or rollout.play_scored   reward.num_workers=0: generated, scored and encoded in one call)
   reference.annotate        (only with a KL term)
   queue.put_ref             waits for: room under queue.capacity_tokens
                             unblocked by: train loop get_batch_refs
@@ -127,26 +128,37 @@ class RolloutDriver:
         """The job ``problems``' generations (or episodes) belong to, and the requests that make them."""
         job = RolloutJob(problems=problems, prompt_ids=[], results=[], group_ids=group_ids or [-1] * len(problems))
         if self.environment:
-            return job, [EpisodeRequest(problem=p, n=n, sampling=self._sampling(greedy=greedy, n=1, seed=self._seed(group_ids, i)))
+            return job, [EpisodeRequest(problem=p, n=n, sampling=self._sampling(greedy=greedy, n=1,
+                                                                                seed=self._seed(group_ids, i)))
                          for i, p in enumerate(problems)]
         job.prompt_ids, requests = self.requests(problems, greedy=greedy, n=n, group_ids=group_ids)
         return job, requests
 
     async def play(self, problems: list[Problem], *, greedy: bool, n: int, group_ids: list[int] | None,
-                   what: str) -> RolloutJob:
+                   what: str, scored: bool = False) -> Any:
         """Generate (or play episodes) on a serving rollout worker and wait for them here (held-out
-        evaluation); sent again to another while the one that took it is restarted."""
+        evaluation): the ``RolloutJob``, or with ``scored`` (reward.num_workers=0) the worker's
+        ``Scored`` of it; sent again to another while the one that took it is restarted."""
+        timeout = self.cfg.run.step_timeout_s
         while True:
             worker = await self.serving_rollouts(what)
             loads = self.revivals.loads()
-            generating, job, kind = self.start_play(worker, problems, greedy=greedy, n=n, group_ids=group_ids)
+            if scored:
+                job, requests = self.job(problems, greedy=greedy, n=n, group_ids=group_ids)
+                call = worker.play_scored.call_one if len(worker) == 1 else worker.play_scored.choose
+                calling, kind, limit = call(job, requests, within_s=timeout), "scored", 2 * timeout
+            else:
+                calling, job, kind = self.start_play(worker, problems, greedy=greedy, n=n, group_ids=group_ids)
+                limit = timeout
             try:
-                out = await bounded(generating, self.cfg.run.step_timeout_s, what)
+                out = await bounded(calling, limit, what)
                 break
             except Exception as exc:
                 if (rank := self.revivals.restartable(exc)) is None:
                     raise
                 self.revivals.died(rank, before=loads[rank])
+        if kind == "scored":
+            return out
         if kind == "episodes":
             job.episodes, job.prompt_ids = out, [g[0].prompt_ids for g in out]
         else:

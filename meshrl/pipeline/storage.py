@@ -134,7 +134,8 @@ async def check_run_storage(roles: Any, out_dir: Path, model_dir: str, launched:
     meshes = [("trainer", roles.trainer, True)]
     if roles.engines is not roles.trainer:
         meshes.append(("rollout", roles.engines, launched))
-    meshes += [(name, mesh, False) for name, mesh in (("reward", roles.rewards), ("reference", roles.reference)) if mesh]
+    meshes += [(name, mesh, False) for name, mesh in (("reward", roles.rewards), ("reference", roles.reference))
+               if mesh is not None]
     nodes = await check_storage(out_dir, model_dir, meshes, timeout_s)
     if nodes > 1:
         echo(f"storage: {nodes} nodes see the driver's run.output_dir ({out_dir}) and model directory")

@@ -1,8 +1,11 @@
 """``trainer.compile=true`` on the CPU: the same steps as eager, and a clear refusal without a C++ compiler.
 
-torch.compile's CPU kernels are C++ that inductor builds with the machine's compiler (the first
-step pays it: about 20 s here for the tiny model). Float32 compute (``MESHRL_CPU_BF16=0``, conftest):
-fused kernels round differently from eager ops only in the last bits.
+The steps are compared with ``trainer.compile_backend=aot_eager``: dynamo traces meshrl's decoder
+layers (both of the shared-prompt passes: without a cache, then through the prompt's) and the head's
+log-prob math into the same graphs as inductor would get, and runs them with eager ops. Inductor's
+C++ kernels on top would cost the suite 35-50 s of g++ on two cores; they were compared by hand the
+same way (float32, SGD, two steps: loss, gradient norm and entropy within 1.2e-7 relative, weights within 4e-9;
+bench/RESULTS.md) and train the laptop bench (``python bench/laptop_grpo.py ... trainer.compile=true``).
 """
 
 from __future__ import annotations
@@ -36,11 +39,11 @@ def _batch(step: int) -> list[Sample]:
     return out
 
 
-def _trainer(model_dir: str, compile: bool) -> PolicyTrainer:
+def _trainer(model_dir: str, compile: bool, backend: str = "aot_eager") -> PolicyTrainer:
     # SGD: a weight moves by lr x its gradient (AdamW's first steps move it by about lr whatever the
     # gradient's size, so a gradient near 0 rounded otherwise would move it by a different sign)
-    return PolicyTrainer(model_dir, TrainerConfig(compile=compile, optimizer="sgd", lr=0.1), ALGO, dp=DataParallel(None),
-                         temperature=1.0, max_new_tokens=4, total_steps=10)
+    cfg = TrainerConfig(compile=compile, compile_backend=backend, optimizer="sgd", lr=0.1)
+    return PolicyTrainer(model_dir, cfg, ALGO, dp=DataParallel(None), temperature=1.0, max_new_tokens=4, total_steps=10)
 
 
 @pytest.mark.slow
@@ -72,4 +75,7 @@ def test_compile_on_a_cpu_without_a_cpp_compiler_is_refused_at_start(tiny_model,
 
     monkeypatch.setattr(inductor.cpp, "cxx", ("/nonexistent/bin/g++",))
     with pytest.raises(RuntimeError, match=r"trainer.compile=true on the CPU needs a C\+\+ compiler"):
-        _trainer(tiny_model, True)
+        _trainer(tiny_model, True, "inductor")
+    monkeypatch.setattr(modeling._Math, "forward", modeling._Math.forward)  # compile_head, as above
+    monkeypatch.setattr(modeling._Math, "backward", modeling._Math.backward)
+    assert _trainer(tiny_model, True, "aot_eager").cfg.compile  # builds no kernel: needs no compiler
