@@ -123,6 +123,14 @@ class RolloutDriver:
         job, requests = self.job(problems, greedy=greedy, n=n, group_ids=group_ids)
         return adverb(requests), job, "episodes" if self.environment else "results"
 
+    def start_play_scored(self, worker: ActorMesh, problems: list[Problem], *, greedy: bool, n: int,
+                          group_ids: list[int] | None, by_ref: bool | int = False) -> Any:
+        """``start_play`` with reward.num_workers=0: ``worker`` generates and scores them in one call
+        (``RolloutWorker.play_scored``, within run.step_timeout_s of generating); the call's future."""
+        job, requests = self.job(problems, greedy=greedy, n=n, group_ids=group_ids)
+        call = worker.play_scored.call_one if len(worker) == 1 else worker.play_scored.choose
+        return call(job, requests, within_s=self.cfg.run.step_timeout_s, by_ref=by_ref)
+
     def job(self, problems: list[Problem], *, greedy: bool, n: int, group_ids: list[int] | None
             ) -> tuple[RolloutJob, list[GenerateRequest] | list[EpisodeRequest]]:
         """The job ``problems``' generations (or episodes) belong to, and the requests that make them."""
@@ -144,9 +152,8 @@ class RolloutDriver:
             worker = await self.serving_rollouts(what)
             loads = self.revivals.loads()
             if scored:
-                job, requests = self.job(problems, greedy=greedy, n=n, group_ids=group_ids)
-                call = worker.play_scored.call_one if len(worker) == 1 else worker.play_scored.choose
-                calling, kind, limit = call(job, requests, within_s=timeout), "scored", 2 * timeout
+                calling = self.start_play_scored(worker, problems, greedy=greedy, n=n, group_ids=group_ids)
+                kind, limit = "scored", 2 * timeout
             else:
                 calling, job, kind = self.start_play(worker, problems, greedy=greedy, n=n, group_ids=group_ids)
                 limit = timeout
@@ -237,10 +244,9 @@ class RolloutDriver:
         # has not scored by then.
         inline = max(1, self.cfg.reward.inline_bytes)  # by reference from this size on (reward.inline_bytes)
         if self.roles.rewards is None:  # reward.num_workers=0: one call, generated and scored in the worker
-            job_in, requests = self.job(problems, greedy=False, n=n, group_ids=group_ids)
-            call = worker.play_scored.call_one if len(worker) == 1 else worker.play_scored.choose
-            scored = await bounded(call(job_in, requests, within_s=timeout, by_ref=inline), 2 * timeout,
-                                   f"rollout worker {worker_index} to generate and score")
+            scored = await bounded(self.start_play_scored(worker, problems, greedy=False, n=n, group_ids=group_ids,
+                                                          by_ref=inline),
+                                   2 * timeout, f"rollout worker {worker_index} to generate and score")
         else:
             generating, job_in, kind = self.start_play(worker, problems, greedy=False, n=n, group_ids=group_ids)
             scored = await self.again(
