@@ -16,13 +16,14 @@ pytestmark = pytest.mark.slow
 
 
 def test_soak_kills_at_every_fault_point(ray_cluster, tmp_path, tiny_model, monkeypatch):
-    """Soak: each fault point (meshrl.faults: mid-generate, mid-score, mid-train-step, mid-push on
-    either side, during a checkpoint write) kills its process once, on a call drawn from a seeded
-    schedule (6 kills of rollout, reward and trainer processes; the queue's death is the test
-    above's); the run completes its steps and the ledger holds."""
+    """Soak: each fault point (meshrl.faults: mid-generate, mid-score, mid-push on either side,
+    during a checkpoint write) kills its process once, on a call drawn from a seeded schedule (5
+    kills of rollout, reward and trainer processes; mid-train-step and the queue's death are
+    test_fault_tolerance's, whose run must equal the uninterrupted one); the run completes its
+    steps and the ledger holds."""
     rng = random.Random(28)
-    calls = {"rollout.generate": (4, 24), "reward.score": (4, 24), "trainer.train_step": (2, 12),
-             "trainer.reshard_send": (2, 12), "rollout.reshard_receive": (2, 12), "trainer.save_checkpoint": (1, 5)}  # each well inside a 16-step run
+    calls = {"rollout.generate": (4, 24), "reward.score": (4, 24), "trainer.reshard_send": (2, 12),
+             "rollout.reshard_receive": (2, 12), "trainer.save_checkpoint": (1, 5)}  # each well inside a 16-step run
     plan = {name: rng.randint(*span) for name, span in calls.items()}
     monkeypatch.setenv("MESHRL_FAULTS", ",".join(f"{k}={v}" for k, v in plan.items()))
     monkeypatch.setenv("MESHRL_FAULTS_DIR", str(tmp_path / "faults"))
@@ -33,10 +34,10 @@ def test_soak_kills_at_every_fault_point(ray_cluster, tmp_path, tiny_model, monk
     fired = {name: (tmp_path / "faults" / name).stat().st_size for name in plan}
     assert all(fired[name] >= n for name, n in plan.items()), (plan, fired)  # every point was reached and fired
     resumed = sorted(r["role"] for r in summary["restarts"] if r["role"] != "samples")
-    # the trainer's three points resume the run; the reward and rollout
+    # the trainer's two points resume the run; the reward and rollout
     # workers are restarted in place (a point that fires while its attempt is failing takes that
     # attempt's end, not a record of its own)
-    assert 2 <= resumed.count("trainer") <= 3 and set(resumed) <= {"trainer"}, summary["restarts"]
+    assert 1 <= resumed.count("trainer") <= 2 and set(resumed) <= {"trainer"}, summary["restarts"]
     assert len(summary["restarts"]) <= 8
     assert summary["audit"]["ok"] and summary["audit"]["trained_samples"] == 16 * 8, summary["audit"]
     print({"plan": plan, "restarts": [(r["role"], r["failed_at_step"], r.get("recovery_s")) for r in summary["restarts"]],

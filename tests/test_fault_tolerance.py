@@ -157,15 +157,23 @@ def slow_reward(problem, completion: str) -> float:
     return float(completion.strip().startswith(problem.answer))
 
 
-def test_trainer_and_queue_deaths_resume_from_the_newest_checkpoint_as_if_uninterrupted(ray_cluster, tmp_path, tiny_model):
+def test_trainer_and_queue_deaths_resume_from_the_newest_checkpoint_as_if_uninterrupted(ray_cluster, tmp_path, tiny_model,
+                                                                                       monkeypatch):
     """At max_staleness=0 the run with a dead trainer and a dead queue trains every step exactly as
-    the run without them (each resume redoes at most checkpoint_every steps)."""
-    exact = ("queue.max_staleness=0", "rollout.requests_in_flight=1", "rollout.prompts_per_request=4")
+    the run without them (each resume redoes at most checkpoint_every steps). The trainer dies at
+    its fault point mid-train-step (step 3, the batch fetched and not trained on: the soak's other
+    trainer points each cost a resume too), the queue from outside."""
+    # the rollout worker scores (reward.num_workers=0): four pipeline starts with one process fewer each
+    exact = ("queue.max_staleness=0", "rollout.requests_in_flight=1", "rollout.prompts_per_request=4", "reward.num_workers=0")
     # a reward that takes a moment: the tiny model's steps would take milliseconds, and the run could
     # end before the kill after step 5 reaches its process
     plain = asyncio.run(Pipeline(_config(tiny_model, tmp_path / "plain", *exact), reward=slow_reward).run())
+    monkeypatch.setenv("MESHRL_FAULTS", "trainer.train_step=3")
+    monkeypatch.setenv("MESHRL_FAULTS_DIR", str(tmp_path / "faults"))
+    (tmp_path / "faults").mkdir()
     summary, killed, records = asyncio.run(_run_with_kills(_config(tiny_model, tmp_path / "killed", *exact),
-                                                           [(2, "trainer/0"), (5, "queue/0")], seed=2, reward=slow_reward))
+                                                           [(5, "queue/0")], seed=2, reward=slow_reward))
+    assert (tmp_path / "faults" / "trainer.train_step").stat().st_size >= 3  # the point fired
     assert summary["steps"] == plain["steps"] == 8
     assert [(r["role"], r["restart"]) for r in summary["restarts"]] == [("trainer", 1), ("queue", 2)]
     for r in summary["restarts"]:

@@ -97,7 +97,8 @@ def test_launched_servers_take_every_push_and_re_issue_what_a_push_aborts(ray_cl
     run."""
     out = tmp_path / "run"
     cfg = _config(tiny_model, out, "queue.max_staleness=1", "run.total_steps=5", "rollout.max_new_tokens=16",
-                  "rollout.ignore_eos=true", "rollout.num_workers=2")
+                  "rollout.ignore_eos=true", "rollout.num_workers=2",
+                  "reward.num_workers=0")  # the rollout workers score what their servers made: one process fewer
     summary = asyncio.run(Pipeline(cfg, task=DigitShareTask()).run())
     assert summary["steps"] == 5 and summary["version"] == 5
     started = capsys.readouterr().out
@@ -121,7 +122,8 @@ def test_a_server_killed_mid_run_fails_the_run_naming_its_log(ray_cluster, tmp_p
     """Colocated (the server beside the trainer rank, as on one GPU): the run starts and trains; a
     server killed mid-run fails it within seconds, naming the server's log."""
     out = tmp_path / "run"
-    cfg = _config(tiny_model, out, "placement=colocated", "queue.max_staleness=1", "run.total_steps=200")
+    cfg = _config(tiny_model, out, "placement=colocated", "queue.max_staleness=1", "run.total_steps=200",
+                  "reward.num_workers=0")  # the hybrid worker scores: one process fewer
     pipeline = Pipeline(cfg, task=DigitShareTask())
 
     async def main() -> BaseException:
