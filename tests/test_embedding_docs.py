@@ -1,7 +1,7 @@
 """docs/embedding.md runs as written: every code block, in order, like a notebook, at tiny size.
 
-The only differences from a reader's run: ``my_run.yaml`` holds tiny settings (the docs' own YAML
-block is checked to be a valid config), and the OpenAI server listens on a free port instead of
+The only differences from a reader's run: ``my_run.yaml`` holds tiny settings, rewards scored in the
+rollout worker (the docs' own YAML block is checked to be a valid config), and the OpenAI server listens on a free port instead of
 30000. The Python blocks share one namespace; the shell block starts the server as a subprocess.
 """
 
@@ -47,6 +47,7 @@ algo: {{advantage: grpo, samples_per_prompt: 2}}
 queue: {{max_staleness: 1}}
 trainer: {{samples_per_step: 8, lr: 1.0e-3}}
 rollout: {{prompts_per_request: 2, max_new_tokens: 3, episode: {{max_turns: 2}}}}
+reward: {{num_workers: 0}}  # the rollout worker scores: one process fewer a run (docs: either works)
 """)
     monkeypatch.chdir(tmp_path)
     port, server, ns = free_port(), None, {"__name__": "embedding_docs"}

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from meshrl.pipeline.timeline import merge, overlap_s, run_summary, steady_window, subtract, timeline_summary
 
@@ -133,9 +134,11 @@ def test_e2e_bench_tiny_cpu_mode(ray_cluster, tmp_path, monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
     import e2e_gpu
 
-    ray.cloudpickle.register_pickle_by_value(e2e_gpu)  # its task reaches the reward workers (not on their path)
+    ray.cloudpickle.register_pickle_by_value(e2e_gpu)  # its task reaches the rollout workers that score (not on their path)
 
-    assert e2e_gpu.main(["--tiny", "--etas", "0,1", "--steps", "4", "--warmup", "1", "--out", str(tmp_path / "e2e")]) == 0
+    # an override reaches every run (here: the rollout worker scores, one process fewer a run)
+    assert e2e_gpu.main(["--tiny", "--etas", "0,1", "--steps", "4", "--warmup", "1", "--out", str(tmp_path / "e2e"),
+                         "reward.num_workers=0"]) == 0
     stdout = capsys.readouterr().out
     result = json.loads((tmp_path / "e2e" / "e2e.json").read_text())
     runs = {r["eta"]: r for r in result["models"][0]["runs"]}
@@ -145,5 +148,6 @@ def test_e2e_bench_tiny_cpu_mode(ray_cluster, tmp_path, monkeypatch, capsys):
         assert 0 <= r["idle"]["trainer"] < 1 and r["pushes"] >= 3
         assert r["response_tokens_mean"] == result["models"][0]["config"]["response_len"]  # fixed lengths (ignore_eos)
     assert runs[0]["staleness_mean"] == 0.0
+    assert yaml.safe_load((tmp_path / "e2e" / "tiny" / "eta1" / "config.yaml").read_text())["reward"]["num_workers"] == 0
     assert (tmp_path / "e2e" / "tiny" / "timelines.png").stat().st_size > 10_000
     assert any(line.startswith("| η |") for line in stdout.splitlines()[-8:])  # the table prints last
