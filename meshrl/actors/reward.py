@@ -30,7 +30,7 @@ from meshrl.queues import Sample, encode_samples
 from meshrl.queues.wire import SampleMeta, meta_of
 from meshrl.tasks import Problem, RewardOutput, Task
 
-__all__ = ["RewardConfig", "RewardWorker", "RolloutJob", "Scored", "call_reward", "score_generations", "score_job",
+__all__ = ["RewardConfig", "RewardWorker", "RolloutJob", "Scored", "Scorer", "call_reward", "score_job",
            "score_job_with", "scoring_time_s"]
 
 log = logging.getLogger(__name__)
@@ -238,9 +238,7 @@ class RewardWorker(Actor):
     def __init__(self, reward: Any, tokenizer_path: str, timeout_s: float = 60.0) -> None:
         from transformers import AutoTokenizer
 
-        self.reward = None if reward is None else as_reward(reward, timeout_s=timeout_s)
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-        self.timeout_s = timeout_s
+        self.scorer = Scorer(reward, AutoTokenizer.from_pretrained(tokenizer_path), timeout_s)
 
     @endpoint
     async def score(self, job: RolloutJob, within_s: float | None = None, by_ref: bool | int = False,
@@ -252,23 +250,28 @@ class RewardWorker(Actor):
         ``results`` / ``episodes``: the job's generations, when the caller passes the generate
         call's ref (``Future.ref``): Ray fetches them from the rollout worker's node for this call,
         so they never pass through the caller."""
-        return await score_generations(self.reward, self.tokenizer, job, self.timeout_s, within_s=within_s, by_ref=by_ref,
-                                       results=results, episodes=episodes)
+        return await self.scorer.score(job, within_s, by_ref, results=results, episodes=episodes)
 
 
-async def score_generations(reward: Reward | None, tokenizer: Any, job: RolloutJob, timeout_s: float, *,
-                            within_s: float | None = None, by_ref: bool | int = False,
-                            results: list[GenerateResult] | None = None,
-                            episodes: list[list[Episode]] | None = None) -> Scored:
-    """What ``RewardWorker.score`` does, in any process that holds a reward and the tokenizer (a
-    reward worker's, or with ``reward.num_workers=0`` a rollout worker's: ``RolloutWorker.play_scored``)."""
-    received = time.time()
-    if results is not None:
-        job.results = results
-    if episodes is not None:
-        job.episodes, job.prompt_ids = episodes, [group[0].prompt_ids for group in episodes]
-    scored = await score_job_with(reward, tokenizer, job, timeout_s, within_s=within_s)
-    scored.received = received
-    faults.point("reward.score")
-    by_ref = by_ref and len(scored.encoded) >= (by_ref if type(by_ref) is int else 0)
-    return scored.by_ref() if by_ref else scored
+class Scorer:
+    """A reward (what ``as_reward`` takes, or None for episodes scored by their environment alone)
+    with the tokenizer that decodes for it: what scores a job in a reward worker, or with
+    ``reward.num_workers=0`` in a rollout worker (``RolloutWorker.play_scored``)."""
+
+    def __init__(self, reward: Any, tokenizer: Any, timeout_s: float) -> None:
+        self.reward = None if reward is None else as_reward(reward, timeout_s=timeout_s)
+        self.tokenizer, self.timeout_s = tokenizer, timeout_s
+
+    async def score(self, job: RolloutJob, within_s: float | None = None, by_ref: bool | int = False, *,
+                    results: list[GenerateResult] | None = None, episodes: list[list[Episode]] | None = None) -> Scored:
+        """``RewardWorker.score``'s work (its docstring), in this process."""
+        received = time.time()
+        if results is not None:
+            job.results = results
+        if episodes is not None:
+            job.episodes, job.prompt_ids = episodes, [group[0].prompt_ids for group in episodes]
+        scored = await score_job_with(self.reward, self.tokenizer, job, self.timeout_s, within_s=within_s)
+        scored.received = received
+        faults.point("reward.score")
+        by_ref = by_ref and len(scored.encoded) >= (by_ref if type(by_ref) is int else 0)
+        return scored.by_ref() if by_ref else scored

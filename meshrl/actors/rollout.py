@@ -33,7 +33,7 @@ from typing import Any, Literal, Sequence
 import msgspec
 
 from meshrl import faults
-from meshrl.actors.reward import RolloutJob, Scored, score_generations
+from meshrl.actors.reward import RolloutJob, Scored, Scorer
 from meshrl.cpu import compute_process
 from meshrl.engines import GenerateRequest, GenerateResult
 from meshrl.engines.engine_config import TorchEngineConfig
@@ -133,12 +133,7 @@ class RolloutWorker(Actor):
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.scorer = None
-        if scorer is not None:
-            from meshrl.envs import as_reward
-
-            reward, timeout_s = scorer
-            self.scorer = (None if reward is None else as_reward(reward, timeout_s=timeout_s), timeout_s)
+        self.scorer = None if scorer is None else Scorer(scorer[0], self.tokenizer, scorer[1])
 
     @endpoint
     async def start_sglang(self, log_dir: str, trainer_ip: str, mem_fraction: float | None = None) -> str:
@@ -246,9 +241,7 @@ class RolloutWorker(Actor):
         """``RewardWorker.score``, in this worker (reward.num_workers=0)."""
         if self.scorer is None:
             raise RuntimeError("score: this rollout worker holds no reward (reward.num_workers=0 gives it one)")
-        reward, timeout_s = self.scorer
-        return await score_generations(reward, self.tokenizer, job, timeout_s, within_s=within_s, by_ref=by_ref,
-                                       results=results, episodes=episodes)
+        return await self.scorer.score(job, within_s, by_ref, results=results, episodes=episodes)
 
     def _max_seq_len(self) -> int:
         """An SGLang server's context: rollout.engine.max_seq_len, or the model's positions (capped as TorchEngine's)."""
