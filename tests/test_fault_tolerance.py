@@ -33,7 +33,7 @@ import pytest
 import ray.cloudpickle
 
 from meshrl import Pipeline, PipelineConfig, load_config
-from meshrl.mesh import ActorFailure
+from meshrl.mesh import Actor, ActorFailure, endpoint
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 pytestmark = pytest.mark.slow
@@ -178,6 +178,9 @@ def test_trainer_and_queue_deaths_resume_from_the_newest_checkpoint_as_if_uninte
     assert [(r["role"], r["restart"]) for r in summary["restarts"]] == [("trainer", 1), ("queue", 2)]
     for r in summary["restarts"]:
         assert r["failed_at_step"] - r["resumed_at_step"] <= 2 and r["recovery_s"] > 0, r
+    # run.warm_resume: the live processes serve the resumed run (the trainer reloads the checkpoint,
+    # the engine is pushed its weights), and it still trains exactly as the uninterrupted run (below)
+    assert [sorted(r["kept"]) for r in summary["restarts"]] == [["rollout"], ["rollout", "trainer"]]
     assert [r["kind"] for _, r in records].count("restart") == 2
     a, b = _steps(tmp_path / "plain"), _steps(tmp_path / "killed")
     assert sorted(a) == sorted(b) == list(range(1, 9))
@@ -214,3 +217,62 @@ def test_the_resume_budget_names_the_first_failure_once_spent(tmp_path):
     assert not recovery.resumes(cfg, again, stop_requested=False)
     assert again.__notes__ == ["run.auto_resume: the run was resumed 1 times (run.max_restarts=1) and failed again; "
                                "the first failure was: killed"]
+
+
+def test_a_resume_keeps_the_live_roles_it_can_use_again(tmp_path):
+    """run.warm_resume: which roles a failed attempt leaves for the resumed one (meshrl.pipeline.processes).
+    The run above keeps them for real: its restart records say which, and it still trains as the
+    uninterrupted run."""
+    from meshrl.pipeline.processes import RoleProcesses
+    from meshrl.queues.parcels import SamplesLost
+
+    def kept(failure, *extra):
+        return RoleProcesses.keepable(_config(str(tmp_path), tmp_path / "warm", *extra), failure)
+
+    trainer_died, rollout_died = ActorFailure("trainer", 0, "killed"), ActorFailure("rollout", 1, "killed")
+    assert kept(trainer_died) == {"rollout", "reward", "reference"}  # never the queue: it restores only when fresh
+    assert kept(rollout_died) == {"trainer", "reward", "reference"}
+    assert kept(SamplesLost("the reward worker that held them died")) == {"trainer", "rollout", "reward", "reference"}
+    wrapped = RuntimeError("the train loop failed")
+    wrapped.__cause__ = trainer_died
+    assert kept(wrapped) == kept(trainer_died)  # the death behind the error
+    assert kept(ValueError("a bug")) == set() and kept(None) == set()  # no resume follows
+    assert kept(trainer_died, "run.warm_resume=false") == set()
+    assert kept(trainer_died, "run.auto_resume=false") == set()
+    # a server's weight-update group and a TP group are set up once per start: those engines start again
+    assert kept(trainer_died, "rollout.engine.backend=sglang") == {"reward", "reference"}
+    assert kept(trainer_died, "rollout.tp_size=2") == {"reward", "reference"}
+
+
+class Pingable(Actor):
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def test_parked_meshes_that_answer_are_kept_and_the_others_stopped(ray_cluster, tmp_path):
+    """Between two attempts: the meshes a resume may use are parked (the rest stopped), a parked one
+    that died meanwhile is started again, a live one is the same process."""
+    from meshrl.pipeline.processes import RoleProcesses
+
+    cfg = _config(str(tmp_path), tmp_path / "parked")
+    processes = RoleProcesses(tmp_path / "parked")
+    meshes = {name: processes.spawn(cfg, name, Pingable) for name in ("queue", "rollout", "trainer")}
+    pids = {name: mesh.pid.call_one().get(timeout=60) for name, mesh in meshes.items()}
+    processes.end(cfg, ActorFailure("reference", 0, "killed"))  # queue: never kept
+    with pytest.raises(ActorFailure):  # stopped at once
+        meshes["queue"].pid.call_one().get(timeout=30)
+    os.kill(pids["rollout"], signal.SIGKILL)  # dies while parked
+    said = []
+    processes.new_attempt()
+    asyncio.run(processes.probe(said.append))
+    assert len(said) == 1 and said[0].startswith("warm resume: rollout is started again (rollout/0 "), said
+    again = {name: processes.spawn(cfg, name, Pingable) for name in ("queue", "rollout", "trainer")}
+    assert again["trainer"] is meshes["trainer"] and again["trainer"].pid.call_one().get(timeout=60) == pids["trainer"]
+    assert processes.taken == ["trainer"]
+    assert {n: m.pid.call_one().get(timeout=60) != pids[n] for n, m in again.items() if n != "trainer"} == {
+        "queue": True, "rollout": True}
+    assert "kept from the failed attempt (run.warm_resume), in its namespace: trainer" in processes.placement_line()
+    processes.end(cfg, None)  # the run ended: nothing is parked
+    with pytest.raises(ActorFailure):
+        again["trainer"].pid.call_one().get(timeout=30)

@@ -74,6 +74,10 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True):
     """When a role's process dies (the trainer, the queue, a rollout worker past its restarts: any
     ``ActorFailure``), tear the run down and resume it from its newest checkpoint by itself, redoing
     at most checkpoint_every steps; a bug (an exception a role raised) still stops the run."""
+    warm_resume: bool = True
+    """auto_resume: the resumed run takes over the failed one's live processes (the trainer reloads the
+    checkpoint, the engines are pushed its weights) and starts only the dead role and the queue
+    again; false starts every role again (meshrl.pipeline.warm)."""
     max_restarts: int = 3
     """auto_resume: the most resumes of one run; the next death stops it with the first failure."""
     max_worker_restarts: int = 3

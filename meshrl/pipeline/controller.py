@@ -36,7 +36,7 @@ with η > 0 rollout runs up to η versions ahead while the trainer trains. Every
 a failure in any loop closes the queue, which wakes every waiter, and the run stops with that error
 — unless it is a role's death: a reward, reference or rollout worker is restarted in place
 (``recovery``, ``revival``), and with ``run.auto_resume`` any other death resumes the run from its
-newest checkpoint.
+newest checkpoint, in the processes that are still alive (``processes``).
 """
 
 from __future__ import annotations
@@ -47,31 +47,31 @@ import functools
 import json
 import logging
 import os
+import sys
 import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any, AsyncIterator, Sequence
 
 import msgspec
 
-from meshrl import faults
 from meshrl.actors import ReferenceWorker, RewardWorker, RolloutWorker, Trainer
 from meshrl.actors.hybrid import HybridWorker
 from meshrl.config import ConfigError, to_yaml
 from meshrl.embedded import warm_start
 from meshrl.envs import EnvFactory
-from meshrl.mesh import ActorFailure, ActorMesh, ProcMesh, spawn_procs
+from meshrl.mesh import ActorFailure, ActorMesh
 from meshrl.pipeline import checkpoint as ckpt
 from meshrl.pipeline import evaluation
 from meshrl.pipeline.config import PipelineConfig
 from meshrl.pipeline.metrics import RunLog
 from meshrl.pipeline.rollout_loop import Roles, RolloutDriver, bounded
-from meshrl.pipeline.startup import WORKER_ENV, check_prompts, ensure_ray, settle_devices, start_sglang_servers
+from meshrl.pipeline.startup import check_prompts, ensure_ray, settle_devices, start_sglang_servers
 from meshrl.pipeline.recovery import Recovery
 from meshrl.pipeline.revival import Revivals, restarts_rollout_in_place
 from meshrl.pipeline.storage import check_run_storage
 from meshrl.pipeline.training import TrainLoop
+from meshrl.pipeline.processes import RoleProcesses
 from meshrl.queues import QueueClosed
 from meshrl.queues.actor import QueueActor
 from meshrl.reshard import meshes as reshard_meshes
@@ -86,11 +86,6 @@ async def _enumerate(items: AsyncIterator[Any]) -> AsyncIterator[tuple[int, Any]
     async for item in items:
         yield i, item
         i += 1
-
-
-def _run_name(out_dir: Path) -> str:
-    """The output directory's name, as a Ray namespace may hold it."""
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in out_dir.name)[:40] or "run"
 
 
 class Pipeline:
@@ -122,13 +117,10 @@ class Pipeline:
         self._started, self._finished = asyncio.Event(), asyncio.Event()
         self._log_ready, self._roles_ready = asyncio.Event(), asyncio.Event()
         self._failure: BaseException | None = None
-        self._procs: list[ProcMesh] = []
+        self._processes = RoleProcesses(self.out_dir)
+        """Each attempt's role meshes, and those a failed one leaves for the resumed one (run.warm_resume)."""
         self._servers: ActorMesh | None = None
         """backend=sglang: the rollout workers whose servers must be stopped when the run ends."""
-        # the run's actors live in a Ray namespace of their own, named after the run (its output
-        # directory): a second Pipeline in this program (or another program on the same cluster) has
-        # meshes called "queue", "trainer", ... as well, and `ray list actors` tells the runs apart
-        self._namespace = f"meshrl-{_run_name(self.out_dir)}-{uuid.uuid4().hex[:6]}"
         self.log: RunLog | None = None
         self._rollout: RolloutDriver | None = None
         self._train: TrainLoop | None = None
@@ -163,27 +155,13 @@ class Pipeline:
         finally:  # cancelled (a second Ctrl-C): the thread ends at its next step, not after the whole warm start
             stop.set()
 
-    def _spawn(self, name: str, cls: type, *args: Any, procs: int = 1, dims: dict[str, int] | None = None,
-               gpus_per_proc: float = 0, **kwargs: Any) -> ActorMesh:
-        """Reserve the role's processes where ``cluster.<role>`` says, and start ``cls`` on them."""
-        where = self.cfg.cluster.role(name)
-        dims = dims or {"procs": procs}
-        # rollout: each TP group on one node, replicas wherever they fit; others: all on one node
-        pack: bool | str = where.pack and ("tp" if "tp" in dims else name != "rollout")
-        mesh = spawn_procs(dims, gpus_per_proc=gpus_per_proc, resources=where.resources, labels=where.labels,
-                           pack=pack, env={**WORKER_ENV, **faults.env()}, name=name, namespace=self._namespace,
-                           timeout=self.cfg.cluster.placement_timeout_s)
-        self._procs.append(mesh)
-        return mesh.spawn(name, cls, *args, **kwargs)
-
-    def _placement_line(self) -> str:
-        """Where each role's processes were reserved: one node address per rank, in rank order; and
-        the Ray namespace of the run's actors (named role/rank in it)."""
-        return ("placed (node per rank): " + " | ".join(f"{m.name} {' '.join(m.nodes())}" for m in self._procs)
-                + f"\nactors: role/rank in Ray namespace {self._namespace}")
+    def _spawn(self, name: str, cls: type, *args: Any, **kwargs: Any) -> ActorMesh:
+        """Start role ``name`` (``RoleProcesses.spawn``; a reward served by a mesh of its own starts through this)."""
+        return self._processes.spawn(self.cfg, name, cls, *args, **kwargs)
 
     async def _start_roles(self, model_dir: str) -> Roles:
         cfg, env = self.cfg, self.environment
+        await self._processes.probe(self._echo)  # run.warm_resume: what the failed attempt left, if it answers
         restarts = ({"max_restarts": cfg.run.max_worker_restarts,
                      "on_restart": functools.partial(self.recovery.restarted, cfg)} if cfg.run.max_worker_restarts else {})
         queue = self._spawn("queue", QueueActor, cfg.queue, samples_per_step=cfg.trainer.samples_per_step,
@@ -281,6 +259,7 @@ class Pipeline:
                         raise
                     self._prepare_resume(exc)
         finally:
+            self._processes.stop_parked()  # left by a failure that was not resumed
             self._finished.set()
 
     def _prepare_resume(self, exc: BaseException) -> None:
@@ -290,9 +269,9 @@ class Pipeline:
         self._stopping.clear()
         self._log_ready.clear()
         self._roles_ready.clear()
-        self._failure, self._procs, self._servers, self._closed = None, [], None, False
+        self._failure, self._servers, self._closed = None, None, False
         self._rollout = self._train = None
-        self._namespace = f"meshrl-{_run_name(self.out_dir)}-{uuid.uuid4().hex[:6]}"  # the dead run's names may linger
+        self._processes.new_attempt()
 
     async def _run(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -305,6 +284,8 @@ class Pipeline:
             state = ckpt.read_run_state(resume_from)
             ckpt.check_fingerprint(resume_from, state, cfg, source_split(self.task, "train"))
             resumed_step = state.step
+        else:
+            self._processes.stop_parked()  # no checkpoint: a fresh start, in fresh processes
         # after the check: a refused resume leaves the folder describing the run its checkpoints are of
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / "config.yaml").write_text(to_yaml(cfg))
@@ -337,7 +318,7 @@ class Pipeline:
             self._echo(await asyncio.to_thread(ensure_ray, cfg.run.num_cpus, cfg.run.ray_address))
             self.cfg = cfg = settle_devices(cfg, self._echo)
             roles = await self._start_roles(model_dir)
-            self._echo(await asyncio.to_thread(self._placement_line))
+            self._echo(await asyncio.to_thread(self._processes.placement_line))
             launched = self._servers is not None and not cfg.rollout.engine.sglang.urls  # their logs go to output_dir
             await check_run_storage(roles, self.out_dir, model_dir, launched, cfg.run.step_timeout_s, self._echo)
             revivals = Revivals(cfg, len(roles.rollouts), record=self.recovery.revived)
@@ -348,12 +329,12 @@ class Pipeline:
             train.restarts = len(self.recovery.restarts)
             self._roles_ready.set()
             if resume_from is not None:
-                self._echo(await train.restore(resume_from))
+                self._echo(await train.restore(resume_from, engines_kept="rollout" in self._processes.taken))
             else:
                 before = await self._evaluate()
                 train.accuracy_before = before["accuracy"]
                 self._echo(f"held-out accuracy before RL: {before['accuracy']:.1%} ({before['problems']} problems)")
-            self.recovery.recovered(log, train.step)
+            self.recovery.recovered(log, train.step, kept=self._processes.taken)
             loops = [
                 asyncio.create_task(self._guard(rollout.loop(roles.rollouts.slice(procs=i), i)))
                 for i in range(cfg.rollout.num_workers) for _ in range(cfg.rollout.requests_in_flight)
@@ -405,11 +386,12 @@ class Pipeline:
             final_dir = (await roles.trainer.save_hf.call(str(self.out_dir / "final")).within(cfg.run.step_timeout_s)).values()[0]
             await self.recovery.reported(cfg)  # a restart that happened is in the log before it closes
         finally:
+            failure = sys.exc_info()[1]  # the attempt's end: a failure parks the roles a resume may use again
             self._closed = True  # a user's call still running fails from here as "shut down" (_user_call)
             self.recovery.log = self.recovery.revivals = None
             log.close()
             await self._close_servers()
-            self._shutdown()
+            self._processes.end(self.cfg, failure)
         from meshrl.pipeline.plots import plot_run
         from meshrl.pipeline.timeline import run_summary
 
@@ -466,14 +448,6 @@ class Pipeline:
     async def _echo_evaluation(self) -> None:
         record = await self._evaluate()
         self._echo(f"held-out accuracy at step {record['step']} (v{record['version']}): {record['accuracy']:.1%}")
-
-    def _shutdown(self) -> None:
-        for mesh in self._procs:
-            try:
-                mesh.stop()
-            except Exception:
-                pass
-        self._procs.clear()
 
     # -- while it runs ------------------------------------------------------------------------
 

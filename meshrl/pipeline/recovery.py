@@ -75,18 +75,21 @@ class Recovery:
         self.echo(f"recovering: {str(dead).splitlines()[0][:300]}; resuming from the newest checkpoint (restart "
                   f"{len(self.restarts)} of run.max_restarts={cfg.run.max_restarts})")
 
-    def recovered(self, log: RunLog, step: int) -> None:
+    def recovered(self, log: RunLog, step: int, *, kept: list[str] = ()) -> None:
         """The resumed run is back at ``step``: its record (cause, steps lost, recovery seconds) and
-        a marker on the dead role's lane of the timeline. Once per resume."""
+        a marker on the dead role's lane of the timeline. Once per resume. ``kept``: the roles whose
+        processes the failed attempt left to this one (run.warm_resume)."""
         if not self.restarts or "recovery_s" in self.restarts[-1]:
             return
         r = self.restarts[-1]
         r["recovery_s"] = round(time.time() - r["failed_at"], 3)
         r["resumed_at_step"] = step
+        r["kept"] = list(kept)
         log.record("restart", **r)
         log.span(r["role"], "restart", 0.0, log.now(), restart=r["restart"])
         who = "samples the queue held were lost" if r["role"] == "samples" else f"{r['role']}/{r['rank']} died"
-        self.echo(f"recovered in {r['recovery_s']:.1f}s: {who} at step {r['failed_at_step']}, the run goes on from step {step}")
+        self.echo(f"recovered in {r['recovery_s']:.1f}s: {who} at step {r['failed_at_step']}, the run goes on from step {step}"
+                  + (f" ({', '.join(kept)} kept)" if kept else ""))
 
     def restarted(self, cfg: PipelineConfig, event: RestartEvent) -> None:
         """Ray re-created a worker (run.max_worker_restarts): a reward or reference worker's calls

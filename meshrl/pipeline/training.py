@@ -321,8 +321,9 @@ class TrainLoop:
         self.log.span("trainer", "checkpoint", t0, self.log.now(), step=self.step)
         return final
 
-    async def restore(self, path: Path) -> str:
-        """Continue the run saved at ``path`` (roles started, rollout loops not yet); a line saying so."""
+    async def restore(self, path: Path, *, engines_kept: bool = False) -> str:
+        """Continue the run saved at ``path`` (roles started, rollout loops not yet); a line saying so.
+        ``engines_kept``: the engines are a failed attempt's (run.warm_resume), serving later weights."""
         timeout, queue = self.cfg.run.step_timeout_s, self.roles.queue
         state = ckpt.read_run_state(path)
         steps = await self.roles.trainer.load_checkpoint.call(str(path / "trainer")).within(timeout)
@@ -331,7 +332,7 @@ class TrainLoop:
         self.step, self.version, self.last_checkpoint = state.step, state.version, state.step
         self.published = state.version  # announced below
         self.rollout.generated_tokens, self.accuracy_before = state.generated_tokens, state.accuracy_before
-        if state.step > 0:
+        if state.step > 0 or engines_kept:
             await self.push(state.version)  # the engines serve the restored policy as its version
             await self.settle()
         outstanding = await bounded(queue.restore.call_one(state.queue_snapshot), timeout, "the queue to restore its snapshot")

@@ -1,0 +1,143 @@
+"""The processes of a run's roles: started where ``cluster.<role>`` says, stopped when an attempt
+ends, or kept for the resumed one (``run.warm_resume``).
+
+A resume used to stop every role and start them all again: on the 2-core laptop seconds of imports
+per process, on GPUs a model load (and CUDA graph capture) per engine. Now only what must start
+afresh does:
+
+```text
+an attempt fails (RoleProcesses.end):
+  its meshes are parked instead of stopped, except
+    the queue            its snapshot restores only into a fresh queue (two runs' samples never mix)
+    the dead role        (death(failure))
+    a colocated hybrid   trainer and engine switch the device between them in one process
+    rollout workers      with SGLang (a server's weight-update group is set up once per start) or
+                         tensor-parallel engines (their TP group likewise)
+  and all of them when run.auto_resume is off or the failure is no role's death
+run.auto_resume resumes it:
+  no checkpoint to resume from: the resume is a fresh start, and every parked mesh is stopped
+  RoleProcesses.probe   before the roles start: a mesh whose every process answers a heartbeat
+                        within PROBE_S is kept, the others are stopped
+  RoleProcesses.spawn   takes the kept mesh instead of starting the role
+  then as on every resume: the trainer loads the checkpoint (load_checkpoint restores all that
+  save_checkpoint wrote: weights, optimiser, schedule, RNG, counters), every engine joins the new
+  transfer group and is pushed the checkpoint's weights (at step 0 too: a kept engine may serve later
+  ones); reward and reference workers hold none of the run's state
+the run ends, or is not resumed: RoleProcesses.stop_parked
+```
+
+Each attempt's new actors are named role/rank in a Ray namespace of its own (the dead attempt's
+names may linger); a kept process keeps its name in the attempt that started it. Work a failed
+attempt left running in a kept process (a generate, a train step) finishes and is dropped: its
+caller is gone, and the checkpoint's state replaces whatever it changed.
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+from meshrl import faults
+from meshrl.mesh import ActorFailure, ActorMesh, ProcMesh, spawn_procs
+from meshrl.pipeline.config import PipelineConfig
+from meshrl.pipeline.revival import death
+from meshrl.pipeline.startup import WORKER_ENV
+
+__all__ = ["PROBE_S", "RoleProcesses"]
+
+PROBE_S = 10.0
+"""How long a parked mesh's processes have to answer the heartbeat that keeps them."""
+
+KEEPABLE = ("trainer", "rollout", "reward", "reference")
+"""The roles whose processes may serve a resumed attempt (module docstring)."""
+
+
+class RoleProcesses:
+    """The meshes of the running attempt, and those a failed one left (module docstring)."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self._run = "".join(c if c.isalnum() or c in "-_." else "_" for c in out_dir.name)[:40] or "run"
+        self.meshes: dict[str, tuple[ProcMesh, ActorMesh]] = {}
+        """The running attempt's: role name -> (its proc mesh, the actor mesh on it)."""
+        self._parked: dict[str, tuple[ProcMesh, ActorMesh]] = {}
+        self.taken: list[str] = []
+        """The roles the running attempt took from the failed one, in the order it started them."""
+        self.new_attempt()
+
+    def new_attempt(self) -> None:
+        # the run's actors live in a Ray namespace of their own, named after the run (its output
+        # directory): a second Pipeline in this program (or another program on the same cluster) has
+        # meshes called "queue", "trainer", ... as well, and `ray list actors` tells the runs apart
+        self.namespace = f"meshrl-{self._run}-{uuid.uuid4().hex[:6]}"
+        self.meshes = {}
+
+    def spawn(self, cfg: PipelineConfig, name: str, cls: type, *args: Any, procs: int = 1,
+              dims: dict[str, int] | None = None, gpus_per_proc: float = 0, **kwargs: Any) -> ActorMesh:
+        """Reserve the role's processes where ``cluster.<role>`` says and start ``cls`` on them, or
+        take the mesh a failed attempt left (``probe`` first)."""
+        if (kept := self._parked.pop(name, None)) is not None:
+            self.taken.append(name)
+            self.meshes[name] = kept
+            return kept[1]
+        where = cfg.cluster.role(name)
+        dims = dims or {"procs": procs}
+        # rollout: each TP group on one node, replicas wherever they fit; others: all on one node
+        pack: bool | str = where.pack and ("tp" if "tp" in dims else name != "rollout")
+        mesh = spawn_procs(dims, gpus_per_proc=gpus_per_proc, resources=where.resources, labels=where.labels,
+                           pack=pack, env={**WORKER_ENV, **faults.env()}, name=name, namespace=self.namespace,
+                           timeout=cfg.cluster.placement_timeout_s)
+        self.meshes[name] = (mesh, mesh.spawn(name, cls, *args, **kwargs))
+        return self.meshes[name][1]
+
+    def placement_line(self) -> str:
+        """Where each role's processes were reserved: one node address per rank, in rank order; and
+        the Ray namespace of the run's actors (named role/rank in it)."""
+        kept = f"; kept from the failed attempt (run.warm_resume), in its namespace: {', '.join(self.taken)}"
+        return ("placed (node per rank): " + " | ".join(f"{m.name} {' '.join(m.nodes())}" for m, _ in self.meshes.values())
+                + f"\nactors: role/rank in Ray namespace {self.namespace}" + (kept if self.taken else ""))
+
+    @staticmethod
+    def keepable(cfg: PipelineConfig, failure: BaseException | None) -> set[str]:
+        """The roles whose meshes ``failure`` (the attempt's end, None: it did not fail) leaves for a resume."""
+        dead = death(failure) if failure is not None else None
+        if not (cfg.run.auto_resume and cfg.run.warm_resume) or dead is None:
+            return set()
+        keep = set(KEEPABLE) - {dead.mesh if isinstance(dead, ActorFailure) else ""}
+        if cfg.rollout.engine.backend == "sglang" or cfg.rollout.tp_size > 1:
+            keep.discard("rollout")
+        return keep
+
+    def end(self, cfg: PipelineConfig, failure: BaseException | None) -> None:
+        """The attempt is over: park the meshes a resume may use again (``keepable``), stop the others."""
+        self.stop_parked()
+        meshes, self.meshes = self.meshes, {}
+        keep = self.keepable(cfg, failure)
+        for name, (procs, actors) in meshes.items():
+            if name in keep:
+                self._parked[name] = (procs, actors)
+            else:
+                _stop(procs)
+
+    async def probe(self, echo: Callable[[str], None]) -> None:
+        """Keep the parked meshes whose every process answers a heartbeat; stop the rest."""
+        self.taken = []
+        for name, (procs, actors) in list(self._parked.items()):
+            states = await actors.heartbeat(PROBE_S)
+            if any(s != "alive" for s in states.values()):
+                echo(f"warm resume: {name} is started again ({', '.join(f'{name}/{r} {s}' for r, s in states.items())})")
+                del self._parked[name]
+                _stop(procs)
+
+    def stop_parked(self) -> None:
+        """Stop every mesh still parked."""
+        parked, self._parked = self._parked, {}
+        for procs, _ in parked.values():
+            _stop(procs)
+
+
+def _stop(procs: Any) -> None:
+    try:
+        procs.stop()
+    except Exception:  # already dead, or Ray shut down: nothing left to stop
+        pass
