@@ -239,9 +239,11 @@ def test_a_resume_keeps_the_live_roles_it_can_use_again(tmp_path):
     assert kept(ValueError("a bug")) == set() and kept(None) == set()  # no resume follows
     assert kept(trainer_died, "run.warm_resume=false") == set()
     assert kept(trainer_died, "run.auto_resume=false") == set()
-    # a server's weight-update group and a TP group are set up once per start: those engines start again
-    assert kept(trainer_died, "rollout.engine.backend=sglang") == {"reward", "reference"}
+    # SGLang servers are kept with their workers (the next trainer destroys the dead one's group on
+    # them); a TorchEngine's TP group is set up once per start: those engines start again
+    assert kept(trainer_died, "rollout.engine.backend=sglang") == {"rollout", "reward", "reference"}
     assert kept(trainer_died, "rollout.tp_size=2") == {"reward", "reference"}
+    assert kept(trainer_died, "rollout.tp_size=2", "rollout.engine.backend=sglang") == {"rollout", "reward", "reference"}
 
 
 class Pingable(Actor):
@@ -259,7 +261,7 @@ def test_parked_meshes_that_answer_are_kept_and_the_others_stopped(ray_cluster, 
     processes = RoleProcesses(tmp_path / "parked")
     meshes = {name: processes.spawn(cfg, name, Pingable) for name in ("queue", "rollout", "trainer")}
     pids = {name: mesh.pid.call_one().get(timeout=60) for name, mesh in meshes.items()}
-    processes.end(cfg, ActorFailure("reference", 0, "killed"))  # queue: never kept
+    asyncio.run(processes.end(cfg, ActorFailure("reference", 0, "killed")))  # queue: never kept
     with pytest.raises(ActorFailure):  # stopped at once
         meshes["queue"].pid.call_one().get(timeout=30)
     os.kill(pids["rollout"], signal.SIGKILL)  # dies while parked
@@ -273,6 +275,6 @@ def test_parked_meshes_that_answer_are_kept_and_the_others_stopped(ray_cluster, 
     assert {n: m.pid.call_one().get(timeout=60) != pids[n] for n, m in again.items() if n != "trainer"} == {
         "queue": True, "rollout": True}
     assert "kept from the failed attempt (run.warm_resume), in its namespace: trainer" in processes.placement_line()
-    processes.end(cfg, None)  # the run ended: nothing is parked
+    asyncio.run(processes.end(cfg, None))  # the run ended: nothing is parked
     with pytest.raises(ActorFailure):
         again["trainer"].pid.call_one().get(timeout=30)

@@ -118,6 +118,40 @@ def test_launched_servers_take_every_push_and_re_issue_what_a_push_aborts(ray_cl
     assert _wait_gone(tiny_model) == []
 
 
+def test_a_resume_keeps_the_launched_server_and_the_new_trainer_rejoins_it(ray_cluster, tmp_path, tiny_model,
+                                                                           monkeypatch):
+    """run.warm_resume with SGLang: the trainer dies mid-step (its fault point) and the run resumes with
+    the rollout worker and its server kept (the same server process all along: none launched again).
+    The new trainer destroys the dead one's weight-update group on it and joins its own; the server
+    then serves the checkpoint's weights and every later push: on-policy at max_staleness=0."""
+    monkeypatch.setenv("MESHRL_FAULTS", "trainer.train_step=3")
+    monkeypatch.setenv("MESHRL_FAULTS_DIR", str(tmp_path / "faults"))
+    (tmp_path / "faults").mkdir()
+    out = tmp_path / "run"
+    cfg = _config(tiny_model, out, "queue.max_staleness=0", "run.total_steps=5", "run.checkpoint_every=2",
+                  "run.auto_resume=true", "reward.num_workers=0")
+
+    async def run() -> tuple[dict, set[int]]:
+        pipeline = Pipeline(cfg, task=DigitShareTask())
+        running, servers = asyncio.create_task(pipeline.run()), set()
+        async for rec in pipeline.metrics():
+            if rec["kind"] == "step":
+                servers.update(_servers(tiny_model))
+        return await running, servers
+
+    summary, servers = asyncio.run(run())
+    assert (tmp_path / "faults" / "trainer.train_step").exists()  # the point fired
+    assert summary["steps"] == 5
+    assert [(r["role"], r["kept"]) for r in summary["restarts"]] == [("trainer", ["rollout"])]
+    assert len(servers) == 1, servers  # one server process served both attempts
+    steps = {r["step"]: r for r in _steps(out)}
+    assert sorted(steps) == [1, 2, 3, 4, 5]
+    for r in steps.values():  # the kept server served each step's weights, the resumed ones too
+        assert r["sync/bytes"] > 0 and r["staleness_max"] == 0.0, r
+        assert abs(r["ratio_mean"] - 1) <= ON_POLICY_RATIO_ATOL and 0 <= r["mismatch_kl"] <= ON_POLICY_KL_MAX, r
+    assert _wait_gone(tiny_model) == []
+
+
 def test_a_server_killed_mid_run_fails_the_run_naming_its_log(ray_cluster, tmp_path, tiny_model):
     """Colocated (the server beside the trainer rank, as on one GPU): the run starts and trains; a
     server killed mid-run fails it within seconds, naming the server's log."""

@@ -146,6 +146,9 @@ class RolloutWorker(Actor):
         from meshrl.groups import free_port, routable_ip
 
         cfg, engine, rank = self.config.sglang, self.config, current_rank().rank
+        if self.engine is not None:  # kept from a failed attempt (run.warm_resume): its server serves on
+            await self._calling(self.engine.server_version())
+            return self.engine.url
         if cfg.urls:
             url = cfg.urls[rank].rstrip("/")
         else:
@@ -177,10 +180,13 @@ class RolloutWorker(Actor):
             raise
 
     @endpoint
-    async def check_engine(self) -> None:
-        """Raise if this worker's SGLang server has exited (naming its log); a no-op otherwise."""
+    async def check_engine(self, answers: bool = False) -> None:
+        """Raise if this worker's SGLang server has exited (naming its log); ``answers``: or if it does not
+        answer a request (within rollout.engine.sglang.request_timeout_s). A no-op for TorchEngine."""
         if self.server is not None:
             self.server.check()
+        if answers and hasattr(self.engine, "server_version"):
+            await self._calling(self.engine.server_version())
 
     @endpoint
     async def close_engine(self) -> None:

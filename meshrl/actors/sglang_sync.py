@@ -44,10 +44,11 @@ class SGLangSource:
         return self._loop.run_until_complete(coro)
 
     def connect(self, urls: list[str], *, bucket_bytes: int, backend: str, pause_mode: str, timeout_s: float,
-                request_timeout_s: float, dtype: str = "") -> None:
+                request_timeout_s: float, dtype: str = "", reset: bool = False) -> None:
         """Rank 0 joins SGLang's group with every server (the others have nothing to join);
         ``backend`` "tensor": no group, CUDA IPC handles (``SGLangSyncConfig.transport``); ``dtype``:
-        the servers' weight dtype, which floating-point tensors are cast to before they go out."""
+        the servers' weight dtype, which floating-point tensors are cast to before they go out; ``reset``:
+        the servers outlived a trainer (run.warm_resume), whose group they may still hold."""
         self.close()
         if self.rank != 0:
             return
@@ -59,7 +60,7 @@ class SGLangSource:
                                 transport=transport, pause_mode=pause_mode, timeout_s=timeout_s, dtype=dtype)
         self._engines = [SGLangEngine(url, config=SGLangEngineConfig(request_timeout_s=request_timeout_s)) for url in urls]
         self.sender = SGLangWeightSender(self._engines, sync)
-        self._run(self.sender.connect())
+        self._run(self.sender.connect(reset=reset))
 
     def _full(self) -> Iterator[tuple[str, torch.Tensor]]:
         from torch.distributed.tensor import DTensor

@@ -130,11 +130,12 @@ class Trainer(Actor):
 
     @endpoint
     def sglang_connect(self, urls: list[str], bucket_bytes: int, backend: str, pause_mode: str, timeout_s: float,
-                       request_timeout_s: float, dtype: str = "") -> None:
+                       request_timeout_s: float, dtype: str = "", reset: bool = False) -> None:
         """Rank 0 joins SGLang's weight-update group with every server at ``urls`` (once); ``dtype``: the
-        servers' weight dtype, what floating-point tensors go out in."""
+        servers' weight dtype, what floating-point tensors go out in; ``reset``: the servers outlived
+        a trainer (run.warm_resume), whose group they may still hold."""
         self.sglang.connect(urls, bucket_bytes=bucket_bytes, backend=backend, pause_mode=pause_mode,
-                            timeout_s=timeout_s, request_timeout_s=request_timeout_s, dtype=dtype)
+                            timeout_s=timeout_s, request_timeout_s=request_timeout_s, dtype=dtype, reset=reset)
 
     @endpoint
     def device_memory(self) -> tuple[int, int]:

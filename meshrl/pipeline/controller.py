@@ -120,7 +120,7 @@ class Pipeline:
         self._processes = RoleProcesses(self.out_dir)
         """Each attempt's role meshes, and those a failed one leaves for the resumed one (run.warm_resume)."""
         self._servers: ActorMesh | None = None
-        """backend=sglang: the rollout workers whose servers must be stopped when the run ends."""
+        """backend=sglang: the rollout workers, each running (or attached to) a server."""
         self.log: RunLog | None = None
         self._rollout: RolloutDriver | None = None
         self._train: TrainLoop | None = None
@@ -219,20 +219,12 @@ class Pipeline:
                        "as the engines report")
             rollouts = rollouts.slice(tp=0)
         if self._servers is not None:
-            await start_sglang_servers(cfg, rollouts, trainer, model_dir, self.out_dir, self._echo)
+            await start_sglang_servers(cfg, rollouts, trainer, model_dir, self.out_dir, self._echo,
+                                       kept="rollout" in self._processes.taken)
         elif cfg.reshard.transport == "distributed" and cfg.placement != "colocated":  # colocated: in-place hand-over
             # once: a process group over every trainer and engine rank, and the cached transfer plan
             await reshard_meshes.connect(trainer, engines, cfg.reshard)
         return Roles(queue, rollouts, rewards, trainer, reference, engines=engines)
-
-    async def _close_servers(self) -> None:
-        """Stop the servers the workers launched (and leave their group): best effort, bounded."""
-        servers, self._servers = self._servers, None
-        if servers is None:
-            return
-        limit = self.cfg.rollout.engine.sglang.stop_timeout_s + 30
-        with contextlib.suppress(Exception):
-            await servers.close_engine.call().within(limit)
 
     def _echo(self, line: str) -> None:
         if self.log is not None:
@@ -259,7 +251,7 @@ class Pipeline:
                         raise
                     self._prepare_resume(exc)
         finally:
-            self._processes.stop_parked()  # left by a failure that was not resumed
+            await self._processes.stop_parked()  # left by a failure that was not resumed
             self._finished.set()
 
     def _prepare_resume(self, exc: BaseException) -> None:
@@ -285,7 +277,7 @@ class Pipeline:
             ckpt.check_fingerprint(resume_from, state, cfg, source_split(self.task, "train"))
             resumed_step = state.step
         else:
-            self._processes.stop_parked()  # no checkpoint: a fresh start, in fresh processes
+            await self._processes.stop_parked()  # no checkpoint: a fresh start, in fresh processes
         # after the check: a refused resume leaves the folder describing the run its checkpoints are of
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / "config.yaml").write_text(to_yaml(cfg))
@@ -390,8 +382,7 @@ class Pipeline:
             self._closed = True  # a user's call still running fails from here as "shut down" (_user_call)
             self.recovery.log = self.recovery.revivals = None
             log.close()
-            await self._close_servers()
-            self._processes.end(self.cfg, failure)
+            await self._processes.end(self.cfg, failure)  # the rollout workers stop their servers first
         from meshrl.pipeline.plots import plot_run
         from meshrl.pipeline.timeline import run_summary
 

@@ -11,20 +11,25 @@ an attempt fails (RoleProcesses.end):
     the queue            its snapshot restores only into a fresh queue (two runs' samples never mix)
     the dead role        (death(failure))
     a colocated hybrid   trainer and engine switch the device between them in one process
-    rollout workers      with SGLang (a server's weight-update group is set up once per start) or
-                         tensor-parallel engines (their TP group likewise)
+    rollout workers      with tensor-parallel TorchEngines (their TP group is set up once per start)
   and all of them when run.auto_resume is off or the failure is no role's death
 run.auto_resume resumes it:
   no checkpoint to resume from: the resume is a fresh start, and every parked mesh is stopped
   RoleProcesses.probe   before the roles start: a mesh whose every process answers a heartbeat
-                        within PROBE_S is kept, the others are stopped
+                        within PROBE_S is kept (rollout workers: and their SGLang servers answer
+                        too), the others are stopped
   RoleProcesses.spawn   takes the kept mesh instead of starting the role
   then as on every resume: the trainer loads the checkpoint (load_checkpoint restores all that
   save_checkpoint wrote: weights, optimiser, schedule, RNG, counters), every engine joins the new
   transfer group and is pushed the checkpoint's weights (at step 0 too: a kept engine may serve later
-  ones); reward and reference workers hold none of the run's state
+  ones); kept SGLang servers are joined by the trainer after it destroys the group they may still
+  hold of a dead one (0.5.10+), and pushed the checkpoint's weights the same way; reward and reference
+  workers hold none of the run's state
 the run ends, or is not resumed: RoleProcesses.stop_parked
 ```
+
+Rollout workers are always asked to stop their SGLang servers (``close_engine``) before they are
+stopped, kept or not: a server is the worker's child process, and a killed worker would leave it.
 
 Each attempt's new actors are named role/rank in a Ray namespace of its own (the dead attempt's
 names may linger); a kept process keeps its name in the attempt that started it. Work a failed
@@ -34,6 +39,8 @@ caller is gone, and the checkpoint's state replaces whatever it changed.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import uuid
 from pathlib import Path
 from typing import Any, Callable
@@ -104,40 +111,51 @@ class RoleProcesses:
         if not (cfg.run.auto_resume and cfg.run.warm_resume) or dead is None:
             return set()
         keep = set(KEEPABLE) - {dead.mesh if isinstance(dead, ActorFailure) else ""}
-        if cfg.rollout.engine.backend == "sglang" or cfg.rollout.tp_size > 1:
+        if cfg.rollout.engine.backend == "torch" and cfg.rollout.tp_size > 1:
             keep.discard("rollout")
         return keep
 
-    def end(self, cfg: PipelineConfig, failure: BaseException | None) -> None:
+    async def end(self, cfg: PipelineConfig, failure: BaseException | None) -> None:
         """The attempt is over: park the meshes a resume may use again (``keepable``), stop the others."""
-        self.stop_parked()
+        self._close_s = cfg.rollout.engine.sglang.stop_timeout_s + 30
+        await self.stop_parked()
         meshes, self.meshes = self.meshes, {}
         keep = self.keepable(cfg, failure)
         for name, (procs, actors) in meshes.items():
             if name in keep:
                 self._parked[name] = (procs, actors)
-            else:
-                _stop(procs)
+        await asyncio.gather(*(self._stop(name, *mesh) for name, mesh in meshes.items() if name not in keep))
 
     async def probe(self, echo: Callable[[str], None]) -> None:
-        """Keep the parked meshes whose every process answers a heartbeat; stop the rest."""
+        """Keep the parked meshes whose every process answers a heartbeat (and whose SGLang servers
+        answer a request); stop the rest."""
         self.taken = []
         for name, (procs, actors) in list(self._parked.items()):
             states = await actors.heartbeat(PROBE_S)
-            if any(s != "alive" for s in states.values()):
-                echo(f"warm resume: {name} is started again ({', '.join(f'{name}/{r} {s}' for r, s in states.items())})")
+            why = ", ".join(f"{name}/{r} {s}" for r, s in states.items() if s != "alive")
+            if not why and name == "rollout":
+                try:
+                    await actors.check_engine.call(True).within(self._close_s)
+                except Exception as exc:
+                    why = f"its server: {str(exc).splitlines()[0][:200]}"
+            if why:
+                echo(f"warm resume: {name} is started again ({why})")
                 del self._parked[name]
-                _stop(procs)
+                await self._stop(name, procs, actors)
 
-    def stop_parked(self) -> None:
+    async def stop_parked(self) -> None:
         """Stop every mesh still parked."""
         parked, self._parked = self._parked, {}
-        for procs, _ in parked.values():
-            _stop(procs)
+        await asyncio.gather(*(self._stop(name, *mesh) for name, mesh in parked.items()))
 
+    _close_s = 60.0
+    """How long a rollout worker may take to stop its SGLang server (rollout.engine.sglang.stop_timeout_s + 30)."""
 
-def _stop(procs: Any) -> None:
-    try:
-        procs.stop()
-    except Exception:  # already dead, or Ray shut down: nothing left to stop
-        pass
+    async def _stop(self, name: str, procs: ProcMesh, actors: ActorMesh) -> None:
+        if name == "rollout":  # its servers first: a killed worker would leave them running (TorchEngine: nothing)
+            with contextlib.suppress(Exception):
+                await actors.close_engine.call().within(self._close_s)
+        try:
+            procs.stop()
+        except Exception:  # already dead, or Ray shut down: nothing left to stop
+            pass

@@ -343,9 +343,10 @@ def settle_devices(cfg: PipelineConfig, echo: Callable[[str], None] = print) -> 
 
 
 async def start_sglang_servers(cfg: PipelineConfig, rollouts: Any, trainer: Any, model_dir: str, out_dir: Path,
-                               echo: Callable[[str], None] = print) -> None:
+                               echo: Callable[[str], None] = print, *, kept: bool = False) -> None:
     """``backend=sglang``: every worker's server up and healthy, and trainer rank 0 in the
-    servers' weight-update group (meshrl.actors.sglang_sync)."""
+    servers' weight-update group (meshrl.actors.sglang_sync). ``kept``: the workers and their
+    servers outlived a failed attempt (run.warm_resume, meshrl.pipeline.processes)."""
     from meshrl.engines.weights import load_hf_config
     from meshrl.mesh import actor_address
 
@@ -361,10 +362,10 @@ async def start_sglang_servers(cfg: PipelineConfig, rollouts: Any, trainer: Any,
              "rollout.engine.sglang.mem_fraction_static sets it)")
     # waits for: every server's /health (a first start JIT-compiles kernels); unblocked by: the servers
     urls = (await rollouts.start_sglang.call(str(logs), trainer_ip, fraction).within(s.startup_timeout_s + 60)).values()
-    where = "attached" if s.urls else f"launched, logs in {logs}"
+    where = ("kept from the failed attempt" if kept else "attached" if s.urls else f"launched, logs in {logs}")
     backend, dtype = sglang_transport(cfg), sglang_weight_dtype(cfg, hf_config)
     how = "by CUDA IPC (update_weights_from_tensor)" if backend == "tensor" else f"over a {backend} group"
     echo(f"sglang: {len(urls)} server(s) ({where}): {', '.join(urls)}; weights {how}"
          + (f", sent as {dtype}" if dtype else ""))
     await trainer.sglang_connect.call(list(urls), s.bucket_bytes, backend, s.pause_mode, cfg.reshard.timeout_s,
-                                      s.request_timeout_s, dtype).within(cfg.reshard.timeout_s + 30)
+                                      s.request_timeout_s, dtype, kept).within(cfg.reshard.timeout_s + 30)

@@ -22,6 +22,10 @@ push v:   POST /pause_generation {mode}            every engine; mode abort is s
 close:    POST /destroy_weights_update_group       0.5.10+; then destroy our group
 ```
 
+A trainer that connects to engines which outlived the one before it (``connect(reset=True)``,
+run.warm_resume) first destroys that trainer's group on them (0.5.10+): an engine still holding it
+refuses a new one ("group already exists").
+
 0.4.x takes one ``name``/``dtype``/``shape`` per call; ``load_format: "flattened_bucket"``
 (0.5.10+, opt-in) broadcasts one uint8 tensor per bucket, each tensor's bytes at an offset aligned
 to its dtype's size. ``rotary_emb.inv_freq`` is never sent; ``lm_head.weight`` is skipped when it
@@ -223,8 +227,9 @@ class SGLangWeightSender:
 
         return routable_ip()
 
-    async def connect(self) -> None:
-        """Read every engine's version, then build the group (once)."""
+    async def connect(self, *, reset: bool = False) -> None:
+        """Read every engine's version, then build the group (once). ``reset``: the engines outlived
+        the trainer that joined them (run.warm_resume) and may still hold its group: destroy it first."""
         if self.group is not None:
             return
         from meshrl.groups import free_port, join_process_group
@@ -239,6 +244,8 @@ class SGLangWeightSender:
                                       "server on this GPU our CUDA memory; use transport=group")
             self.group = "ipc"  # nothing to join: each push hands the servers handles to our memory
             return
+        if reset:
+            await self._destroy_stale()
         if self.config.flattened_bucket and min(self.versions) < (0, 5, 10):
             raise SGLangPushError(f"flattened_bucket needs SGLang 0.5.10+, engines report {self.versions}")
         sizes = [int(i.get("tp_size", 1)) for i in infos]
@@ -306,6 +313,23 @@ class SGLangWeightSender:
             with contextlib.suppress(Exception):
                 await self._each("POST", "/destroy_weights_update_group",
                                  [{"group_name": self.config.group_name}] * len(holders), holders)
+
+    async def _destroy_stale(self) -> None:
+        """POST /destroy_weights_update_group to every engine, whose answer (the group exists or not)
+        does not matter; an engine older than 0.5.10 has no such call and would refuse the new group.
+        0.5.21+: first /end_weight_update, closing an update the dead trainer left open (the next
+        /begin_weight_update would be refused)."""
+        old = [self.engines[i].name for i, v in enumerate(self.versions) if v < (0, 5, 10)]
+        if old:
+            raise SGLangPushError(f"engines {old} outlived the trainer that joined them (run.warm_resume) and run "
+                                  "SGLang < 0.5.10, which cannot destroy its weight-update group: set "
+                                  "run.warm_resume=false to start them again with the trainer")
+        if begun := [i for i, v in enumerate(self.versions) if v >= (0, 5, 21)]:
+            with contextlib.suppress(Exception):
+                await self._each("POST", "/end_weight_update", [{}] * len(begun), begun)
+        with contextlib.suppress(Exception):
+            await self._each("POST", "/destroy_weights_update_group",
+                             [{"group_name": self.config.group_name}] * len(self.engines), range(len(self.engines)))
 
     async def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> PushStats:
         """Pause, send every tensor, flush, resume: the engines serve ``version`` afterwards."""
