@@ -28,8 +28,8 @@ run.auto_resume resumes it:
 the run ends, or is not resumed: RoleProcesses.stop_parked
 ```
 
-Rollout workers are always asked to stop their SGLang servers (``close_engine``) before they are
-stopped, kept or not: a server is the worker's child process, and a killed worker would leave it.
+Rollout workers with SGLang are asked to stop their servers (``close_engine``) before they are
+stopped, whenever that is: a server is the worker's child process, and a killed worker would leave it.
 
 Each attempt's new actors are named role/rank in a Ray namespace of its own (the dead attempt's
 names may linger); a kept process keeps its name in the attempt that started it. Work a failed
@@ -118,6 +118,7 @@ class RoleProcesses:
     async def end(self, cfg: PipelineConfig, failure: BaseException | None) -> None:
         """The attempt is over: park the meshes a resume may use again (``keepable``), stop the others."""
         self._close_s = cfg.rollout.engine.sglang.stop_timeout_s + 30
+        self._servers = cfg.rollout.engine.backend == "sglang"
         await self.stop_parked()
         meshes, self.meshes = self.meshes, {}
         keep = self.keepable(cfg, failure)
@@ -150,9 +151,11 @@ class RoleProcesses:
 
     _close_s = 60.0
     """How long a rollout worker may take to stop its SGLang server (rollout.engine.sglang.stop_timeout_s + 30)."""
+    _servers = False
+    """The rollout workers run SGLang servers (rollout.engine.backend=sglang)."""
 
     async def _stop(self, name: str, procs: ProcMesh, actors: ActorMesh) -> None:
-        if name == "rollout":  # its servers first: a killed worker would leave them running (TorchEngine: nothing)
+        if name == "rollout" and self._servers:  # its servers first: a killed worker would leave them running
             with contextlib.suppress(Exception):
                 await actors.close_engine.call().within(self._close_s)
         try:
