@@ -39,7 +39,6 @@ caller is gone, and the checkpoint's state replaces whatever it changed.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import uuid
 from pathlib import Path
@@ -122,16 +121,14 @@ class RoleProcesses:
         await self.stop_parked()
         meshes, self.meshes = self.meshes, {}
         keep = self.keepable(cfg, failure)
-        for name, (procs, actors) in meshes.items():
-            if name in keep:
-                self._parked[name] = (procs, actors)
-        await asyncio.gather(*(self._stop(name, *mesh) for name, mesh in meshes.items() if name not in keep))
+        self._parked = {name: mesh for name, mesh in meshes.items() if name in keep}
+        await self._stop({name: mesh for name, mesh in meshes.items() if name not in keep})
 
     async def probe(self, echo: Callable[[str], None]) -> None:
         """Keep the parked meshes whose every process answers a heartbeat (and whose SGLang servers
         answer a request); stop the rest."""
         self.taken = []
-        for name, (procs, actors) in list(self._parked.items()):
+        for name, (_, actors) in list(self._parked.items()):
             states = await actors.heartbeat(PROBE_S)
             why = ", ".join(f"{name}/{r} {s}" for r, s in states.items() if s != "alive")
             if not why and name == "rollout":
@@ -141,24 +138,28 @@ class RoleProcesses:
                     why = f"its server: {str(exc).splitlines()[0][:200]}"
             if why:
                 echo(f"warm resume: {name} is started again ({why})")
-                del self._parked[name]
-                await self._stop(name, procs, actors)
+                await self._stop({name: self._parked.pop(name)})
 
     async def stop_parked(self) -> None:
         """Stop every mesh still parked."""
         parked, self._parked = self._parked, {}
-        await asyncio.gather(*(self._stop(name, *mesh) for name, mesh in parked.items()))
+        await self._stop(parked)
 
     _close_s = 60.0
     """How long a rollout worker may take to stop its SGLang server (rollout.engine.sglang.stop_timeout_s + 30)."""
     _servers = False
     """The rollout workers run SGLang servers (rollout.engine.backend=sglang)."""
 
-    async def _stop(self, name: str, procs: ProcMesh, actors: ActorMesh) -> None:
-        if name == "rollout" and self._servers:  # its servers first: a killed worker would leave them running
-            with contextlib.suppress(Exception):
-                await actors.close_engine.call().within(self._close_s)
+    async def _stop(self, meshes: dict[str, tuple[ProcMesh, ActorMesh]]) -> None:
+        """Stop ``meshes``; SGLang rollout workers stop their servers first (a killed worker would leave
+        them running). The stops happen even if this is cancelled meanwhile."""
         try:
-            procs.stop()
-        except Exception:  # already dead, or Ray shut down: nothing left to stop
-            pass
+            if self._servers and "rollout" in meshes:
+                with contextlib.suppress(Exception):
+                    await meshes["rollout"][1].close_engine.call().within(self._close_s)
+        finally:
+            for procs, _ in meshes.values():
+                try:
+                    procs.stop()
+                except Exception:  # already dead, or Ray shut down: nothing left to stop
+                    pass
