@@ -190,6 +190,31 @@ def test_trainer_and_queue_deaths_resume_from_the_newest_checkpoint_as_if_uninte
     assert summary["audit"]["ok"] and summary["audit"]["trained_samples"] == 8 * 8, summary["audit"]
 
 
+def slow_digit_reward(problem, completion: str) -> float:
+    time.sleep(0.05)
+    return sum(c.isdigit() for c in completion) / max(1, len(completion))  # graded: most groups have a gradient
+
+
+def test_a_colocated_run_keeps_its_hybrid_worker_when_the_queue_dies(ray_cluster, tmp_path, tiny_model):
+    """placement=colocated: the queue killed mid-run; the resumed run keeps the hybrid worker (trainer
+    and engine in one process), which reloads the checkpoint and hands its weights to its engine. At
+    max_staleness=0 it trains every step as the run without the kill."""
+    exact = ("placement=colocated", "queue.max_staleness=0", "reward.num_workers=0", "run.total_steps=6",
+             "rollout.requests_in_flight=1")
+    plain = asyncio.run(Pipeline(_config(tiny_model, tmp_path / "plain", *exact), reward=slow_digit_reward).run())
+    summary, killed, _ = asyncio.run(_run_with_kills(_config(tiny_model, tmp_path / "killed", *exact), [(3, "queue/0")],
+                                                     seed=4, reward=slow_digit_reward))
+    assert summary["steps"] == plain["steps"] == 6 and [role for role, _ in killed] == ["queue/0"]
+    assert [(r["role"], r["kept"]) for r in summary["restarts"]] == [("queue", ["hybrid"])]
+    a, b = _steps(tmp_path / "plain"), _steps(tmp_path / "killed")
+    assert sorted(a) == sorted(b) == list(range(1, 7))
+    assert any(r["loss"] != 0 for r in a.values())  # the comparison below compares something
+    for step in a:
+        assert (b[step]["loss"], b[step]["reward_mean"]) == (a[step]["loss"], a[step]["reward_mean"]), step
+    assert summary["accuracy_after"] == plain["accuracy_after"]
+    assert summary["audit"]["ok"] and summary["audit"]["trained_samples"] == 6 * 8, summary["audit"]
+
+
 def dying_reward(problem, completion: str) -> float:
     os._exit(3)  # the reward worker's process dies on every call: a real bug, not bad luck
 

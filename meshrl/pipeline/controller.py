@@ -321,7 +321,7 @@ class Pipeline:
             train.restarts = len(self.recovery.restarts)
             self._roles_ready.set()
             if resume_from is not None:
-                self._echo(await train.restore(resume_from, engines_kept="rollout" in self._processes.taken))
+                self._echo(await train.restore(resume_from, engines_kept=bool({"rollout", "hybrid"} & set(self._processes.taken))))
             else:
                 before = await self._evaluate()
                 train.accuracy_before = before["accuracy"]

@@ -10,7 +10,6 @@ an attempt fails (RoleProcesses.end):
   its meshes are parked instead of stopped, except
     the queue            its snapshot restores only into a fresh queue (two runs' samples never mix)
     the dead role        (death(failure))
-    a colocated hybrid   trainer and engine switch the device between them in one process
     rollout workers      with tensor-parallel TorchEngines (their TP group is set up once per start)
   and all of them when run.auto_resume is off or the failure is no role's death
 run.auto_resume resumes it:
@@ -19,8 +18,9 @@ run.auto_resume resumes it:
                         within PROBE_S is kept (rollout workers: and their SGLang servers answer
                         too), the others are stopped
   RoleProcesses.spawn   takes the kept mesh instead of starting the role
-  then as on every resume: the trainer loads the checkpoint (load_checkpoint restores all that
-  save_checkpoint wrote: weights, optimiser, schedule, RNG, counters), every engine joins the new
+  then as on every resume: the trainer (or a colocated hybrid, trainer and engine in one process)
+  loads the checkpoint (load_checkpoint restores all that save_checkpoint wrote: weights,
+  optimiser, schedule, RNG, counters), every engine joins the new
   transfer group and is pushed the checkpoint's weights (at step 0 too: a kept engine may serve later
   ones); kept SGLang servers are joined by the trainer after it destroys the group they may still
   hold of a dead one (0.5.10+), and pushed the checkpoint's weights the same way; reward and reference
@@ -55,7 +55,7 @@ __all__ = ["PROBE_S", "RoleProcesses"]
 PROBE_S = 10.0
 """How long a parked mesh's processes have to answer the heartbeat that keeps them."""
 
-KEEPABLE = ("trainer", "rollout", "reward", "reference")
+KEEPABLE = ("trainer", "hybrid", "rollout", "reward", "reference")
 """The roles whose processes may serve a resumed attempt (module docstring)."""
 
 
