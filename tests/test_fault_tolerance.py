@@ -246,29 +246,31 @@ def test_the_resume_budget_names_the_first_failure_once_spent(tmp_path):
 
 def test_a_resume_keeps_the_live_roles_it_can_use_again(tmp_path):
     """run.warm_resume: which roles a failed attempt leaves for the resumed one (meshrl.pipeline.processes).
-    The run above keeps them for real: its restart records say which, and it still trains as the
-    uninterrupted run."""
+    The runs above keep them for real: their restart records say which, and they still train as the
+    uninterrupted runs."""
     from meshrl.pipeline.processes import RoleProcesses
     from meshrl.queues.parcels import SamplesLost
 
     def kept(failure, *extra):
         return RoleProcesses.keepable(_config(str(tmp_path), tmp_path / "warm", *extra), failure)
 
-    trainer_died, rollout_died = ActorFailure("trainer", 0, "killed"), ActorFailure("rollout", 1, "killed")
-    assert kept(trainer_died) == {"rollout", "reward", "reference"}  # never the queue: it restores only when fresh
-    assert kept(rollout_died) == {"trainer", "reward", "reference"}
-    assert kept(SamplesLost("the reward worker that held them died")) == {"trainer", "rollout", "reward", "reference"}
+    every = {"trainer", "hybrid", "rollout", "reward", "reference"}  # never the queue: it restores only when fresh
+    assert kept(ActorFailure("queue", 0, "killed")) == every
+    assert kept(ActorFailure("trainer", 0, "killed")) == every - {"trainer"}
+    assert kept(ActorFailure("rollout", 1, "killed")) == every - {"rollout"}
+    assert kept(ActorFailure("hybrid", 0, "killed")) == every - {"hybrid"}
+    assert kept(SamplesLost("the reward worker that held them died")) == every
     wrapped = RuntimeError("the train loop failed")
-    wrapped.__cause__ = trainer_died
-    assert kept(wrapped) == kept(trainer_died)  # the death behind the error
+    wrapped.__cause__ = ActorFailure("trainer", 0, "killed")
+    assert kept(wrapped) == every - {"trainer"}  # the death behind the error
     assert kept(ValueError("a bug")) == set() and kept(None) == set()  # no resume follows
-    assert kept(trainer_died, "run.warm_resume=false") == set()
-    assert kept(trainer_died, "run.auto_resume=false") == set()
+    assert kept(ActorFailure("queue", 0, "killed"), "run.warm_resume=false") == set()
+    assert kept(ActorFailure("queue", 0, "killed"), "run.auto_resume=false") == set()
     # SGLang servers are kept with their workers (the next trainer destroys the dead one's group on
     # them); a TorchEngine's TP group is set up once per start: those engines start again
-    assert kept(trainer_died, "rollout.engine.backend=sglang") == {"rollout", "reward", "reference"}
-    assert kept(trainer_died, "rollout.tp_size=2") == {"reward", "reference"}
-    assert kept(trainer_died, "rollout.tp_size=2", "rollout.engine.backend=sglang") == {"rollout", "reward", "reference"}
+    assert kept(ActorFailure("queue", 0, "killed"), "rollout.engine.backend=sglang") == every
+    assert kept(ActorFailure("queue", 0, "killed"), "rollout.tp_size=2") == every - {"rollout"}
+    assert kept(ActorFailure("queue", 0, "killed"), "rollout.tp_size=2", "rollout.engine.backend=sglang") == every
 
 
 class Pingable(Actor):
