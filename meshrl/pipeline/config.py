@@ -77,7 +77,7 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True):
     warm_resume: bool = True
     """auto_resume: the resumed run takes over the failed one's live processes (the trainer reloads the
     checkpoint, the engines are pushed its weights) and starts only the dead role and the queue
-    again; false starts every role again (meshrl.pipeline.warm)."""
+    again; false starts every role again (meshrl.pipeline.processes)."""
     max_restarts: int = 3
     """auto_resume: the most resumes of one run; the next death stops it with the first failure."""
     max_worker_restarts: int = 3

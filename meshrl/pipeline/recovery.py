@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from meshrl.mesh import ActorFailure, RestartEvent, supervision
 from meshrl.pipeline.config import PipelineConfig
@@ -75,7 +75,7 @@ class Recovery:
         self.echo(f"recovering: {str(dead).splitlines()[0][:300]}; resuming from the newest checkpoint (restart "
                   f"{len(self.restarts)} of run.max_restarts={cfg.run.max_restarts})")
 
-    def recovered(self, log: RunLog, step: int, *, kept: list[str] = ()) -> None:
+    def recovered(self, log: RunLog, step: int, *, kept: Sequence[str] = ()) -> None:
         """The resumed run is back at ``step``: its record (cause, steps lost, recovery seconds) and
         a marker on the dead role's lane of the timeline. Once per resume. ``kept``: the roles whose
         processes the failed attempt left to this one (run.warm_resume)."""
