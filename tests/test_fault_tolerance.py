@@ -285,7 +285,7 @@ def test_parked_meshes_that_answer_are_kept_and_the_others_stopped(ray_cluster, 
     from meshrl.pipeline.processes import RoleProcesses
 
     cfg = _config(str(tmp_path), tmp_path / "parked")
-    processes = RoleProcesses(tmp_path / "parked")
+    processes = RoleProcesses(tmp_path / "parked", cfg)
     meshes = {name: processes.spawn(cfg, name, Pingable) for name in ("queue", "rollout", "trainer")}
     pids = {name: mesh.pid.call_one().get(timeout=60) for name, mesh in meshes.items()}
     asyncio.run(processes.end(cfg, ActorFailure("reference", 0, "killed")))  # queue: never kept

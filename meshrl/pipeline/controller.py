@@ -117,10 +117,8 @@ class Pipeline:
         self._started, self._finished = asyncio.Event(), asyncio.Event()
         self._log_ready, self._roles_ready = asyncio.Event(), asyncio.Event()
         self._failure: BaseException | None = None
-        self._processes = RoleProcesses(self.out_dir)
+        self._processes = RoleProcesses(self.out_dir, self.cfg)
         """Each attempt's role meshes, and those a failed one leaves for the resumed one (run.warm_resume)."""
-        self._servers: ActorMesh | None = None
-        """backend=sglang: the rollout workers, each running (or attached to) a server."""
         self.log: RunLog | None = None
         self._rollout: RolloutDriver | None = None
         self._train: TrainLoop | None = None
@@ -193,7 +191,6 @@ class Pipeline:
                                    tp_timeout_s=cfg.run.step_timeout_s,
                                    **({"environment": env, "episode": cfg.rollout.episode} if env else {}),
                                    **(restarts if restarts_rollout_in_place(cfg) else {}), **scorer)
-            self._servers = rollouts if sglang else None
         rewards = (self._spawn("reward", RewardWorker, reward, model_dir, cfg.reward.timeout_s, procs=cfg.reward.num_workers,
                                **restarts) if cfg.reward.num_workers else None)
         if cfg.placement != "colocated" or sglang:
@@ -218,7 +215,7 @@ class Pipeline:
             self._echo(f"engines: {cfg.rollout.num_workers} replica(s) x {cfg.rollout.tp_size} tensor-parallel ranks, "
                        "as the engines report")
             rollouts = rollouts.slice(tp=0)
-        if self._servers is not None:
+        if sglang:  # each rollout worker runs (or attaches to) a server
             await start_sglang_servers(cfg, rollouts, trainer, model_dir, self.out_dir, self._echo,
                                        kept="rollout" in self._processes.taken)
         elif cfg.reshard.transport == "distributed" and cfg.placement != "colocated":  # colocated: in-place hand-over
@@ -261,7 +258,7 @@ class Pipeline:
         self._stopping.clear()
         self._log_ready.clear()
         self._roles_ready.clear()
-        self._failure, self._servers, self._closed = None, None, False
+        self._failure, self._closed = None, False
         self._rollout = self._train = None
         self._processes.new_attempt()
 
@@ -311,7 +308,7 @@ class Pipeline:
             self.cfg = cfg = settle_devices(cfg, self._echo)
             roles = await self._start_roles(model_dir)
             self._echo(await asyncio.to_thread(self._processes.placement_line))
-            launched = self._servers is not None and not cfg.rollout.engine.sglang.urls  # their logs go to output_dir
+            launched = cfg.rollout.engine.backend == "sglang" and not cfg.rollout.engine.sglang.urls  # logs in output_dir
             await check_run_storage(roles, self.out_dir, model_dir, launched, cfg.run.step_timeout_s, self._echo)
             revivals = Revivals(cfg, len(roles.rollouts), record=self.recovery.revived)
             self._rollout = rollout = RolloutDriver(cfg, roles, tokenizer, ledger, log, stopping=self._stopping,
@@ -321,7 +318,7 @@ class Pipeline:
             train.restarts = len(self.recovery.restarts)
             self._roles_ready.set()
             if resume_from is not None:
-                self._echo(await train.restore(resume_from, engines_kept=bool({"rollout", "hybrid"} & set(self._processes.taken))))
+                self._echo(await train.restore(resume_from, engines_kept=self._processes.engines_kept))
             else:
                 before = await self._evaluate()
                 train.accuracy_before = before["accuracy"]

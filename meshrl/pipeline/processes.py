@@ -62,13 +62,13 @@ KEEPABLE = ("trainer", "hybrid", "rollout", "reward", "reference")
 class RoleProcesses:
     """The meshes of the running attempt, and those a failed one left (module docstring)."""
 
-    def __init__(self, out_dir: Path) -> None:
+    def __init__(self, out_dir: Path, cfg: PipelineConfig) -> None:
         self._run = "".join(c if c.isalnum() or c in "-_." else "_" for c in out_dir.name)[:40] or "run"
-        self.meshes: dict[str, tuple[ProcMesh, ActorMesh]] = {}
-        """The running attempt's: role name -> (its proc mesh, the actor mesh on it)."""
         self._parked: dict[str, tuple[ProcMesh, ActorMesh]] = {}
-        self.taken: list[str] = []
-        """The roles the running attempt took from the failed one, in the order it started them."""
+        self._servers = cfg.rollout.engine.backend == "sglang"
+        """The rollout workers run SGLang servers."""
+        self._server_s = cfg.rollout.engine.sglang.stop_timeout_s + 30
+        """How long a rollout worker may take to stop its SGLang server, or to show it answers."""
         self.new_attempt()
 
     def new_attempt(self) -> None:
@@ -76,7 +76,10 @@ class RoleProcesses:
         # directory): a second Pipeline in this program (or another program on the same cluster) has
         # meshes called "queue", "trainer", ... as well, and `ray list actors` tells the runs apart
         self.namespace = f"meshrl-{self._run}-{uuid.uuid4().hex[:6]}"
-        self.meshes = {}
+        self.meshes: dict[str, tuple[ProcMesh, ActorMesh]] = {}
+        """The running attempt's: role name -> (its proc mesh, the actor mesh on it)."""
+        self.taken: list[str] = []
+        """The roles the running attempt took from the failed one, in the order it started them."""
 
     def spawn(self, cfg: PipelineConfig, name: str, cls: type, *args: Any, procs: int = 1,
               dims: dict[str, int] | None = None, gpus_per_proc: float = 0, **kwargs: Any) -> ActorMesh:
@@ -95,6 +98,11 @@ class RoleProcesses:
                            timeout=cfg.cluster.placement_timeout_s)
         self.meshes[name] = (mesh, mesh.spawn(name, cls, *args, **kwargs))
         return self.meshes[name][1]
+
+    @property
+    def engines_kept(self) -> bool:
+        """The running attempt's engines are a failed one's (rollout workers, or colocated hybrids)."""
+        return bool({"rollout", "hybrid"} & set(self.taken))
 
     def placement_line(self) -> str:
         """Where each role's processes were reserved: one node address per rank, in rank order; and
@@ -116,8 +124,6 @@ class RoleProcesses:
 
     async def end(self, cfg: PipelineConfig, failure: BaseException | None) -> None:
         """The attempt is over: park the meshes a resume may use again (``keepable``), stop the others."""
-        self._close_s = cfg.rollout.engine.sglang.stop_timeout_s + 30
-        self._servers = cfg.rollout.engine.backend == "sglang"
         await self.stop_parked()
         meshes, self.meshes = self.meshes, {}
         keep = self.keepable(cfg, failure)
@@ -127,13 +133,12 @@ class RoleProcesses:
     async def probe(self, echo: Callable[[str], None]) -> None:
         """Keep the parked meshes whose every process answers a heartbeat (and whose SGLang servers
         answer a request); stop the rest."""
-        self.taken = []
         for name, (_, actors) in list(self._parked.items()):
             states = await actors.heartbeat(PROBE_S)
             why = ", ".join(f"{name}/{r} {s}" for r, s in states.items() if s != "alive")
             if not why and name == "rollout":
                 try:
-                    await actors.check_engine.call(True).within(self._close_s)
+                    await actors.check_engine.call(True).within(self._server_s)
                 except Exception as exc:
                     why = f"its server: {str(exc).splitlines()[0][:200]}"
             if why:
@@ -145,18 +150,13 @@ class RoleProcesses:
         parked, self._parked = self._parked, {}
         await self._stop(parked)
 
-    _close_s = 60.0
-    """How long a rollout worker may take to stop its SGLang server (rollout.engine.sglang.stop_timeout_s + 30)."""
-    _servers = False
-    """The rollout workers run SGLang servers (rollout.engine.backend=sglang)."""
-
     async def _stop(self, meshes: dict[str, tuple[ProcMesh, ActorMesh]]) -> None:
         """Stop ``meshes``; SGLang rollout workers stop their servers first (a killed worker would leave
         them running). The stops happen even if this is cancelled meanwhile."""
         try:
             if self._servers and "rollout" in meshes:
                 with contextlib.suppress(Exception):
-                    await meshes["rollout"][1].close_engine.call().within(self._close_s)
+                    await meshes["rollout"][1].close_engine.call().within(self._server_s)
         finally:
             for procs, _ in meshes.values():
                 try:

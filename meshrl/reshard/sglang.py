@@ -308,28 +308,26 @@ class SGLangWeightSender:
         results = replies.result() if replies.done() and not replies.cancelled() else [None] * len(self.engines)
         replies.cancel()
         refused = {i for i, r in enumerate(results) if isinstance(r, tuple) and _failure(r)}
-        holders = [i for i, v in enumerate(self.versions) if v >= (0, 5, 10) and i not in refused]
-        if holders:
-            with contextlib.suppress(Exception):
-                await self._each("POST", "/destroy_weights_update_group",
-                                 [{"group_name": self.config.group_name}] * len(holders), holders)
+        await self._destroy_on([i for i, v in enumerate(self.versions) if v >= (0, 5, 10) and i not in refused])
+
+    async def _destroy_on(self, idx: Sequence[int]) -> None:
+        """POST /destroy_weights_update_group to engines ``idx``, best effort: the answers (the group
+        existed or not) are not read."""
+        if idx:
+            await self._each("POST", "/destroy_weights_update_group", [{"group_name": self.config.group_name}] * len(idx), idx)
 
     async def _destroy_stale(self) -> None:
-        """POST /destroy_weights_update_group to every engine, whose answer (the group exists or not)
-        does not matter; an engine older than 0.5.10 has no such call and would refuse the new group.
-        0.5.21+: first /end_weight_update, closing an update the dead trainer left open (the next
-        /begin_weight_update would be refused)."""
+        """Destroy the group on every engine (``_destroy_on``); an engine older than 0.5.10 has no such
+        call and would refuse the new group. 0.5.21+: first /end_weight_update, closing an update the
+        dead trainer left open (the next /begin_weight_update would be refused)."""
         old = [self.engines[i].name for i, v in enumerate(self.versions) if v < (0, 5, 10)]
         if old:
             raise SGLangPushError(f"engines {old} outlived the trainer that joined them (run.warm_resume) and run "
                                   "SGLang < 0.5.10, which cannot destroy its weight-update group: set "
                                   "run.warm_resume=false to start them again with the trainer")
         if begun := [i for i, v in enumerate(self.versions) if v >= (0, 5, 21)]:
-            with contextlib.suppress(Exception):
-                await self._each("POST", "/end_weight_update", [{}] * len(begun), begun)
-        with contextlib.suppress(Exception):
-            await self._each("POST", "/destroy_weights_update_group",
-                             [{"group_name": self.config.group_name}] * len(self.engines), range(len(self.engines)))
+            await self._each("POST", "/end_weight_update", [{}] * len(begun), begun)  # answers not read either
+        await self._destroy_on(range(len(self.engines)))
 
     async def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> PushStats:
         """Pause, send every tensor, flush, resume: the engines serve ``version`` afterwards."""
