@@ -70,21 +70,30 @@ def _evals(out: Path) -> list[tuple[int, int, float]]:
     return [(r["step"], r["version"], r["accuracy"]) for r in records if r["kind"] == "eval"]
 
 
-def test_resumed_run_repeats_the_uninterrupted_one(ray_cluster, tmp_path, tiny_model):
+@pytest.mark.parametrize("loops", ["controller", "roles"])
+def test_resumed_run_repeats_the_uninterrupted_one(ray_cluster, tmp_path, tiny_model, loops):
+    """``roles``: the rollout worker and the trainer run the loops (meshrl.actors.lanes; dp = 1), and the
+    rollout side's state comes from the rollout worker, its queue and its ledger read at once."""
     model_dir = tiny_model
-    first = asyncio.run(Pipeline(_config(model_dir, tmp_path / "a", "run.eval_every=2"), task=DigitShareTask()).run())
+    # the weights in the lane's messages here (test_sync_equivalence's run shares them in memory)
+    lanes = ("run.loops=roles", "trainer.dp=1", "run.lane_shared_memory=false") if loops == "roles" else ()
+    first = asyncio.run(Pipeline(_config(model_dir, tmp_path / "a", "run.eval_every=2", *lanes),
+                                 task=DigitShareTask()).run())
     assert first["steps"] == 4
     ckpts = sorted(p.name for p in (tmp_path / "a" / "checkpoints").glob("step_*"))
     assert ckpts == ["step_00000002", "step_00000004"]  # every 2 steps and at the end, none partial
     assert latest_checkpoint(tmp_path / "a").name == "step_00000004"
     state = read_run_state(tmp_path / "a" / "checkpoints" / "step_00000002")
-    assert (state.step, state.version, state.prompt_position) == (2, 2, 16)
-    # η=0: nothing in flight, nothing queued (the step's last request may be listed as just done)
+    assert (state.step, state.version) == (2, 2)
     queue = msgspec.msgpack.decode(state.queue_snapshot, type=QueueSnapshot)
-    assert queue.reservations == [] and queue.groups == []
+    if loops == "controller":
+        # η=0: nothing in flight, nothing queued (the step's last request may be listed as just done)
+        assert queue.reservations == [] and queue.groups == [] and state.prompt_position == 16
+    else:  # the rollout worker serves version 2 before the checkpoint: step 3's one request may be under way or in
+        assert len(queue.reservations) <= 1 and len(queue.groups) <= 8 and state.prompt_position in (16, 24)
 
     resume = tmp_path / "a" / "checkpoints" / "step_00000002"
-    second = asyncio.run(Pipeline(_config(model_dir, tmp_path / "b", "run.eval_every=2", f"run.resume={resume}"),
+    second = asyncio.run(Pipeline(_config(model_dir, tmp_path / "b", "run.eval_every=2", f"run.resume={resume}", *lanes),
                                   task=DigitShareTask()).run())
     assert second["steps"] == 4 and second["accuracy_before"] == first["accuracy_before"]
     # the step-2 evaluation starts after the step-2 checkpoint is written: the resumed run runs it

@@ -57,6 +57,7 @@ import msgspec
 
 from meshrl.actors import ReferenceWorker, RewardWorker, RolloutWorker, Trainer
 from meshrl.actors.hybrid import HybridWorker
+from meshrl.actors.lanes import LaneRollout, LaneSettings, LaneTrainer
 from meshrl.config import ConfigError, to_yaml
 from meshrl.embedded import warm_start
 from meshrl.envs import EnvFactory
@@ -70,6 +71,7 @@ from meshrl.pipeline.startup import check_prompts, ensure_ray, settle_devices, s
 from meshrl.pipeline.recovery import Recovery
 from meshrl.pipeline.revival import Revivals, restarts_rollout_in_place
 from meshrl.pipeline.storage import check_run_storage
+from meshrl.pipeline.lanes import LaneLoop
 from meshrl.pipeline.training import TrainLoop
 from meshrl.pipeline.processes import RoleProcesses
 from meshrl.queues import QueueClosed
@@ -110,6 +112,9 @@ class Pipeline:
             reward = NamedFunction(config.task.reward_function)  # each reward worker imports it
         if environment is not None and not callable(environment):
             raise TypeError(f"environment must be a factory problem -> Environment (e.g. a class), got {environment!r:.80}")
+        if environment is not None and config.run.loops == "roles":
+            raise ConfigError("`run.loops`: roles plays single-turn requests only; an environment's episodes run "
+                              "from the controller's loop (run.loops=controller)")
         self.reward, self.environment = reward, environment
         self.out_dir = Path(config.run.output_dir).resolve()  # actors may run in another directory
         self._stopping = asyncio.Event()  # set when the run winds down (the end, a failure, or stop())
@@ -162,8 +167,10 @@ class Pipeline:
         await self._processes.probe(self._echo)  # run.warm_resume: what the failed attempt left, if it answers
         restarts = ({"max_restarts": cfg.run.max_worker_restarts,
                      "on_restart": functools.partial(self.recovery.restarted, cfg)} if cfg.run.max_worker_restarts else {})
-        queue = self._spawn("queue", QueueActor, cfg.queue, samples_per_step=cfg.trainer.samples_per_step,
-                            steps_per_version=cfg.trainer.sync_interval, ledger=cfg.run.audit)
+        lanes = cfg.run.loops == "roles"
+        if not lanes:
+            queue = self._spawn("queue", QueueActor, cfg.queue, samples_per_step=cfg.trainer.samples_per_step,
+                                steps_per_version=cfg.trainer.sync_interval, ledger=cfg.run.audit)
         max_new_tokens = cfg.rollout.episode.max_tokens if env else cfg.rollout.max_new_tokens
         sglang = cfg.rollout.engine.backend == "sglang"
         share = 0.5 if cfg.placement == "colocated" and sglang else 1  # colocated SGLang: half a GPU each, for Ray
@@ -172,7 +179,13 @@ class Pipeline:
         # without an environment the task's reward is the default; an environment's rewards stand alone
         reward = self.reward if self.reward is not None else None if env else self.task
         scorer = {} if cfg.reward.num_workers else {"scorer": (reward, cfg.reward.timeout_s)}  # rollouts score
-        if cfg.placement == "colocated" and not sglang:
+        if lanes:  # the rollout worker holds the queue and runs its loops (meshrl.actors.lanes)
+            settings = LaneSettings(queue=cfg.queue, rollout=cfg.rollout, samples_per_prompt=cfg.algo.samples_per_prompt,
+                                    samples_per_step=cfg.trainer.samples_per_step, sync_interval=cfg.trainer.sync_interval,
+                                    seed=cfg.run.seed, step_timeout_s=cfg.run.step_timeout_s, audit=cfg.run.audit)
+            rollouts = queue = self._spawn("rollout", LaneRollout, model_dir, cfg.rollout.engine, cfg.rollout.threads,
+                                           lane=settings, problems=list(self.task.split("train")), **scorer)
+        elif cfg.placement == "colocated" and not sglang:
             # one process per trainer rank holds the trainer and an engine replica (meshrl.actors.hybrid);
             # "procs" is the dim the rollout loops slice, and the trainer's dp axis
             rollouts = trainer = self._spawn(
@@ -195,7 +208,7 @@ class Pipeline:
                                **restarts) if cfg.reward.num_workers else None)
         if cfg.placement != "colocated" or sglang:
             trainer = self._spawn(
-                "trainer", Trainer, model_dir, cfg.trainer, cfg.algo, temperature=cfg.rollout.temperature,
+                "trainer", LaneTrainer if lanes else Trainer, model_dir, cfg.trainer, cfg.algo, temperature=cfg.rollout.temperature,
                 max_new_tokens=max_new_tokens, total_steps=cfg.run.total_steps, dims={"dp": cfg.trainer.dp},
                 gpus_per_proc=int(cfg.trainer.device == "cuda") * share,
             )
@@ -203,7 +216,8 @@ class Pipeline:
         if cfg.algo.kl_coef > 0 and not cfg.trainer.reference_in_trainer:
             reference = self._spawn("reference", ReferenceWorker, model_dir, temperature=cfg.rollout.temperature,
                                     tokens_per_microbatch=cfg.trainer.tokens_per_microbatch, **restarts)
-        meshes = [m for m in (queue, rollouts, rewards, trainer if trainer is not rollouts else None, reference) if m is not None]
+        meshes = [m for m in (queue if queue is not rollouts else None, rollouts, rewards,
+                              trainer if trainer is not rollouts else None, reference) if m is not None]
         await asyncio.gather(*(m.ready().within(self.cfg.run.step_timeout_s) for m in meshes))
         engines = rollouts  # every engine rank: weight pushes reach them all
         if "tp" in rollouts.sizes:  # generation goes to each replica's rank 0; the others follow its schedule
@@ -218,7 +232,7 @@ class Pipeline:
         if sglang:  # each rollout worker runs (or attaches to) a server
             await start_sglang_servers(cfg, rollouts, trainer, model_dir, self.out_dir, self._echo,
                                        kept="rollout" in self._processes.taken)
-        elif cfg.reshard.transport == "distributed" and cfg.placement != "colocated":  # colocated: in-place hand-over
+        elif cfg.reshard.transport == "distributed" and cfg.placement != "colocated" and not lanes:  # colocated: in-place hand-over
             # once: a process group over every trainer and engine rank, and the cached transfer plan
             await reshard_meshes.connect(trainer, engines, cfg.reshard)
         return Roles(queue, rollouts, rewards, trainer, reference, engines=engines)
@@ -293,8 +307,12 @@ class Pipeline:
                        "run.resume=latest follows this run")
         reference = cfg.algo.kl_coef > 0 and not cfg.trainer.reference_in_trainer
         tp = f" (x{cfg.rollout.tp_size} tensor-parallel ranks each)" if cfg.rollout.tp_size > 1 else ""
-        self._echo(f"starting roles: queue, {cfg.rollout.num_workers} rollout{tp}, {cfg.reward.num_workers or 'no'} reward, "
-                   f"trainer (dp={cfg.trainer.dp})" + (", reference" if reference else ""))
+        if cfg.run.loops == "roles":
+            self._echo("starting roles: 1 rollout (holding the queue, scoring its samples), trainer (dp=1); "
+                       "they run the loops themselves (run.loops=roles)")
+        else:
+            self._echo(f"starting roles: queue, {cfg.rollout.num_workers} rollout{tp}, {cfg.reward.num_workers or 'no'} "
+                       f"reward, trainer (dp={cfg.trainer.dp})" + (", reference" if reference else ""))
         self.log = log = RunLog(self.out_dir, cfg.run.total_steps, progress=cfg.run.progress,
                                 tensorboard=cfg.run.tensorboard, resumed_step=resumed_step)
         for rec in ckpt.read_records(resume_from) if resume_from is not None else []:
@@ -314,8 +332,12 @@ class Pipeline:
             self._rollout = rollout = RolloutDriver(cfg, roles, tokenizer, ledger, log, stopping=self._stopping,
                                                     environment=self.environment is not None, revivals=revivals)
             self.recovery.revivals = revivals
-            self._train = train = TrainLoop(cfg, roles, rollout, log, self.out_dir, evaluate=self._periodic_evaluation)
+            lanes = cfg.run.loops == "roles"
+            self._train = train = (LaneLoop if lanes else TrainLoop)(cfg, roles, rollout, log, self.out_dir,
+                                                                      evaluate=self._periodic_evaluation)
             train.restarts = len(self.recovery.restarts)
+            if lanes:
+                await train.connect()
             self._roles_ready.set()
             if resume_from is not None:
                 self._echo(await train.restore(resume_from, engines_kept=self._processes.engines_kept))
@@ -324,7 +346,7 @@ class Pipeline:
                 train.accuracy_before = before["accuracy"]
                 self._echo(f"held-out accuracy before RL: {before['accuracy']:.1%} ({before['problems']} problems)")
             self.recovery.recovered(log, train.step, kept=self._processes.taken)
-            loops = [
+            loops = [] if lanes else [  # run.loops=roles: the rollout worker runs them (LaneLoop.run starts them)
                 asyncio.create_task(self._guard(rollout.loop(roles.rollouts.slice(procs=i), i)))
                 for i in range(cfg.rollout.num_workers) for _ in range(cfg.rollout.requests_in_flight)
             ]
@@ -338,7 +360,7 @@ class Pipeline:
                 await asyncio.wait([training, stop], return_when=asyncio.FIRST_COMPLETED)
                 stopped = self._stop_requested.is_set() and train.step < cfg.run.total_steps
                 if stopped:
-                    left = await rollout.drain(cfg.run.stop_drain_timeout_s)
+                    left = await (train if lanes else rollout).drain(cfg.run.stop_drain_timeout_s)
                     if left:
                         self._echo(f"stop: {left} requests still in flight after {cfg.run.stop_drain_timeout_s:g}s; "
                                    "the checkpoint records them and a resumed run generates them again")

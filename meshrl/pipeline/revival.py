@@ -33,7 +33,8 @@ __all__ = ["Revivals", "death", "restarts_rollout_in_place"]
 
 def restarts_rollout_in_place(cfg: PipelineConfig) -> bool:
     """A rollout worker's death is answered by its restart in place, not a resume (module docstring)."""
-    return (cfg.run.max_worker_restarts > 0 and cfg.rollout.engine.backend == "torch" and cfg.rollout.tp_size == 1
+    return (cfg.run.max_worker_restarts > 0 and cfg.run.loops == "controller" and cfg.rollout.engine.backend == "torch"
+            and cfg.rollout.tp_size == 1
             and cfg.placement != "colocated" and (cfg.trainer.sync_interval == 1 or cfg.rollout.num_workers > 1))
 
 

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshrl.actors import RolloutJob
-from meshrl.engines import GenerateRequest, SamplingParams
+from meshrl.actors.requests import RequestMaker
+from meshrl.engines import GenerateRequest
 from meshrl.envs import EpisodeRequest
 from meshrl.mesh import ActorFailure, ActorMesh
 from meshrl.pipeline import checkpoint as ckpt
@@ -79,6 +80,8 @@ class RolloutDriver:
         self.stopping = stopping
         """Set when the run winds down: no new request starts."""
         self.environment = environment
+        self.maker = RequestMaker(cfg.rollout, cfg.run.seed, cfg.run.eval_max_new_tokens, tokenizer, environment=environment)
+        """Sampling settings, seeds and tokenised prompts of the requests (shared with ``run.loops=roles``)."""
         self.taking = asyncio.Event()
         """Cleared while a checkpoint captures the controller state."""
         self.taking.set()
@@ -90,28 +93,10 @@ class RolloutDriver:
         self.revivals = revivals or Revivals(cfg, len(roles.rollouts) if roles.rollouts is not None else 0)
         """The rollout workers serving the current weights, and those restarted (meshrl.pipeline.revival)."""
 
-    def _sampling(self, *, greedy: bool, n: int, seed: int | None, max_new_tokens: int | None = None) -> SamplingParams:
-        r = self.cfg.rollout
-        if max_new_tokens is None:
-            max_new_tokens = (self.cfg.run.eval_max_new_tokens or r.max_new_tokens) if greedy else r.max_new_tokens
-        return SamplingParams(
-            max_new_tokens=max_new_tokens, temperature=0.0 if greedy else r.temperature, top_p=1.0 if greedy else r.top_p,
-            top_k=-1 if greedy else r.top_k, n=n, seed=seed, ignore_eos=r.ignore_eos and not greedy,
-        )
-
-    def _seed(self, group_ids: list[int] | None, i: int) -> int | None:
-        """A sampled request is seeded by its group id, so a run's samples do not depend on how
-        requests interleave in the engine."""
-        return None if group_ids is None else (self.cfg.run.seed * 1_000_003 + group_ids[i]) % (1 << 62)
-
     def requests(self, problems: list[Problem], *, greedy: bool, n: int, group_ids: list[int] | None = None,
                  max_new_tokens: int | None = None) -> tuple[list[list[int]], list[GenerateRequest]]:
-        """Tokenised prompts and their single-turn requests."""
-        prompt_ids = [self.tokenizer.encode(p.prompt) for p in problems]
-        requests = [GenerateRequest(input_ids=ids, sampling=self._sampling(greedy=greedy, n=n, seed=self._seed(group_ids, i),
-                                                                           max_new_tokens=max_new_tokens))
-                    for i, ids in enumerate(prompt_ids)]
-        return prompt_ids, requests
+        """Tokenised prompts and their single-turn requests (``RequestMaker.requests``)."""
+        return self.maker.requests(problems, greedy=greedy, n=n, group_ids=group_ids, max_new_tokens=max_new_tokens)
 
     def start_play(self, worker: ActorMesh, problems: list[Problem], *, greedy: bool, n: int,
                    group_ids: list[int] | None) -> tuple[Any, RolloutJob, str]:
@@ -134,13 +119,7 @@ class RolloutDriver:
     def job(self, problems: list[Problem], *, greedy: bool, n: int, group_ids: list[int] | None
             ) -> tuple[RolloutJob, list[GenerateRequest] | list[EpisodeRequest]]:
         """The job ``problems``' generations (or episodes) belong to, and the requests that make them."""
-        job = RolloutJob(problems=problems, prompt_ids=[], results=[], group_ids=group_ids or [-1] * len(problems))
-        if self.environment:
-            return job, [EpisodeRequest(problem=p, n=n, sampling=self._sampling(greedy=greedy, n=1,
-                                                                                seed=self._seed(group_ids, i)))
-                         for i, p in enumerate(problems)]
-        job.prompt_ids, requests = self.requests(problems, greedy=greedy, n=n, group_ids=group_ids)
-        return job, requests
+        return self.maker.job(problems, greedy=greedy, n=n, group_ids=group_ids)
 
     async def play(self, problems: list[Problem], *, greedy: bool, n: int, group_ids: list[int] | None,
                    what: str, scored: bool = False) -> Any:

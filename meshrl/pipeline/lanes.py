@@ -1,0 +1,236 @@
+"""The controller's side of ``run.loops=roles``: the roles run the loops (``meshrl.actors.lanes``), the
+controller hands out chunks of steps and does the rest between them.
+
+```text
+start:   rollout.lane_open → trainer.lane_connect (the channel, the weights' layout)
+         resume: trainer.load_checkpoint → trainer.lane_push(version) → rollout.lane_restore
+         rollout.lane_start (its loops run until the queue closes)
+train:   trainer.lane_steps(step, version, k)   k steps: to the next checkpoint or evaluation, at most
+                                                run.lane_chunk_steps; the batches, the pushes and
+                                                the set_versions go over the lane, not through here
+         rollout.lane_report                    queue metrics, tokens, spans: into each step record
+         every checkpoint_every steps and at the end: trainer.save_checkpoint, rollout.lane_state
+         (the queue's snapshot with the ledger, read at once) → run_state.msgpack
+         every eval_every steps: the evaluation, on the rollout worker beside its loops
+stop():  rollout.lane_pause (the requests in flight put their samples) → queue.close → checkpoint
+```
+
+``LaneLoop`` stands where ``TrainLoop`` stands in ``meshrl.pipeline.controller`` (the same
+attributes and methods the controller uses), so stopping, resuming, evaluating and exporting are the
+controller's own code for both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+from meshrl.mesh import ActorFailure
+from meshrl.pipeline import checkpoint as ckpt
+from meshrl.pipeline.audit import AuditLog
+from meshrl.pipeline.config import PipelineConfig
+from meshrl.pipeline.metrics import RunLog
+from meshrl.pipeline.rollout_loop import Roles, RolloutDriver, bounded
+from meshrl.queues.snapshot import ledger_mark
+
+__all__ = ["LaneLoop"]
+
+
+class LaneLoop:
+    """Chunks of train steps run by the roles themselves, and the run's position (module docstring)."""
+
+    def __init__(self, cfg: PipelineConfig, roles: Roles, rollout: RolloutDriver, log: RunLog, out_dir: Path, *,
+                 evaluate: Callable[[], Awaitable[Any]]) -> None:
+        self.cfg, self.roles, self.rollout, self.log, self.out_dir = cfg, roles, rollout, log, out_dir
+        self._evaluate = evaluate
+        self.step = self.version = self.last_checkpoint = self.restarts = 0
+        self.accuracy_before: float | None = None
+        self.evals: list[asyncio.Task] = []
+        self.audit = AuditLog(log, roles.queue, cfg.run.audit, cfg.run.step_timeout_s)
+        self._clock = time.time() - log.now()
+        """``time.time()`` at the log's zero: the roles' stamps onto the timeline's clock."""
+
+    async def connect(self) -> None:
+        """The lane between the trainer and the rollout worker: its channel and the weights' layout."""
+        timeout = self.cfg.run.step_timeout_s
+        host, port, dtype = await bounded(self.roles.rollouts.lane_open.call_one(), timeout, "the rollout worker's lane")
+        shared = (await self.roles.trainer.lane_connect.call(host, port, dtype, timeout, self.cfg.run.lane_shared_memory
+                                                             ).within(timeout)).values()[0]
+        self.log.echo(f"lane: the trainer takes its batches from the rollout worker at {host}:{port}; the weights go "
+                      + ("through shared memory" if shared else "in the messages") + f" ({dtype})")
+
+    async def start(self) -> None:
+        """The rollout worker's loops begin (after the evaluation before RL, or a restore)."""
+        await bounded(self.roles.rollouts.lane_start.call_one(), self.cfg.run.step_timeout_s, "the rollout loops to start")
+
+    async def run(self) -> None:
+        """Train until ``run.total_steps`` or until the run is stopping. The trainer always holds the
+        next chunk before it ends the one it runs (unless a checkpoint or the end comes between), so
+        it never waits for the controller: a chunk's records are written while the next one trains."""
+        cfg = self.cfg
+        await self.start()
+        chunks: collections.deque[tuple[int, int, Any]] = collections.deque()
+        """(last step, version after it, the trainer's call) of the chunks asked for, in order."""
+        end = (self.step, self.version)  # where the chunks asked for end
+        while True:
+            end = self._ask_ahead(chunks, end)
+            if not chunks:
+                break  # the end, or stopping
+            last, after, calling = chunks.popleft()
+            try:
+                records, version = (await calling).values()[0]
+            except ActorFailure:
+                raise
+            except Exception as exc:  # the lane broke: a dead rollout worker is the cause to report
+                await self._blame_rollout(exc)
+                raise
+            if (records[-1]["step"], version) != (last, after):
+                raise RuntimeError(f"the trainer's chunk ended at step {records[-1]['step']}, version {version}; "
+                                   f"expected step {last}, version {after}")
+            end = self._ask_ahead(chunks, end)  # before the writing below
+            report = await bounded(self.roles.rollouts.lane_report.call_one(), cfg.run.step_timeout_s,
+                                   "the rollout worker's report")
+            for done, trained in self._write(records, report):
+                await self.audit.record(done, trained)  # run.audit: the groups each step trained
+            self.step, self.version = last, version
+            if self._checkpoints_after(self.step):
+                await self.checkpoint()
+            if cfg.run.eval_every and self.step % cfg.run.eval_every == 0 and self.step < cfg.run.total_steps:
+                self.evals.append(asyncio.create_task(self._evaluate()))
+        if self.step == cfg.run.total_steps and cfg.run.total_steps % cfg.trainer.sync_interval:
+            # off the cadence: the final evaluation is of the weights the run exports (as TrainLoop does)
+            self.version += 1
+            await self.roles.trainer.lane_push.call(self.version).within(cfg.run.step_timeout_s)
+
+    def _ask_ahead(self, chunks: collections.deque, end: tuple[int, int]) -> tuple[int, int]:
+        """Give the trainer chunks until it holds two (its calls run one at a time, in order), from
+        ``end`` (step, version): not past the end and not from a step whose checkpoint is not written
+        yet. While stopping only the step whose batch a chunk took early (``prefetch``) is asked for.
+        Returns where the chunks asked for end."""
+        cfg, sync = self.cfg, self.cfg.trainer.sync_interval
+        while len(chunks) < 2:
+            step, version = end
+            if step >= cfg.run.total_steps or (self._checkpoints_after(step) and self.last_checkpoint != step):
+                break
+            count = self._chunk(step)
+            if self.rollout.stopping.is_set():
+                if not self._prefetched:
+                    break
+                count = 1  # its batch is out of the queue: trained, as a step under way finishes
+            last = step + count
+            evaluates = cfg.run.eval_every and last % cfg.run.eval_every == 0
+            self._prefetched = last < cfg.run.total_steps and not self._checkpoints_after(last) and not self.rollout.stopping.is_set()
+            # waits for: the chunks before it and `count` train steps (each step's waits bounded by the trainer)
+            calling = self.roles.trainer.lane_steps.call(
+                step, version, count, sync, prefetch=self._prefetched,
+                settle=not self._prefetched or bool(evaluates),
+            ).within((len(chunks) + 1) * count * cfg.run.step_timeout_s)
+            end = (last, version + last // sync - step // sync)
+            chunks.append((*end, calling))
+        return end
+
+    _prefetched = False
+    """The last chunk asked for took the batch of the step after it."""
+
+    async def _blame_rollout(self, exc: BaseException) -> None:
+        """The trainer's chunk failed over the lane: if the rollout worker (and its queue) died,
+        raise that death (run.auto_resume resumes from it), not the closed channel it left."""
+        try:
+            await self.roles.rollouts.lane_report.call_one().within(30)
+        except ActorFailure as dead:
+            raise dead from exc
+        except Exception:
+            pass  # alive (its own failure is in the trainer's error), or not answering: the trainer's error stands
+
+    def _chunk(self, step: int) -> int:
+        """Steps from ``step`` up to the next checkpoint, evaluation or the end, at most run.lane_chunk_steps."""
+        cfg = self.cfg
+        ends = [cfg.run.total_steps]
+        for every in (cfg.run.checkpoint_every, cfg.run.eval_every):
+            if every > 0:
+                ends.append((step // every + 1) * every)
+        return max(1, min(min(ends) - step, cfg.run.lane_chunk_steps))
+
+    def _write(self, records: list[dict[str, Any]], report: dict[str, Any]) -> list[tuple[int, Any]]:
+        """The chunk's step records and spans into the log; (step, groups trained) of each step."""
+        queue_m = {f"queue/{k}": v for k, v in report["queue"].items() if isinstance(v, (int, float))}
+        generated = report["generated_tokens"]
+        first, last = records[0]["spans"][0], records[-1]["spans"][3]
+        rate = (generated - getattr(self, "_generated", 0)) / max(last - getattr(self, "_last_end", first), 1e-9)
+        self._generated, self._last_end = generated, last
+        c, steps = self._clock, []
+        for role, what, start, end in report["spans"]:
+            self.log.span(role, what, start - c, end - c)
+        for rec in records:
+            t0, t1, t2, t3 = rec.pop("spans")
+            trained = rec.pop("groups")
+            self.log.span("trainer", "train_step", t1 - c, t2 - c)
+            if t3 > t2 + 1e-6:
+                self.log.span("sync", "push_weights", t2 - c, t3 - c, version=rec["version"])
+            steps.append((rec["step"], trained))
+            self.log.step({**rec, "tokens_per_s": rate, "generated_tokens": generated, "reissued_calls": 0,
+                           "restarts": self.restarts, "reissued_requests": 0, "revived_workers": 0, **queue_m})
+        return steps
+
+    def _checkpoints_after(self, step: int) -> bool:
+        every, total = self.cfg.run.checkpoint_every, self.cfg.run.total_steps
+        return (every > 0 and step % every == 0) or (step == total and self.cfg.run.checkpoint_at_end)
+
+    async def revive(self) -> None:
+        """Rollout workers are not restarted in place with run.loops=roles (the run resumes instead)."""
+        await asyncio.Event().wait()
+
+    async def settle(self) -> None:
+        """Every chunk ends with the engine serving its last version: nothing to wait for."""
+
+    async def recorded(self) -> None:
+        """Every step record is written when its chunk returns."""
+
+    async def drain(self, timeout_s: float) -> int:
+        """``Pipeline.stop``: the requests in flight put their samples (at most ``timeout_s``)."""
+        return await bounded(self.roles.rollouts.lane_pause.call_one(timeout_s), timeout_s + 30,
+                             "the rollout worker to finish its requests in flight")
+
+    async def checkpoint(self) -> Path:
+        """Trainer state, and the rollout side's state read at once (``LaneRollout.lane_state``)."""
+        t0, timeout = self.log.now(), self.cfg.run.step_timeout_s
+        partial = ckpt.partial_dir(self.out_dir, self.step)
+        if partial.exists():
+            shutil.rmtree(partial)
+        await self.roles.trainer.save_checkpoint.call(str(partial / "trainer")).within(timeout)
+        side = await bounded(self.roles.rollouts.lane_state.call_one(), timeout, "the rollout side's state")
+        await self.audit.record(self.step, (), upto=ledger_mark(side["queue_snapshot"]))  # run.audit
+        state = ckpt.RunState(
+            step=self.step, version=self.version, prompt_position=side["prompt_position"], next_group=side["next_group"],
+            generated_tokens=side["generated_tokens"], accuracy_before=self.accuracy_before, in_flight=side["in_flight"],
+            queue_snapshot=side["queue_snapshot"], fingerprint=ckpt.run_fingerprint(self.cfg, self.rollout.ledger.source),
+        )
+        ckpt.write_checkpoint_files(partial, state, self.out_dir / "metrics.jsonl")
+        final = ckpt.commit(partial, keep=self.cfg.run.keep_checkpoints)
+        self.last_checkpoint = self.step
+        self.log.span("trainer", "checkpoint", t0, self.log.now(), step=self.step)
+        return final
+
+    async def restore(self, path: Path, *, engines_kept: bool = False) -> str:
+        """Continue the run saved at ``path`` (before ``run``); a line saying so."""
+        timeout = self.cfg.run.step_timeout_s
+        state = ckpt.read_run_state(path)
+        steps = await self.roles.trainer.load_checkpoint.call(str(path / "trainer")).within(timeout)
+        if set(steps.values()) != {state.step}:
+            raise RuntimeError(f"{path}: trainer state is at steps {sorted(set(steps.values()))}, the run at {state.step}")
+        self.step, self.version, self.last_checkpoint = state.step, state.version, state.step
+        self.accuracy_before = state.accuracy_before
+        if state.step > 0:
+            await self.roles.trainer.lane_push.call(state.version).within(timeout)  # the engine serves it
+        pending, cancelled = await bounded(self.roles.rollouts.lane_restore.call_one(state, state.version), timeout,
+                                           "the rollout worker to restore the queue and the ledger")
+        every = self.cfg.run.eval_every
+        if (every and state.step % every == 0 and 0 < state.step < self.cfg.run.total_steps
+                and not any(r["kind"] == "eval" and r.get("step") == state.step for r in self.log.records)):
+            self.evals.append(asyncio.create_task(self._evaluate()))
+        return (f"resumed from {path} at step {state.step}, policy version {state.version}"
+                + (f", re-issuing {pending} requests that were in flight" if pending else ""))
