@@ -62,9 +62,9 @@ def make_config(model_dir: str, out, *extra: str) -> meshrl.PipelineConfig:
     ])
 
 
-async def user_script(cfg: meshrl.PipelineConfig, stop_after_steps: int) -> dict:
+async def user_script(cfg: meshrl.PipelineConfig, stop_after_steps: int, environment=HintEnv) -> dict:
     """What a user writes: the pipeline as one task among others, stopped on their own signal."""
-    pipeline = meshrl.Pipeline(cfg, reward=digit_reward, environment=HintEnv)
+    pipeline = meshrl.Pipeline(cfg, reward=digit_reward, environment=environment)
     beats = 0
 
     async def heartbeat() -> None:
@@ -84,6 +84,7 @@ async def user_script(cfg: meshrl.PipelineConfig, stop_after_steps: int) -> dict
                 beats_at_stop = beats
                 seen["version"] = pipeline.policy_version
                 seen["texts"] = await pipeline.generate(["1+1=", "2+3="], max_new_tokens=4)
+                seen["eval"] = await pipeline.evaluate()
                 summary = await asyncio.wait_for(pipeline.stop(), 300)
                 break
     assert await asyncio.wait_for(run, 60) == summary  # run() returned the same summary
@@ -135,6 +136,36 @@ def test_user_script_with_custom_reward_and_environment_stops_without_losing_sam
         tb = scalars(tmp_path / "run")
         assert [s for s, _ in tb["reward_mean"]] == list(range(1, summary["steps"] + 2))
         assert tb["reward_mean"][-1][1] == pytest.approx(last["reward_mean"]) and "eval/accuracy" in tb
+
+
+def test_roles_running_the_loops_answer_the_users_calls_and_stop_without_losing_samples(ray_cluster, tmp_path,
+                                                                                       tiny_model):
+    """run.loops=roles (the rollout worker and the trainer run the loops): the same user script, no
+    environment. generate and evaluate reach the rollout worker beside its own loops; stop() pauses
+    them (the requests in flight put their samples), and the checkpoint holds every sample put and
+    not trained: the queue is the rollout worker's. A resumed run continues from it."""
+    lanes = ("run.loops=roles", "reward.num_workers=0", "rollout.requests_in_flight=3", "run.lane_chunk_steps=2")
+    out = asyncio.run(user_script(make_config(tiny_model, tmp_path / "run", *lanes), stop_after_steps=3, environment=None))
+    summary = out["summary"]
+    assert summary["stopped"] is True and 3 <= summary["steps"] < 40, summary
+    assert len(out["texts"]) == 2 and out["eval"]["problems"] == 8 and out["eval"]["version"] >= 3
+    state = read_run_state(summary["last_checkpoint"])
+    assert state.step == summary["steps"]
+    snap = msgspec.msgpack.decode(state.queue_snapshot, type=QueueSnapshot)
+    # paused: every request in flight put its samples; reservations granted but never given prompts
+    # remain, unfilled and in no request (the resume cancels them)
+    taken = {job.reservation_id for job in state.in_flight}
+    assert all(r.filled == 0 and r.reservation.id not in taken for r in snap.reservations), snap.reservations
+    queued, c = [s for g in snap.groups for s in g.samples], snap.counters
+    # nothing lost: what was put is trained, dropped or queued, and every prompt taken was put (2 samples each)
+    assert len(queued) == c.samples_put - c.samples_consumed - c.dropped_stale - c.dropped_incomplete
+    assert c.samples_consumed == 8 * summary["steps"] and state.prompt_position * 2 == c.samples_put
+
+    cfg = make_config(tiny_model, tmp_path / "run", *lanes, "run.resume=latest", f"run.total_steps={summary['steps'] + 2}")
+    resumed = asyncio.run(meshrl.Pipeline(cfg, reward=digit_reward).run())
+    assert resumed["steps"] == summary["steps"] + 2 and resumed["stopped"] is False
+    last = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][-1]
+    assert last["kind"] == "summary" and last["steps"] == summary["steps"] + 2
 
 
 def _small(model: str, tmp_path, steps: int) -> meshrl.PipelineConfig:

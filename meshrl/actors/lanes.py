@@ -61,13 +61,14 @@ __all__ = ["LaneRollout", "LaneSettings", "LaneTrainer"]
 
 logger = logging.getLogger(__name__)
 
-LAYOUT, BATCH, WEIGHTS, ACK, ERROR = 1, 2, 3, 4, 5
+LAYOUT, BATCH, WEIGHTS, ACK, ERROR, STOP = 1, 2, 3, 4, 5, 6
 """Message kinds. LAYOUT (trainer → rollout, tag 0): the weights' names, shapes and dtype, and the
 path of a shared-memory file holding them (``create_shared``), once; answered with ACK, whose payload
 says whether the rollout worker mapped that file (same node). BATCH (tag: a request id): asks for
 ``[n, version]``, answered with the batch's bytes under the same tag. WEIGHTS (tag: the version):
 the tensors' bytes in LAYOUT's order, or nothing when they are in the shared file; answered with
-ACK once applied. ERROR (the tag it answers): the failure's text."""
+ACK once applied. ERROR (the tag it answers): the failure's text. STOP (a BATCH's tag): the rollout
+worker paused (``Pipeline.stop``): no batch comes, the trainer ends its chunk there."""
 
 _QUEUE_ENDPOINTS = ("close", "metrics", "snapshot", "set_version", "cancel", "held_groups", "ledger")
 
@@ -163,6 +164,8 @@ class LaneRollout(RolloutWorker):
         self.maker = RequestMaker(lane.rollout, lane.seed, None, self.tokenizer, environment=False)
         self.taking = asyncio.Event()
         """Set while the loops take new prompts (``lane_start``; cleared by ``lane_pause``)."""
+        self.pausing = asyncio.Event()
+        """Set by ``lane_pause``: the trainer's batches are answered with STOP."""
         self.generated_tokens = 0
         self.spans: list[tuple[str, str, float, float]] = []
         """(role, what, start, end) by ``time.time()`` since the last ``lane_report``."""
@@ -220,15 +223,29 @@ class LaneRollout(RolloutWorker):
             writer.close()
 
     async def _answer_batch(self, writer: asyncio.StreamWriter, tag: int, n: int, version: int) -> None:
+        getting = asyncio.ensure_future(self.queue.get_batch_encoded(n, version, timeout=self.lane.step_timeout_s))
+        pausing = asyncio.ensure_future(self.pausing.wait())
         try:
-            # waits for: n samples within max_staleness of `version`; unblocked by: this worker's loops' puts
-            blob = await self.queue.get_batch_encoded(n, version, timeout=self.lane.step_timeout_s)
-            write_message(writer, BATCH, tag, blob)
+            # waits for: n samples within max_staleness of `version`, or lane_pause;
+            # unblocked by: this worker's loops' puts
+            await asyncio.wait([getting, pausing], return_when=asyncio.FIRST_COMPLETED)
+            if not getting.done():  # stopping: the samples stay in the queue for the checkpoint
+                getting.cancel()
+                # a get already woken by a put takes its batch despite the cancel (asyncio.wait_for
+                # returns a result that came first): then that batch goes to the trainer
+                await asyncio.wait([getting])
+            if getting.cancelled() or (self.pausing.is_set() and getting.exception() is not None):
+                write_message(writer, STOP, tag)  # (a queue closed after the pause: the run stops)
+            else:
+                write_message(writer, BATCH, tag, getting.result())  # (or raises its failure)
         except asyncio.CancelledError:
+            getting.cancel()
             raise
         except Exception as exc:
             why = self.failure if self.failure is not None else exc
             write_message(writer, ERROR, tag, f"no batch from the rollout worker: {type(why).__name__}: {why}".encode())
+        finally:
+            pausing.cancel()
         await writer.drain()
 
     async def _apply(self, tensors: list[tuple[str, torch.Tensor]], version: int) -> None:
@@ -244,15 +261,18 @@ class LaneRollout(RolloutWorker):
     @endpoint
     async def lane_start(self) -> None:
         """Start (or go on with) the rollout loops: ``rollout.requests_in_flight`` of them."""
+        self.pausing.clear()
         self.taking.set()
         if not self._loops:
             self._loops = [asyncio.ensure_future(self._loop(i)) for i in range(self.lane.rollout.requests_in_flight)]
 
     @endpoint
     async def lane_pause(self, timeout_s: float) -> int:
-        """Take no new prompts and wait (at most ``timeout_s``) for the requests in flight to put
-        their samples; returns how many were still in flight (a checkpoint records them)."""
+        """Take no new prompts, answer the trainer's batches with STOP (what is queued stays for the
+        checkpoint), and wait (at most ``timeout_s``) for the requests in flight to put their
+        samples; returns how many were still in flight (a checkpoint records them)."""
         self.taking.clear()
+        self.pausing.set()
         deadline = time.monotonic() + timeout_s
         # waits for: the requests in flight to put their samples; unblocked by: this worker's loops
         while self.ledger.in_flight and time.monotonic() < deadline and self.failure is None:
@@ -376,7 +396,7 @@ class LaneTrainer(Trainer):
         path, nonce, self._shared = create_shared(frame.nbytes) if shared_memory else (None, 0, None)
         try:
             self._lane.send(LAYOUT, 0, [msgspec.msgpack.encode({"tensors": frame.layout, "shm": path, "nonce": nonce})])
-            shared = bytes(self._expect(ACK, 0, "the layout's acknowledgement")) == b"shm"
+            shared = bytes(self._expect((ACK,), 0, "the layout's acknowledgement")[1]) == b"shm"
         finally:
             if path:
                 os.unlink(path)  # mapped by both sides (or not used): nothing to leave behind
@@ -407,6 +427,9 @@ class LaneTrainer(Trainer):
             if self._asked is None:
                 self._ask(version)
             blob = self._take_batch(version)
+            if blob is None:  # the rollout worker paused (the run stops): the chunk ends here
+                settle = True
+                break
             t1 = time.time()
             pushes = (step + 1) % sync_interval == 0
             if i < count - 1 or prefetch:
@@ -433,12 +456,14 @@ class LaneTrainer(Trainer):
         self._asked = (self._tag, version)
         self._lane.send(BATCH, self._tag, [msgspec.msgpack.encode([self.core.cfg.samples_per_step, version])])
 
-    def _take_batch(self, version: int) -> bytes:
+    def _take_batch(self, version: int) -> bytes | None:
+        """The batch asked for (None: STOP, the rollout worker paused)."""
         tag, asked_at = self._asked
         if asked_at != version:
             raise RuntimeError(f"the lane's batch was asked for at version {asked_at}, the step trains at {version}")
         self._asked = None
-        return self._expect(BATCH, tag, f"a batch of {self.core.cfg.samples_per_step} samples for version {version}")
+        kind, blob = self._expect((BATCH, STOP), tag, f"a batch of {self.core.cfg.samples_per_step} samples for version {version}")
+        return blob if kind == BATCH else None
 
     def _push(self, version: int) -> None:
         self._settle()  # one version in flight at most: the rollout worker has copied the last one
@@ -456,13 +481,16 @@ class LaneTrainer(Trainer):
     def _settle(self) -> None:
         if self._unacked is not None:
             version, self._unacked = self._unacked, None
-            self._expect(ACK, version, f"the rollout worker to apply version {version}")
+            self._expect((ACK,), version, f"the rollout worker to apply version {version}")
 
-    def _expect(self, kind: int, tag: int, what: str) -> bytes:
-        """The reply ``(kind, tag)``; replies to other messages that come first are kept for their turn."""
-        while (kind, tag) not in self._inbox:
+    def _expect(self, kinds: tuple[int, ...], tag: int, what: str) -> tuple[int, bytes]:
+        """The reply of one of ``kinds`` under ``tag``: (its kind, its payload); replies to other
+        messages that come first are kept for their turn."""
+        while True:
+            for kind in kinds:
+                if (kind, tag) in self._inbox:
+                    return kind, self._inbox.pop((kind, tag))
             got, got_tag, payload = self._lane.receive(self._timeout_s, what)
             if got == ERROR:
                 raise RuntimeError(bytes(payload).decode(errors="replace"))
             self._inbox[got, got_tag] = payload
-        return self._inbox.pop((kind, tag))

@@ -88,15 +88,18 @@ class LaneLoop:
             except Exception as exc:  # the lane broke: a dead rollout worker is the cause to report
                 await self._blame_rollout(exc)
                 raise
-            if (records[-1]["step"], version) != (last, after):
-                raise RuntimeError(f"the trainer's chunk ended at step {records[-1]['step']}, version {version}; "
-                                   f"expected step {last}, version {after}")
+            got = records[-1]["step"] if records else None
+            if (got, version) != (last, after) and not self.rollout.stopping.is_set():
+                raise RuntimeError(f"the trainer's chunk ended at step {got}, version {version}; expected step {last}, "
+                                   f"version {after}")
+            if not records:
+                continue  # stopping: the rollout worker answered its first batch with STOP
             end = self._ask_ahead(chunks, end)  # before the writing below
             report = await bounded(self.roles.rollouts.lane_report.call_one(), cfg.run.step_timeout_s,
                                    "the rollout worker's report")
             for done, trained in self._write(records, report):
                 await self.audit.record(done, trained)  # run.audit: the groups each step trained
-            self.step, self.version = last, version
+            self.step, self.version = got, version  # short of `last` when the run stopped during the chunk
             if self._checkpoints_after(self.step):
                 await self.checkpoint()
             if cfg.run.eval_every and self.step % cfg.run.eval_every == 0 and self.step < cfg.run.total_steps:
