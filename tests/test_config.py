@@ -310,6 +310,8 @@ def test_where_a_rollout_worker_is_restarted_in_place_rather_than_resumed(overri
     (["reward.num_workers=0", "algo.kl_coef=0.1"], r"algo.kl_coef must be 0, or trainer.reference_in_trainer=true"),
     (["reward.num_workers=0", "placement=colocated"], r"placement must be disaggregated"),
     (["reward.num_workers=0", "run.lane_chunk_steps=0"], r"`run.lane_chunk_steps`: must be >= 1"),
+    (["reward.num_workers=0", "trainer.device=cuda"], r"trainer.device must be cpu"),
+    (["reward.num_workers=0", "rollout.engine.device=cuda:0"], r"rollout.engine.device must be cpu or auto"),
 ])
 def test_roles_running_the_loops_is_refused_where_they_cannot(overrides, message):
     """run.loops=roles: one TorchEngine rollout worker scoring its own samples and one trainer rank;

@@ -94,7 +94,7 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True):
     samples and weights over a channel of their own, and the controller hands out chunks of steps
     (meshrl.actors.lanes): for steps of a few milliseconds, where the calls would cost more than the
     work (a small model on a laptop). One TorchEngine rollout worker that scores its own samples
-    (reward.num_workers=0), a trainer at dp=1, no reference worker, no environment."""
+    (reward.num_workers=0), a trainer at dp=1, both on the CPU, no reference worker, no environment."""
     lane_chunk_steps: int = 20
     """run.loops=roles: the most train steps in one call to the trainer (a chunk ends early at a
     checkpoint or an evaluation). Records are written, and stop() is noticed, once a chunk."""
@@ -316,6 +316,10 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
             "placement": (self.placement == "disaggregated", "disaggregated (colocated is one process already)"),
             "algo.kl_coef": (self.algo.kl_coef == 0 or self.trainer.reference_in_trainer,
                              "0, or trainer.reference_in_trainer=true (no reference worker)"),
+            # each version crosses through host memory, and the two processes take a device each: on
+            # one GPU placement=colocated is the layout without calls between trainer and engine
+            "trainer.device": (self.trainer.device == "cpu", "cpu (roles running the loops is a CPU layout)"),
+            "rollout.engine.device": (not self.rollout.engine.device.startswith("cuda"), "cpu or auto (the CPU)"),
         }
         bad = [f"{key} must be {want}" for key, (ok, want) in needs.items() if not ok]
         if bad:
