@@ -96,6 +96,14 @@ async def _pid(pipeline: Pipeline, role: str) -> int:
     raise TimeoutError(f"no live {role} within 60 s: {last!r:.500}")
 
 
+def _trainer_dies_in_step(monkeypatch, tmp_path: Path, step: int) -> None:
+    """The trainer's process ends at its fault point in its ``step``-th train step (the batch
+    fetched, not trained on); the point's count is kept under tmp_path/faults."""
+    monkeypatch.setenv("MESHRL_FAULTS", f"trainer.train_step={step}")
+    monkeypatch.setenv("MESHRL_FAULTS_DIR", str(tmp_path / "faults"))
+    (tmp_path / "faults").mkdir()
+
+
 def _steps(out: Path) -> dict[int, dict]:
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r for r in records if r["kind"] == "step"}
@@ -168,9 +176,7 @@ def test_trainer_and_queue_deaths_resume_from_the_newest_checkpoint_as_if_uninte
     # a reward that takes a moment: the tiny model's steps would take milliseconds, and the run could
     # end before the kill after step 5 reaches its process
     plain = asyncio.run(Pipeline(_config(tiny_model, tmp_path / "plain", *exact), reward=slow_reward).run())
-    monkeypatch.setenv("MESHRL_FAULTS", "trainer.train_step=3")
-    monkeypatch.setenv("MESHRL_FAULTS_DIR", str(tmp_path / "faults"))
-    (tmp_path / "faults").mkdir()
+    _trainer_dies_in_step(monkeypatch, tmp_path, 3)
     summary, killed, records = asyncio.run(_run_with_kills(_config(tiny_model, tmp_path / "killed", *exact),
                                                            [(5, "queue/0")], seed=2, reward=slow_reward))
     assert (tmp_path / "faults" / "trainer.train_step").stat().st_size >= 3  # the point fired
@@ -225,9 +231,7 @@ def test_roles_running_the_loops_resume_as_if_uninterrupted(ray_cluster, tmp_pat
     exact = ("run.loops=roles", "queue.max_staleness=0", "reward.num_workers=0", "rollout.requests_in_flight=1",
              "rollout.prompts_per_request=4", "run.lane_chunk_steps=1")
     plain = asyncio.run(Pipeline(_config(tiny_model, tmp_path / "plain", *exact), reward=slow_digit_reward).run())
-    monkeypatch.setenv("MESHRL_FAULTS", "trainer.train_step=3")
-    monkeypatch.setenv("MESHRL_FAULTS_DIR", str(tmp_path / "faults"))
-    (tmp_path / "faults").mkdir()
+    _trainer_dies_in_step(monkeypatch, tmp_path, 3)
     summary, killed, _ = asyncio.run(_run_with_kills(_config(tiny_model, tmp_path / "killed", *exact),
                                                      [(5, "rollout/0")], seed=2, reward=slow_digit_reward))
     assert (tmp_path / "faults" / "trainer.train_step").stat().st_size >= 3  # the point fired

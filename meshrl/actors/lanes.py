@@ -10,15 +10,19 @@ LaneRollout (async actor: engine, reward, SampleQueue, PromptLedger)     LaneTra
     queue.put_encoded   waits for: room under queue.capacity_tokens        every sync_interval steps: version += 1
                         unblocked by: a BATCH                              WEIGHTS(v) ───► engine.update_weights(v),
   the channel: BATCHes answered concurrently, WEIGHTS one at a time          queue.set_version(v) ───► ACK(v)
-  in order (the trainer sends the next only after the ACK of the last)
+  in order (the trainer sends the next only after the ACK of the last);
+  after lane_pause (Pipeline.stop) a BATCH is answered with STOP           STOP: the chunk ends there
 ```
+
+The weights of a version go through a file in /dev/shm that both map when they share a node
+(``create_shared``: the trainer casts into it, the engine copies out of it), else in the message.
 
 The controller starts both (``meshrl.pipeline.lanes``), hands the trainer chunks of steps (up to
 the next checkpoint, evaluation or ``run.lane_chunk_steps``) and writes their records; it reaches
 the queue and the ledger through the rollout worker's endpoints (``close``, ``metrics``,
 ``lane_state`` for a checkpoint, ``lane_restore``). A Ray actor call costs about a millisecond of
 CPU on a 2-core machine, and the controller's loops make about ten a step: at a few milliseconds a
-step that is most of the machine. Here a step costs two messages and no call.
+step that is most of the machine. Here a step costs two round trips over the channel and no call.
 
 The queue, admission, the ledger, the requests, scoring and the train step are the same code as the
 controller's loops (``SampleQueue``, ``PromptLedger``, ``RequestMaker``, ``Scorer``,

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import shutil
 import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable
@@ -35,6 +34,7 @@ from meshrl.pipeline.audit import AuditLog
 from meshrl.pipeline.config import PipelineConfig
 from meshrl.pipeline.metrics import RunLog
 from meshrl.pipeline.rollout_loop import Roles, RolloutDriver, bounded
+from meshrl.pipeline.training import evaluate_missed, load_run_checkpoint, write_run_checkpoint
 from meshrl.queues.snapshot import ledger_mark
 
 __all__ = ["LaneLoop"]
@@ -200,40 +200,26 @@ class LaneLoop:
 
     async def checkpoint(self) -> Path:
         """Trainer state, and the rollout side's state read at once (``LaneRollout.lane_state``)."""
-        t0, timeout = self.log.now(), self.cfg.run.step_timeout_s
-        partial = ckpt.partial_dir(self.out_dir, self.step)
-        if partial.exists():
-            shutil.rmtree(partial)
-        await self.roles.trainer.save_checkpoint.call(str(partial / "trainer")).within(timeout)
-        side = await bounded(self.roles.rollouts.lane_state.call_one(), timeout, "the rollout side's state")
+        return await write_run_checkpoint(self, self._run_state)
+
+    async def _run_state(self) -> ckpt.RunState:
+        side = await bounded(self.roles.rollouts.lane_state.call_one(), self.cfg.run.step_timeout_s,
+                             "the rollout side's state")
         await self.audit.record(self.step, (), upto=ledger_mark(side["queue_snapshot"]))  # run.audit
-        state = ckpt.RunState(
+        return ckpt.RunState(
             step=self.step, version=self.version, prompt_position=side["prompt_position"], next_group=side["next_group"],
             generated_tokens=side["generated_tokens"], accuracy_before=self.accuracy_before, in_flight=side["in_flight"],
             queue_snapshot=side["queue_snapshot"], fingerprint=ckpt.run_fingerprint(self.cfg, self.rollout.ledger.source),
         )
-        ckpt.write_checkpoint_files(partial, state, self.out_dir / "metrics.jsonl")
-        final = ckpt.commit(partial, keep=self.cfg.run.keep_checkpoints)
-        self.last_checkpoint = self.step
-        self.log.span("trainer", "checkpoint", t0, self.log.now(), step=self.step)
-        return final
 
     async def restore(self, path: Path, *, engines_kept: bool = False) -> str:
         """Continue the run saved at ``path`` (before ``run``); a line saying so."""
         timeout = self.cfg.run.step_timeout_s
-        state = ckpt.read_run_state(path)
-        steps = await self.roles.trainer.load_checkpoint.call(str(path / "trainer")).within(timeout)
-        if set(steps.values()) != {state.step}:
-            raise RuntimeError(f"{path}: trainer state is at steps {sorted(set(steps.values()))}, the run at {state.step}")
-        self.step, self.version, self.last_checkpoint = state.step, state.version, state.step
-        self.accuracy_before = state.accuracy_before
+        state = await load_run_checkpoint(self, path)
         if state.step > 0:
             await self.roles.trainer.lane_push.call(state.version).within(timeout)  # the engine serves it
-        pending, cancelled = await bounded(self.roles.rollouts.lane_restore.call_one(state, state.version), timeout,
-                                           "the rollout worker to restore the queue and the ledger")
-        every = self.cfg.run.eval_every
-        if (every and state.step % every == 0 and 0 < state.step < self.cfg.run.total_steps
-                and not any(r["kind"] == "eval" and r.get("step") == state.step for r in self.log.records)):
-            self.evals.append(asyncio.create_task(self._evaluate()))
+        pending, _ = await bounded(self.roles.rollouts.lane_restore.call_one(state, state.version), timeout,
+                                   "the rollout worker to restore the queue and the ledger")
+        evaluate_missed(self, state)
         return (f"resumed from {path} at step {state.step}, policy version {state.version}"
                 + (f", re-issuing {pending} requests that were in flight" if pending else ""))

@@ -297,17 +297,17 @@ class TrainLoop:
     async def checkpoint(self) -> Path:
         """Trainer state, queue snapshot and controller state of this step (module docstring)."""
         await self.recorded()  # the checkpoint keeps the log up to its step
-        t0, timeout, ledger = self.log.now(), self.cfg.run.step_timeout_s, self.rollout.ledger
-        partial = ckpt.partial_dir(self.out_dir, self.step)
-        if partial.exists():
-            shutil.rmtree(partial)
-        await self.roles.trainer.save_checkpoint.call(str(partial / "trainer")).within(timeout)
+        return await write_run_checkpoint(self, self._run_state)
+
+    async def _run_state(self) -> ckpt.RunState:
+        """The rollout side's part of a checkpoint, captured while no new prompts are taken."""
+        timeout, ledger = self.cfg.run.step_timeout_s, self.rollout.ledger
         self.rollout.taking.clear()  # no new prompts are taken until the state below is captured
         try:
             snapshot = await bounded(self.roles.queue.snapshot.call_one(), timeout, "the queue's snapshot")
             # what the queue took until its snapshot, into this checkpoint's lineage
             await self.audit.record(self.step, (), upto=ledger_mark(snapshot))
-            state = ckpt.RunState(
+            return ckpt.RunState(
                 step=self.step, version=self.version, prompt_position=ledger.stream.position,
                 next_group=ledger.next_group, generated_tokens=self.rollout.generated_tokens,
                 accuracy_before=self.accuracy_before, in_flight=ledger.unfinished(),
@@ -315,23 +315,14 @@ class TrainLoop:
             )
         finally:
             self.rollout.taking.set()
-        ckpt.write_checkpoint_files(partial, state, self.out_dir / "metrics.jsonl")
-        final = ckpt.commit(partial, keep=self.cfg.run.keep_checkpoints)
-        self.last_checkpoint = self.step
-        self.log.span("trainer", "checkpoint", t0, self.log.now(), step=self.step)
-        return final
 
     async def restore(self, path: Path, *, engines_kept: bool = False) -> str:
         """Continue the run saved at ``path`` (roles started, rollout loops not yet); a line saying so.
         ``engines_kept``: the engines are a failed attempt's (run.warm_resume), serving later weights."""
         timeout, queue = self.cfg.run.step_timeout_s, self.roles.queue
-        state = ckpt.read_run_state(path)
-        steps = await self.roles.trainer.load_checkpoint.call(str(path / "trainer")).within(timeout)
-        if set(steps.values()) != {state.step}:
-            raise RuntimeError(f"{path}: trainer state is at steps {sorted(set(steps.values()))}, the run at {state.step}")
-        self.step, self.version, self.last_checkpoint = state.step, state.version, state.step
+        state = await load_run_checkpoint(self, path)
         self.published = state.version  # announced below
-        self.rollout.generated_tokens, self.accuracy_before = state.generated_tokens, state.accuracy_before
+        self.rollout.generated_tokens = state.generated_tokens
         if state.step > 0 or engines_kept:
             await self.push(state.version)  # the engines serve the restored policy as its version
             await self.settle()
@@ -340,12 +331,7 @@ class TrainLoop:
         await bounded(queue.set_version.call_one(state.version), timeout, "the queue to take the restored version")
         for reservation_id in self.rollout.ledger.restore(state, [r.id for r in outstanding]):
             await bounded(queue.cancel.call_one(reservation_id), timeout, "the queue to cancel a reservation")
-        every = self.cfg.run.eval_every
-        if (every and state.step % every == 0 and 0 < state.step < self.cfg.run.total_steps
-                and not any(r["kind"] == "eval" and r.get("step") == state.step for r in self.log.records)):
-            # a periodic checkpoint is written before its step's evaluation starts: run it now, as the
-            # uninterrupted run did at this step and version (the log holds the checkpoint's records)
-            self.evals.append(asyncio.create_task(self._evaluate()))
+        evaluate_missed(self, state)
         pending = self.rollout.ledger.reissue_pending
         off_cadence = "" if self._pushes_after(state.step) else (
             f" (step {state.step} is between two pushes of trainer.sync_interval={self.cfg.trainer.sync_interval}: "
@@ -353,3 +339,40 @@ class TrainLoop:
             "trains correctly but does not repeat an uninterrupted one exactly)")
         return (f"resumed from {path} at step {state.step}, policy version {state.version}"
                 + (f", re-issuing {pending} requests that were in flight" if pending else "") + off_cadence)
+
+
+async def write_run_checkpoint(loop: Any, run_state: Callable[[], Awaitable[ckpt.RunState]]) -> Path:
+    """A checkpoint of ``loop``'s step (a ``TrainLoop`` or ``lanes.LaneLoop``): the trainer's state,
+    then ``run_state()`` (the rollout side's part, captured at once), written under the partial
+    directory and committed."""
+    t0, timeout = loop.log.now(), loop.cfg.run.step_timeout_s
+    partial = ckpt.partial_dir(loop.out_dir, loop.step)
+    if partial.exists():
+        shutil.rmtree(partial)
+    await loop.roles.trainer.save_checkpoint.call(str(partial / "trainer")).within(timeout)
+    ckpt.write_checkpoint_files(partial, await run_state(), loop.out_dir / "metrics.jsonl")
+    final = ckpt.commit(partial, keep=loop.cfg.run.keep_checkpoints)
+    loop.last_checkpoint = loop.step
+    loop.log.span("trainer", "checkpoint", t0, loop.log.now(), step=loop.step)
+    return final
+
+
+async def load_run_checkpoint(loop: Any, path: Path) -> ckpt.RunState:
+    """The checkpoint at ``path`` read, its trainer state loaded on every rank, and ``loop``'s
+    position (step, version, held-out accuracy before RL) set from it; its ``RunState``."""
+    state = ckpt.read_run_state(path)
+    steps = await loop.roles.trainer.load_checkpoint.call(str(path / "trainer")).within(loop.cfg.run.step_timeout_s)
+    if set(steps.values()) != {state.step}:
+        raise RuntimeError(f"{path}: trainer state is at steps {sorted(set(steps.values()))}, the run at {state.step}")
+    loop.step, loop.version, loop.last_checkpoint = state.step, state.version, state.step
+    loop.accuracy_before = state.accuracy_before
+    return state
+
+
+def evaluate_missed(loop: Any, state: ckpt.RunState) -> None:
+    """A periodic checkpoint is written before its step's evaluation starts: on resume, run it now, as
+    the uninterrupted run did at this step and version (the log holds the checkpoint's records)."""
+    every = loop.cfg.run.eval_every
+    if (every and state.step % every == 0 and 0 < state.step < loop.cfg.run.total_steps
+            and not any(r["kind"] == "eval" and r.get("step") == state.step for r in loop.log.records)):
+        loop.evals.append(asyncio.create_task(loop._evaluate()))
