@@ -7,12 +7,14 @@ start:   rollout.lane_open → trainer.lane_connect (the channel, the weights' l
          rollout.lane_start (its loops run until the queue closes)
 train:   trainer.lane_steps(step, version, k)   k steps: to the next checkpoint or evaluation, at most
                                                 run.lane_chunk_steps; the batches, the pushes and
-                                                the set_versions go over the lane, not through here
+                                                the set_versions go over the lane, not through here;
+                                                asked two ahead: the next runs while one is written
          rollout.lane_report                    queue metrics, tokens, spans: into each step record
          every checkpoint_every steps and at the end: trainer.save_checkpoint, rollout.lane_state
          (the queue's snapshot with the ledger, read at once) → run_state.msgpack
          every eval_every steps: the evaluation, on the rollout worker beside its loops
-stop():  rollout.lane_pause (the requests in flight put their samples) → queue.close → checkpoint
+stop():  rollout.lane_pause (the trainer's next batch is answered with STOP: its chunk ends there; the
+         requests in flight put their samples) → queue.close → checkpoint
 ```
 
 ``LaneLoop`` stands where ``TrainLoop`` stands in ``meshrl.pipeline.controller`` (the same
