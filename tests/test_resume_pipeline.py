@@ -104,13 +104,16 @@ def test_resumed_run_repeats_the_uninterrupted_one(ray_cluster, tmp_path, tiny_m
     assert sorted(b) == [1, 2, 3, 4]  # the log continues from the checkpoint's records
     # bitwise: at η = 0 one request of the whole batch is in flight at a time, so the engine's batches
     # and everything computed from them repeat exactly, and the checkpoint restores the trainer exactly
+    # roles: the queue's metrics are read once a chunk, when the rollout worker may or may not have
+    # put the next step's samples yet (it serves version 2 before the checkpoint): timing, as above
+    timing = _TIMING + (("queue/",) if loops == "roles" else ())
     compared = 0
     for step in (3, 4):
         for key, value in a[step].items():
-            if isinstance(value, float) and not any(t in key for t in _TIMING):
+            if isinstance(value, float) and not any(t in key for t in timing):
                 assert b[step][key] == value, f"step {step} {key}: {b[step][key]} vs {value}"
                 compared += 1
-    assert compared > 40
+    assert compared > 30
     assert {"loss", "kl", "value_error", "reward_mean", "grad_norm"} <= set(a[4])
     # the steps learn something and differ, so the equality above is not vacuous
     assert a[3]["reward_mean"] > 0 and a[4]["loss"] != a[3]["loss"] and a[4]["kl"] > 0
