@@ -62,8 +62,10 @@ def make_config(model_dir: str, out, *extra: str) -> meshrl.PipelineConfig:
     ])
 
 
-async def user_script(cfg: meshrl.PipelineConfig, stop_after_steps: int, environment=HintEnv) -> dict:
-    """What a user writes: the pipeline as one task among others, stopped on their own signal."""
+async def user_script(cfg: meshrl.PipelineConfig, stop_after_steps: int, environment=HintEnv,
+                      evaluate: bool = False) -> dict:
+    """What a user writes: the pipeline as one task among others, stopped on their own signal
+    (``evaluate``: it also asks for a held-out evaluation before the stop)."""
     pipeline = meshrl.Pipeline(cfg, reward=digit_reward, environment=environment)
     beats = 0
 
@@ -84,7 +86,8 @@ async def user_script(cfg: meshrl.PipelineConfig, stop_after_steps: int, environ
                 beats_at_stop = beats
                 seen["version"] = pipeline.policy_version
                 seen["texts"] = await pipeline.generate(["1+1=", "2+3="], max_new_tokens=4)
-                seen["eval"] = await pipeline.evaluate()
+                if evaluate:
+                    seen["eval"] = await pipeline.evaluate()
                 summary = await asyncio.wait_for(pipeline.stop(), 300)
                 break
     assert await asyncio.wait_for(run, 60) == summary  # run() returned the same summary
@@ -145,7 +148,8 @@ def test_roles_running_the_loops_answer_the_users_calls_and_stop_without_losing_
     them (the requests in flight put their samples), and the checkpoint holds every sample put and
     not trained: the queue is the rollout worker's. A resumed run continues from it."""
     lanes = ("run.loops=roles", "reward.num_workers=0", "rollout.requests_in_flight=3", "run.lane_chunk_steps=2")
-    out = asyncio.run(user_script(make_config(tiny_model, tmp_path / "run", *lanes), stop_after_steps=3, environment=None))
+    out = asyncio.run(user_script(make_config(tiny_model, tmp_path / "run", *lanes), stop_after_steps=3, environment=None,
+                                  evaluate=True))
     summary = out["summary"]
     assert summary["stopped"] is True and 3 <= summary["steps"] < 40, summary
     assert len(out["texts"]) == 2 and out["eval"]["problems"] == 8 and out["eval"]["version"] >= 3

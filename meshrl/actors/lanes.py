@@ -299,7 +299,7 @@ class LaneRollout(RolloutWorker):
                 group_ids = list(range(job.first_group, job.first_group + job.count))
                 rjob, requests = self.maker.job(problems, greedy=False, n=n, group_ids=group_ids)
                 t0 = time.time()
-                scored = await self.score(rjob, lane.step_timeout_s, **await self.play(requests))
+                scored = await self.play_scored(rjob, requests, within_s=lane.step_timeout_s)
                 t1 = time.time()
                 # waits for: room under capacity_tokens; unblocked by: a BATCH
                 await queue.put_encoded(scored.encoded, job.reservation_id, timeout=lane.queue.put_timeout_s)
@@ -338,17 +338,17 @@ class LaneRollout(RolloutWorker):
                 "generated_tokens": self.generated_tokens}
 
     @endpoint
-    async def lane_restore(self, state: Any, version: int) -> tuple[int, int]:
+    async def lane_restore(self, state: Any, version: int) -> int:
         """Continue from a checkpoint's ``RunState`` (before ``lane_start``): its queue snapshot, its
-        prompt position and requests in flight (re-issued first), at ``version``. Returns (requests to
-        re-issue, reservations cancelled)."""
+        prompt position and requests in flight (re-issued first; reservations no request holds are
+        cancelled), at ``version``. Returns how many requests are re-issued."""
         outstanding = await self.queue.restore(state.queue_snapshot)
         await self.queue.set_version(version)
         unknown = self.ledger.restore(state, [r.id for r in outstanding])
         for reservation_id in unknown:
             await self.queue.cancel(reservation_id)
         self.generated_tokens = state.generated_tokens
-        return self.ledger.reissue_pending, len(unknown)
+        return self.ledger.reissue_pending
 
 
 def _queue_endpoint(name: str) -> Any:
@@ -382,9 +382,9 @@ class LaneTrainer(Trainer):
         """The version sent and not yet acknowledged."""
         self._inbox: dict[tuple[int, int], bytes] = {}
         """Replies that came before the one waited for (a batch before an ACK, or the other way)."""
-        self._shared: torch.Tensor | None = None
         self._views: list[torch.Tensor] | None = None
-        """The weights' tensors in the memory shared with the rollout worker (None: they go in messages)."""
+        """The weights' tensors in the memory shared with the rollout worker, which they keep mapped
+        (None: the weights go in the messages)."""
 
     @endpoint
     def lane_connect(self, host: str, port: int, dtype: str, timeout_s: float, shared_memory: bool = True) -> bool:
@@ -397,16 +397,14 @@ class LaneTrainer(Trainer):
         self._dtype, self._timeout_s = getattr(torch, dtype), timeout_s
         self._asked, self._unacked, self._inbox = None, None, {}
         frame = WeightFrame([(name, list(t.shape), dtype) for name, t in self.core.policy_state().items()])
-        path, nonce, self._shared = create_shared(frame.nbytes) if shared_memory else (None, 0, None)
+        path, nonce, mapping = create_shared(frame.nbytes) if shared_memory else (None, 0, None)
         try:
             self._lane.send(LAYOUT, 0, [msgspec.msgpack.encode({"tensors": frame.layout, "shm": path, "nonce": nonce})])
             shared = bytes(self._expect((ACK,), 0, "the layout's acknowledgement")[1]) == b"shm"
         finally:
             if path:
                 os.unlink(path)  # mapped by both sides (or not used): nothing to leave behind
-        self._views = [t for _, t in frame.views(self._shared)] if shared else None
-        if not shared:
-            self._shared = None
+        self._views = [t for _, t in frame.views(mapping)] if shared else None
         return shared
 
     @endpoint

@@ -36,7 +36,7 @@ from meshrl.pipeline.audit import AuditLog
 from meshrl.pipeline.config import PipelineConfig
 from meshrl.pipeline.metrics import RunLog
 from meshrl.pipeline.rollout_loop import Roles, RolloutDriver, bounded
-from meshrl.pipeline.training import evaluate_missed, load_run_checkpoint, write_run_checkpoint
+from meshrl.pipeline.training import checkpoints_after, evaluate_missed, load_run_checkpoint, write_run_checkpoint
 from meshrl.queues.snapshot import ledger_mark
 
 __all__ = ["LaneLoop"]
@@ -55,6 +55,10 @@ class LaneLoop:
         self.audit = AuditLog(log, roles.queue, cfg.run.audit, cfg.run.step_timeout_s)
         self._clock = time.time() - log.now()
         """``time.time()`` at the log's zero: the roles' stamps onto the timeline's clock."""
+        self._prefetched = False
+        """The last chunk asked for took the batch of the step after it."""
+        self._rate_from: tuple[float, int] | None = None
+        """(when, tokens generated) at the end of the last chunk written: the next one's tokens_per_s."""
 
     async def connect(self) -> None:
         """The lane between the trainer and the rollout worker: its channel and the weights' layout."""
@@ -138,9 +142,6 @@ class LaneLoop:
             chunks.append((*end, calling))
         return end
 
-    _prefetched = False
-    """The last chunk asked for took the batch of the step after it."""
-
     async def _blame_rollout(self, exc: BaseException) -> None:
         """The trainer's chunk failed over the lane: if the rollout worker (and its queue) died,
         raise that death (run.auto_resume resumes from it), not the closed channel it left."""
@@ -164,9 +165,10 @@ class LaneLoop:
         """The chunk's step records and spans into the log; (step, groups trained) of each step."""
         queue_m = {f"queue/{k}": v for k, v in report["queue"].items() if isinstance(v, (int, float))}
         generated = report["generated_tokens"]
-        first, last = records[0]["spans"][0], records[-1]["spans"][3]
-        rate = (generated - getattr(self, "_generated", 0)) / max(last - getattr(self, "_last_end", first), 1e-9)
-        self._generated, self._last_end = generated, last
+        since, before = self._rate_from or (records[0]["spans"][0], 0)
+        end = records[-1]["spans"][3]
+        rate = (generated - before) / max(end - since, 1e-9)
+        self._rate_from = (end, generated)
         c, steps = self._clock, []
         for role, what, start, end in report["spans"]:
             self.log.span(role, what, start - c, end - c)
@@ -182,8 +184,7 @@ class LaneLoop:
         return steps
 
     def _checkpoints_after(self, step: int) -> bool:
-        every, total = self.cfg.run.checkpoint_every, self.cfg.run.total_steps
-        return (every > 0 and step % every == 0) or (step == total and self.cfg.run.checkpoint_at_end)
+        return checkpoints_after(self.cfg, step)
 
     async def revive(self) -> None:
         """Rollout workers are not restarted in place with run.loops=roles (the run resumes instead)."""
@@ -220,8 +221,8 @@ class LaneLoop:
         state = await load_run_checkpoint(self, path)
         if state.step > 0:
             await self.roles.trainer.lane_push.call(state.version).within(timeout)  # the engine serves it
-        pending, _ = await bounded(self.roles.rollouts.lane_restore.call_one(state, state.version), timeout,
-                                   "the rollout worker to restore the queue and the ledger")
+        pending = await bounded(self.roles.rollouts.lane_restore.call_one(state, state.version), timeout,
+                                "the rollout worker to restore the queue and the ledger")
         evaluate_missed(self, state)
         return (f"resumed from {path} at step {state.step}, policy version {state.version}"
                 + (f", re-issuing {pending} requests that were in flight" if pending else ""))

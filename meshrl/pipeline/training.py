@@ -222,9 +222,7 @@ class TrainLoop:
         return step < self.cfg.run.total_steps and not self._checkpoints_after(step) and not self.rollout.stopping.is_set()
 
     def _checkpoints_after(self, step: int) -> bool:
-        """Every run.checkpoint_every steps, and after the last with run.checkpoint_at_end."""
-        every, total = self.cfg.run.checkpoint_every, self.cfg.run.total_steps
-        return (every > 0 and step % every == 0) or (step == total and self.cfg.run.checkpoint_at_end)
+        return checkpoints_after(self.cfg, step)
 
     def _record(self, fields: dict[str, Any]) -> None:
         """The step record, with the queue's metrics after the step, written beside the next step:
@@ -376,3 +374,10 @@ def evaluate_missed(loop: Any, state: ckpt.RunState) -> None:
     if (every and state.step % every == 0 and 0 < state.step < loop.cfg.run.total_steps
             and not any(r["kind"] == "eval" and r.get("step") == state.step for r in loop.log.records)):
         loop.evals.append(asyncio.create_task(loop._evaluate()))
+
+
+def checkpoints_after(cfg: PipelineConfig, step: int) -> bool:
+    """Whether train step ``step`` is followed by a checkpoint: every run.checkpoint_every steps, and
+    after the last with run.checkpoint_at_end."""
+    every, total = cfg.run.checkpoint_every, cfg.run.total_steps
+    return (every > 0 and step % every == 0) or (step == total and cfg.run.checkpoint_at_end)
