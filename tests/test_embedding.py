@@ -63,9 +63,11 @@ def make_config(model_dir: str, out, *extra: str) -> meshrl.PipelineConfig:
 
 
 async def user_script(cfg: meshrl.PipelineConfig, stop_after_steps: int, environment=HintEnv,
-                      evaluate: bool = False) -> dict:
+                      evaluate: bool = False, ahead: int = 0) -> dict:
     """What a user writes: the pipeline as one task among others, stopped on their own signal
-    (``evaluate``: it also asks for a held-out evaluation before the stop)."""
+    (``evaluate``: it also asks for a held-out evaluation before the stop; ``ahead``: the signal
+    waits, after ``stop_after_steps`` steps, for a step record whose queue holds or has reserved at
+    least that many samples)."""
     pipeline = meshrl.Pipeline(cfg, reward=digit_reward, environment=environment)
     beats = 0
 
@@ -77,12 +79,13 @@ async def user_script(cfg: meshrl.PipelineConfig, stop_after_steps: int, environ
 
     beat = asyncio.create_task(heartbeat())
     run = asyncio.create_task(pipeline.run())
-    steps, seen = [], {}
+    steps, seen, summary = [], {}, None
     async with contextlib.aclosing(pipeline.metrics()) as records:
         async for m in records:
-            if m["kind"] == "step":
-                steps.append(m)
-            if len(steps) == stop_after_steps:
+            if m["kind"] != "step":
+                continue
+            steps.append(m)
+            if len(steps) >= stop_after_steps and m["queue/depth_samples"] + m["queue/reserved_unfilled_samples"] >= ahead:
                 beats_at_stop = beats
                 seen["version"] = pipeline.policy_version
                 seen["texts"] = await pipeline.generate(["1+1=", "2+3="], max_new_tokens=4)
@@ -90,6 +93,7 @@ async def user_script(cfg: meshrl.PipelineConfig, stop_after_steps: int, environ
                     seen["eval"] = await pipeline.evaluate()
                 summary = await asyncio.wait_for(pipeline.stop(), 300)
                 break
+    assert summary is not None, f"the run ended before its queue was {ahead} samples ahead: {steps[-1]}"
     assert await asyncio.wait_for(run, 60) == summary  # run() returned the same summary
     beat.cancel()
     return {"summary": summary, "steps": steps, "beats_at_stop": beats_at_stop, **seen}
@@ -101,7 +105,9 @@ def test_user_script_with_custom_reward_and_environment_stops_without_losing_sam
     # take one batch of what was in flight and queued, so at least 4 samples stay for the snapshot
     # (with 2 in flight, exactly one batch, an empty snapshot was a matter of timing)
     in_flight = "rollout.requests_in_flight=3"
-    out = asyncio.run(user_script(make_config(model_dir, tmp_path / "run", in_flight), stop_after_steps=3))
+    # stopped once a step record shows two batches queued or under way (a fresh-clone CI run under
+    # load once stopped on an emptied queue): one more batch taken after the stop leaves samples
+    out = asyncio.run(user_script(make_config(model_dir, tmp_path / "run", in_flight), stop_after_steps=3, ahead=16))
     summary, steps = out["summary"], out["steps"]
     assert summary["stopped"] is True and 3 <= summary["steps"] < 40 and summary["accuracy_after"] is None
     assert out["beats_at_stop"] > 20  # the user's task kept running beside the pipeline
