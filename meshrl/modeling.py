@@ -19,6 +19,8 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PreTrainedModel
 
+from meshrl import shared_prompts
+
 __all__ = ["Packed", "pack", "response_logprobs", "policy_logprobs", "head_logprobs", "compile_head", "ValueModel", "load_causal_lm",
            "count_parameters", "disable_dropout", "no_progress_bars"]
 
@@ -248,8 +250,10 @@ def _shared_prompt_hidden(model, decoder: nn.Module, packed: Packed) -> torch.Te
     row takes its prompt's (a differentiable ``index_select``: the backward sums the rows' gradients
     into the prompt) and runs its response tokens but the last (``[B, R-1]``) at positions after its
     prompt. Response token 0 is predicted by the prompt's last hidden state, token ``j`` by the row's
-    own at ``j - 1``. None (the caller runs every row whole): no two rows share a prompt, or the
-    model's cache is not a plain per-layer key/value cache (sliding windows, hybrid layers)."""
+    own at ``j - 1``. A Llama-family decoder runs both passes without the model's forward
+    (``meshrl.shared_prompts``); others through it, with its cache between them. None (the caller
+    runs every row whole): no two rows share a prompt, or the model's cache is not a plain per-layer
+    key/value cache (sliding windows, hybrid layers)."""
     keys, lengths = packed.prompt_keys, packed.prompt_lengths
     if keys is None or lengths is None or len(set(keys)) == len(keys) or type(decoder) in _NO_SHARED_PROMPTS:
         return None
@@ -262,20 +266,23 @@ def _shared_prompt_hidden(model, decoder: nn.Module, packed: Packed) -> torch.Te
     width = max(lengths[i] for i in firsts)
     prompt_mask = (torch.arange(width, device=device)[None, :] < plen[:, None]).long()  # [G, P]
     prompt_ids = packed.input_ids[torch.tensor(firsts, device=device), :width] * prompt_mask  # [G, P]
+    group = torch.tensor(rows_group, device=device)  # [B]
+    row_plen = plen[group]  # [B]
+    r = packed.response_ids.shape[1]
+    steps = torch.arange(r - 1, device=device)[None, :]
+    response_len = packed.attention_mask.sum(1) - row_plen  # [B]
+    if shared_prompts.fits(model, decoder):  # the same two passes without the model's forward
+        return shared_prompts._Passes.forward(decoder, prompt_ids, prompt_mask, group, row_plen,
+                                              packed.response_ids[:, :-1], steps < response_len[:, None])
     hidden, cache = _decoder_output(model, decoder, input_ids=prompt_ids, attention_mask=prompt_mask, use_cache=True)
     layers = getattr(cache, "layers", None)
     if not layers or any(type(layer).__name__ != "DynamicLayer" for layer in layers) or not hasattr(cache, "reorder_cache"):
         _NO_SHARED_PROMPTS.add(type(decoder))
         return None
-    group = torch.tensor(rows_group, device=device)  # [B]
-    row_plen = plen[group]  # [B]
     last = hidden[group, row_plen - 1]  # [B, H]: predicts response token 0
-    r = packed.response_ids.shape[1]
     if r == 1:
         return last[:, None]
     cache.reorder_cache(group)  # [G, ...] -> [B, ...] keys and values
-    steps = torch.arange(r - 1, device=device)[None, :]
-    response_len = packed.attention_mask.sum(1) - row_plen  # [B]
     mask = torch.cat([prompt_mask[group], (steps < response_len[:, None]).long()], 1)  # [B, P + R - 1]
     given = {_cache_kwarg(decoder): cache}
     own, _ = _decoder_output(model, decoder, input_ids=packed.response_ids[:, :-1], attention_mask=mask,

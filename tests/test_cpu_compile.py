@@ -1,8 +1,9 @@
 """``trainer.compile=true`` on the CPU: the same steps as eager, and a clear refusal without a C++ compiler.
 
-The steps are compared with ``trainer.compile_backend=aot_eager``: dynamo traces meshrl's decoder
-layers (both of the shared-prompt passes: without a cache, then through the prompt's) and the head's
-log-prob math into the same graphs as inductor would get, and runs them with eager ops. Inductor's
+The steps are compared with ``trainer.compile_backend=aot_eager``: dynamo traces the shared-prompt
+passes (``meshrl.shared_prompts``: the prompts', then the rows' through the prompts' keys and
+values, as one graph), the decoder layers (for rows that share no prompt) and the head's log-prob
+math into the same graphs as inductor would get, and runs them with eager ops. Inductor's
 C++ kernels on top would cost the suite 35-50 s of g++ on two cores; they were compared by hand the
 same way (float32, SGD, two steps: loss, gradient norm and entropy within 1.2e-7 relative, weights within 4e-9;
 bench/RESULTS.md) and train the laptop bench (``python bench/laptop_grpo.py ... trainer.compile=true``).
@@ -16,7 +17,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from meshrl import modeling
+from meshrl import modeling, shared_prompts
 from meshrl.actors import AlgoConfig, TrainerConfig
 from meshrl.actors.data_parallel import DataParallel
 from meshrl.actors.policy_trainer import PolicyTrainer
@@ -48,9 +49,11 @@ def _trainer(model_dir: str, compile: bool, backend: str = "aot_eager") -> Polic
 
 @pytest.mark.slow
 def test_compiled_cpu_steps_equal_eager_ones(tiny_model, monkeypatch):
-    # compile_head swaps the head's math for the rest of the process: put it back after this test
+    # compile_head and compile_passes swap the head's math and the shared-prompt passes for the rest
+    # of the process: put them back after this test
     monkeypatch.setattr(modeling._Math, "forward", modeling._Math.forward)
     monkeypatch.setattr(modeling._Math, "backward", modeling._Math.backward)
+    monkeypatch.setattr(shared_prompts._Passes, "forward", shared_prompts._Passes.forward)
     torch.set_num_threads(1)
     counters.clear()
     eager = _trainer(tiny_model, False)  # all its steps first: compile_head is for the rest of the process
@@ -58,6 +61,7 @@ def test_compiled_cpu_steps_equal_eager_ones(tiny_model, monkeypatch):
     assert not counters["stats"]["unique_graphs"]  # nothing compiled yet
     compiled = _trainer(tiny_model, True)
     assert compiled.updater.share_prompts  # the CPU default: the prompt's cache serves its rows
+    assert shared_prompts.fits(compiled.policy, compiled.policy.get_decoder())  # both passes as one graph
     for step, want in enumerate(wants):
         got = compiled.train_step(_batch(step), 0)
         for key in ("loss", "grad_norm", "entropy"):
@@ -78,4 +82,5 @@ def test_compile_on_a_cpu_without_a_cpp_compiler_is_refused_at_start(tiny_model,
         _trainer(tiny_model, True, "inductor")
     monkeypatch.setattr(modeling._Math, "forward", modeling._Math.forward)  # compile_head, as above
     monkeypatch.setattr(modeling._Math, "backward", modeling._Math.backward)
+    monkeypatch.setattr(shared_prompts._Passes, "forward", shared_prompts._Passes.forward)
     assert _trainer(tiny_model, True, "aot_eager").cfg.compile  # builds no kernel: needs no compiler

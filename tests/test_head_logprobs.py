@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Gemma2Config, LlamaConfig, Qwen2Config
+from transformers import Gemma2Config, LlamaConfig, Qwen2Config, Qwen3Config
 
 from meshrl.algos import entropy_from_logits
 from meshrl.modeling import _fusable, head_logprobs, pack, policy_logprobs, response_logprobs
@@ -79,6 +79,12 @@ def _model(kind: str):
         cfg = Qwen2Config(**common, tie_word_embeddings=True)
     elif kind == "llama":
         cfg = LlamaConfig(**common, tie_word_embeddings=False)
+    elif kind == "llama3-bias":  # attention biases, an MLP bias and Llama 3's RoPE scaling
+        cfg = LlamaConfig(**common, tie_word_embeddings=False, attention_bias=True, mlp_bias=True,
+                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+    elif kind == "qwen3":  # each head's queries and keys normed
+        cfg = Qwen3Config(**common, head_dim=4, tie_word_embeddings=True)
     else:
         cfg = Gemma2Config(**common, head_dim=4, final_logit_softcapping=3.0, attn_logit_softcapping=None,
                            query_pre_attn_scalar=4, sliding_window=64)
@@ -116,15 +122,30 @@ def test_policy_logprobs_equal_the_full_logits_path_with_gradients(kind):
         torch.testing.assert_close(got[name], param.grad, rtol=1e-9, atol=1e-12, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+class _Called:
+    """The model called through a wrapper, as ``lora.BaseModel`` calls it: the shared-prompt passes
+    then go through the model's own forward and its cache (``shared_prompts.fits``)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama", "llama3-bias", "qwen3"])
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
 def test_shared_prompts_give_the_same_logprobs_entropies_and_gradients(kind, attention):
     """GRPO groups (rows with one prompt) run their prompt once and reuse its keys and values: the
-    same numbers as every row run whole, gradients included (the prompt's summed over its rows).
-    Prompts of different lengths (padding between a short prompt and its response), one-token and
-    empty responses, a loss mask, and a prompt that only one row has."""
+    same numbers as every row run whole, gradients included (the prompt's summed over its rows),
+    both through the model's forward with its cache and through ``meshrl.shared_prompts``' own
+    passes. Prompts of different lengths (padding between a short prompt and its response),
+    one-token and empty responses, a loss mask, and a prompt that only one row has."""
+    from meshrl import shared_prompts
+
     model = _model(kind)
     model.set_attn_implementation(attention)
+    assert shared_prompts.fits(model, model.get_decoder()) and not shared_prompts.fits(_Called(model), model.get_decoder())
     prompts = [[1, 2, 3], [1, 2, 3], [1, 2, 3], [4, 5], [4, 5], [6, 7, 8, 9, 10], [11]]
     responses = [[12, 13, 14, 15], [16], [17, 18, 19], [20, 21, 22, 12, 13], [], [14, 15], [16, 17]]
     packed = pack(prompts, responses, pad_id=0, loss_masks=[None, None, [1, 0, 1], None, None, None, None])
@@ -132,28 +153,36 @@ def test_shared_prompts_give_the_same_logprobs_entropies_and_gradients(kind, att
 
     import meshrl.modeling as modeling
 
-    runs = []
-    for share in (True, False):
+    runs = {}
+    for path, caller, share in (("own passes", model, True), ("model's forward", _Called(model), True),
+                                ("whole rows", model, False)):
         calls = []
         forward = modeling._decoder_output
         modeling._decoder_output = lambda *a, **k: (calls.append(tuple(k["input_ids"].shape)), forward(*a, **k))[1]
         try:
-            logp, ent = policy_logprobs(model, packed, temperature=0.8, share_prompts=share)
+            logp, ent = policy_logprobs(caller, packed, temperature=0.8, share_prompts=share)
         finally:
             modeling._decoder_output = forward
         (logp.sum() + 0.3 * ent.sum()).backward()
-        runs.append((logp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, calls))
+        runs[path] = (logp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, calls)
         model.zero_grad(set_to_none=True)
-    (logp, ent, grads, calls), (ref, ref_ent, ref_grads, ref_calls) = runs
-    assert calls == [(4, 5), (7, 4)] and ref_calls == [(7, 7)]  # 4 distinct prompts, then 7 rows' responses
-    torch.testing.assert_close(logp, ref, rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(ent, ref_ent, rtol=1e-10, atol=1e-10)
-    assert torch.count_nonzero(logp) == int(packed.response_mask.sum())
-    # float64 models still norm in float32 (HF's RMSNorm upcasts to float32): other shapes, other roundings
-    # (a key bias's gradient is 0 but for that rounding: softmax is blind to a shift of every key)
-    scale = max(g.abs().max().item() for g in ref_grads.values())
-    for name, g in grads.items():
-        torch.testing.assert_close(g, ref_grads[name], rtol=0, atol=1e-7 * scale, msg=lambda m: f"{name}: {m}")
+    ref, ref_ent, ref_grads, ref_calls = runs["whole rows"]
+    assert ref_calls == [(7, 7)]
+    assert runs["model's forward"][3] == [(4, 5), (7, 4)]  # 4 distinct prompts, then 7 rows' responses
+    assert runs["own passes"][3] == []  # no call of the model's forward
+    # HF's eager attention takes its softmax in float32 even for a float64 model; SDPA keeps float64
+    tol = 1e-6 if attention == "eager" else 1e-10
+    for path in ("own passes", "model's forward"):
+        logp, ent, grads, _ = runs[path]
+        torch.testing.assert_close(logp, ref, rtol=tol, atol=tol, msg=lambda m: f"{path}: {m}")
+        torch.testing.assert_close(ent, ref_ent, rtol=tol, atol=tol, msg=lambda m: f"{path}: {m}")
+        assert torch.count_nonzero(logp) == int(packed.response_mask.sum())
+        # float64 models still norm in float32 (HF's RMSNorm upcasts to float32): other shapes, other roundings
+        # (a key bias's gradient is 0 but for that rounding: softmax is blind to a shift of every key)
+        scale = max(g.abs().max().item() for g in ref_grads.values())
+        for name, g in grads.items():
+            torch.testing.assert_close(g, ref_grads[name], rtol=0, atol=max(tol, 1e-7) * scale,
+                                       msg=lambda m: f"{path}, {name}: {m}")
 
 
 def test_rows_keep_their_prompt_keys_and_a_batch_without_shared_prompts_runs_whole():

@@ -98,9 +98,10 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward (less memory, ~1/3 more compute)."""
     compile: bool = False
-    """``torch.compile`` each decoder layer's forward (dynamic shapes) and the LM head's chunked
-    log-prob math (``modeling.compile_head``): fused elementwise kernels instead of one launch (on
-    the CPU, one dispatch) per op. The first steps pay the compile: tens of seconds, up to a minute
+    """``torch.compile`` each decoder layer's forward (dynamic shapes), the LM head's chunked
+    log-prob math (``modeling.compile_head``) and, for a Llama-family decoder, both shared-prompt
+    passes as one graph (``shared_prompts.compile_passes``): fused elementwise kernels instead of
+    one launch (on the CPU, one dispatch) per op. The first steps pay the compile: tens of seconds, up to a minute
     on a 2-core CPU, where inductor builds C++ kernels with g++ (without one the trainer refuses at
     start). The laptop model's 256-sample GRPO step, in one process: 58 -> 48 ms (bench/RESULTS.md)."""
     compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
@@ -357,11 +358,13 @@ class PolicyTrainer:
         if self.cfg.compile:  # cuda or cpu
             from meshrl.actors.data_parallel import decoder_layers
             from meshrl.modeling import compile_head
+            from meshrl.shared_prompts import compile_passes
 
             backend = self.cfg.compile_backend
             if self.dp.device.type == "cpu" and backend == "inductor":
                 _need_cpp_compiler()
             compile_head(backend)
+            compile_passes(backend)
             for layer in decoder_layers(model):
                 # the bound forward, not the module: FSDP2's hooks stay eager, names stay the same
                 layer.forward = torch.compile(layer.forward, dynamic=True, backend=backend)
