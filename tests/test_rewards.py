@@ -437,6 +437,51 @@ def test_a_fast_sync_reward_goes_to_its_threads_in_chunks_and_keeps_per_sample_o
         release.set()
 
 
+def test_a_quick_reward_is_scored_on_the_event_loop_and_the_built_in_tasks_are_quick():
+    """``inline=True`` (a task's ``quick_reward``): every sample on the caller's loop thread, no
+    thread hop, each its own outcome; refused for a batched or an async function; the built-in
+    tasks' rewards are built inline, a user's task only when it says so."""
+    loop_threads: list[int] = []
+    scored_on: set[int] = set()
+
+    def exact(problem: Problem, completion: str) -> float:
+        scored_on.add(threading.get_ident())
+        if problem.id == 2:
+            raise ValueError("no")
+        return float(completion == problem.answer)
+
+    async def run(reward, problems, comps):
+        loop_threads.append(threading.get_ident())
+        return await reward.score(problems, comps)
+
+    problems = [Problem(id=i, prompt=f"{i}+1=", answer=str(i + 1)) for i in range(5)]
+    reward = FunctionReward(exact, timeout_s=60, inline=True)
+    out = asyncio.run(run(reward, problems, ["1", "?", "3", "4", "?"]))
+    assert scored_on == set(loop_threads) and reward._idle == []  # the loop's thread; no thread was started
+    assert [None if o is None else o.reward for o in out] == [1.0, 0.0, None, 1.0, 0.0]  # the raise marked its own
+
+    async def judge(problem, completion):
+        return 1.0
+
+    for fn, kw in ((judge, {}), (lambda ps, cs: [1.0] * len(cs), {"batched": True})):
+        with pytest.raises(ValueError, match="inline=True is for a sync per-sample function"):
+            FunctionReward(fn, inline=True, **kw)
+    assert as_reward(AdditionTask(1, num_train=10, num_test=5), timeout_s=5).inline
+
+    class MyTask:
+        name = "mine"
+
+        def split(self, name):
+            return [Problem(0, "1+1=", "2")]
+
+        def reward(self, problem, completion):
+            return float(completion == problem.answer)
+
+    assert not as_reward(MyTask(), timeout_s=5).inline  # a user's reward may block: it goes to threads
+    MyTask.quick_reward = True
+    assert as_reward(MyTask(), timeout_s=5).inline
+
+
 def test_a_task_with_a_score_helper_is_scored_by_its_reward():
     """A Task is recognised as a Task before a Reward (any object with a ``score`` attribute passes
     the runtime-checkable protocol): its ``reward`` scores, not its ``score`` helper."""

@@ -88,6 +88,8 @@ class TaskConfig(msgspec.Struct, frozen=True, kw_only=True):
 class PreparedTask:
     """A task with its prompts rendered for a chat model and/or another answer check."""
 
+    quick_reward = True  # its answer check: scored inline (Task.quick_reward)
+
     def __init__(self, task: Task, render: Callable[[str], str] | None, reward: str):
         self.name, self._task, self.reward_mode = task.name, task, reward
         self._splits = {name: [Problem(id=p.id, prompt=render(p.prompt), answer=p.answer) for p in task.split(name)]

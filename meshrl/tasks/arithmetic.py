@@ -22,6 +22,8 @@ class AdditionTask:
 
     name = "addition"
 
+    quick_reward = True  # its answer check: scored inline (Task.quick_reward)
+
     def __init__(self, digits: int = 2, *, num_train: int = 100_000, num_test: int = 500, seed: int = 0):
         if digits < 1:
             raise ValueError(f"task.digits must be >= 1, got {digits}")

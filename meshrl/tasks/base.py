@@ -30,7 +30,11 @@ class RewardOutput(msgspec.Struct):
 
 
 class Task(Protocol):
-    """A verifiable task: a training split, a held-out split and a reward function."""
+    """A verifiable task: a training split, a held-out split and a reward function.
+
+    An optional class attribute ``quick_reward = True`` says ``reward`` is quick and cannot block
+    or hang (a check of the completion's text): it then runs on the scoring event loop, with no
+    thread hop and no timeout (``FunctionReward(inline=True)``). The built-in tasks set it."""
 
     name: str
 

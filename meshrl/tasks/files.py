@@ -137,6 +137,8 @@ class FileTask:
 
     name = "file"
 
+    quick_reward = True  # its answer check: scored inline (Task.quick_reward)
+
     def __init__(self, train_path: str | Path, test_path: str | Path, *, prompt_key: str = "prompt",
                  answer_key: str = "answer", render: Callable[[str | list[dict[str, str]]], str] | None = None,
                  reward: str = "exact"):
