@@ -101,9 +101,10 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """``torch.compile`` each decoder layer's forward (dynamic shapes), the LM head's chunked
     log-prob math (``modeling.compile_head``) and, for a Llama-family decoder, both shared-prompt
     passes as one graph (``shared_prompts.compile_passes``): fused elementwise kernels instead of
-    one launch (on the CPU, one dispatch) per op. The first steps pay the compile: tens of seconds, up to a minute
-    on a 2-core CPU, where inductor builds C++ kernels with g++ (without one the trainer refuses at
-    start). The laptop model's 256-sample GRPO step, in one process: 58 -> 48 ms (bench/RESULTS.md)."""
+    one launch (on the CPU, one dispatch) per op. The first steps pay the compile: tens of seconds,
+    up to a minute on a 2-core CPU, where inductor builds C++ kernels with g++ (without one the
+    trainer refuses at start). The laptop model's 256-sample GRPO step, in one process: 58 -> 48 ms
+    (bench/RESULTS.md)."""
     compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
     """torch.compile's backend with ``compile``: inductor (fused kernels); aot_eager or eager trace the
     same graphs and run them with eager ops, building nothing (to tell a compiled run's numbers from

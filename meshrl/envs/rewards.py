@@ -117,8 +117,8 @@ class FunctionReward:
         ``Task.quick_reward``): scored on the caller's event loop, no thread. A hop to a thread
         costs more than such a check, and on a loop that also runs an engine's steps the thread
         waits for the GIL behind them (the laptop bench's 32-sample jobs: 3.2 ms from the
-        generations to the scored samples on average, 8.9 ms at p90, against 0.34 and 0.4 ms inline). ``timeout_s`` cannot interrupt it: only for functions
-        that cannot hang."""
+        generations to the scored samples on average, 8.9 ms at p90, against 0.34 and 0.4 ms
+        inline). ``timeout_s`` cannot interrupt it: only for functions that cannot hang."""
         self.max_concurrency = max_concurrency
         """An async per-sample function's calls in flight at once."""
         self.threads = threads
