@@ -37,28 +37,28 @@ _FITS: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary(
 
 
 def fits(model, decoder: nn.Module) -> bool:
-    """Whether ``shared_passes`` computes ``decoder``'s numbers (module docstring); checked once per decoder."""
+    """Whether ``shared_passes`` computes ``decoder``'s numbers (module docstring): its structure
+    checked once per decoder, its attention implementation and its parameters' kind at each call
+    (a model sharded or switched to another attention after its first pass)."""
     if not isinstance(model, nn.Module):
         return False
     known = _FITS.get(decoder)
     if known is None:
-        known = _FITS[decoder] = _fits(decoder)
-    return known
+        known = _FITS[decoder] = _structure_fits(decoder)
+    if not known or getattr(decoder.config, "_attn_implementation", None) not in ("sdpa", "eager"):
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return not isinstance(decoder.embed_tokens.weight, DTensor)  # shard_model shards the root with the layers
 
 
-def _fits(decoder: nn.Module) -> bool:
+def _structure_fits(decoder: nn.Module) -> bool:
     config = getattr(decoder, "config", None)
     if getattr(config, "model_type", None) not in FAMILY:
-        return False
-    if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager"):
         return False
     if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
         return False
     if not all(hasattr(decoder, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")):
-        return False
-    from torch.distributed.tensor import DTensor
-
-    if any(isinstance(p, DTensor) for p in decoder.parameters()):
         return False
     for layer in decoder.layers:
         attn = getattr(layer, "self_attn", None)

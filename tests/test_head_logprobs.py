@@ -183,6 +183,9 @@ def test_shared_prompts_give_the_same_logprobs_entropies_and_gradients(kind, att
         for name, g in grads.items():
             torch.testing.assert_close(g, ref_grads[name], rtol=0, atol=max(tol, 1e-7) * scale,
                                        msg=lambda m: f"{path}, {name}: {m}")
+    # checked at each call, not only at the first: another attention afterwards takes the model's forward
+    model.config._attn_implementation = "flex_attention"
+    assert not shared_prompts.fits(model, model.get_decoder())
 
 
 def test_rows_keep_their_prompt_keys_and_a_batch_without_shared_prompts_runs_whole():
