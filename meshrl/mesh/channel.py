@@ -59,8 +59,9 @@ class Channel:
     """The connecting side, blocking: for a sync actor's thread (module docstring)."""
 
     def __init__(self, host: str, port: int, *, timeout_s: float, what: str) -> None:
-        """``what`` names the peer in errors ("the rollout worker's lane")."""
-        self.what = what
+        """``what`` names the peer in errors ("the rollout worker's lane"); ``timeout_s`` bounds the
+        connect and each send (a peer that stops reading)."""
+        self.what, self.timeout_s = what, timeout_s
         try:
             self._sock = socket.create_connection((host, port), timeout=timeout_s)
         except OSError as exc:
@@ -73,7 +74,7 @@ class Channel:
         size = sum(memoryview(p).nbytes for p in parts)
         buffers = [HEADER.pack(kind, tag, size), *parts]
         try:
-            self._sock.settimeout(None)
+            self._sock.settimeout(self.timeout_s)
             while buffers:
                 sent = self._sock.sendmsg(buffers)
                 while buffers and sent >= memoryview(buffers[0]).nbytes:
@@ -81,8 +82,12 @@ class Channel:
                     buffers.pop(0)
                 if sent:
                     buffers[0] = memoryview(buffers[0]).cast("B")[sent:]
+        except socket.timeout:
+            raise TimeoutError(f"gave up after {self.timeout_s:.0f}s sending to {self.what}: it reads nothing") from None
         except OSError as exc:
             raise ChannelClosed(f"sending to {self.what} failed: {exc}") from None
+        finally:
+            self._sock.settimeout(None)
 
     def receive(self, timeout_s: float, waiting_for: str) -> tuple[int, int, bytes]:
         """The next message (kind, tag, payload), within ``timeout_s``; the error names what was awaited."""

@@ -34,8 +34,8 @@ The rollout side lives in ``rollout_loop``, the train side in ``training``, eval
 ``evaluation``. With ``run.loops=roles`` the two loops above run inside the rollout worker and
 the trainer instead (``meshrl.actors.lanes``: the queue is the rollout worker's, the batches and
 weights go over their own channel), and ``lanes.LaneLoop`` stands in for the train loop: it hands
-the trainer chunks of steps and does the checkpoints, evaluations and records between them. With ``max_staleness = 0`` the loops alternate strictly (synchronous, on-policy);
-with η > 0 rollout runs up to η versions ahead while the trainer trains. Every wait has a timeout;
+the trainer chunks of steps and does the checkpoints, evaluations and records between them.
+With ``max_staleness = 0`` the loops alternate strictly (synchronous, on-policy); with η > 0 rollout runs up to η versions ahead while the trainer trains. Every wait has a timeout;
 a failure in any loop closes the queue, which wakes every waiter, and the run stops with that error
 — unless it is a role's death: a reward, reference or rollout worker is restarted in place
 (``recovery``, ``revival``), and with ``run.auto_resume`` any other death resumes the run from its

@@ -53,7 +53,7 @@ async def generate(driver: RolloutDriver, prompts: Sequence[str], *, max_new_tok
     if isinstance(prompts, str) or not all(isinstance(p, str) and p for p in prompts):
         raise TypeError("generate: prompts must be a list of non-empty strings")
     problems = [Problem(id=i, prompt=p, answer="") for i, p in enumerate(prompts)]
-    _, requests = driver.requests(problems, greedy=True, n=1, max_new_tokens=max_new_tokens)
+    _, requests = driver.maker.requests(problems, greedy=True, n=1, max_new_tokens=max_new_tokens)
     if temperature > 0:
         import msgspec
 

@@ -106,7 +106,7 @@ class LaneLoop:
             for done, trained in self._write(records, report):
                 await self.audit.record(done, trained)  # run.audit: the groups each step trained
             self.step, self.version = got, version  # short of `last` when the run stopped during the chunk
-            if self._checkpoints_after(self.step):
+            if checkpoints_after(self.cfg, self.step):
                 await self.checkpoint()
             if cfg.run.eval_every and self.step % cfg.run.eval_every == 0 and self.step < cfg.run.total_steps:
                 self.evals.append(asyncio.create_task(self._evaluate()))
@@ -123,7 +123,7 @@ class LaneLoop:
         cfg, sync = self.cfg, self.cfg.trainer.sync_interval
         while len(chunks) < 2:
             step, version = end
-            if step >= cfg.run.total_steps or (self._checkpoints_after(step) and self.last_checkpoint != step):
+            if step >= cfg.run.total_steps or (checkpoints_after(self.cfg, step) and self.last_checkpoint != step):
                 break
             count = self._chunk(step)
             if self.rollout.stopping.is_set():
@@ -132,7 +132,7 @@ class LaneLoop:
                 count = 1  # its batch is out of the queue: trained, as a step under way finishes
             last = step + count
             evaluates = cfg.run.eval_every and last % cfg.run.eval_every == 0
-            self._prefetched = last < cfg.run.total_steps and not self._checkpoints_after(last) and not self.rollout.stopping.is_set()
+            self._prefetched = last < cfg.run.total_steps and not checkpoints_after(self.cfg, last) and not self.rollout.stopping.is_set()
             # waits for: the chunks before it and `count` train steps (each step's waits bounded by the trainer)
             calling = self.roles.trainer.lane_steps.call(
                 step, version, count, sync, prefetch=self._prefetched,
@@ -170,8 +170,8 @@ class LaneLoop:
         rate = (generated - before) / max(end - since, 1e-9)
         self._rate_from = (end, generated)
         c, steps = self._clock, []
-        for role, what, start, end in report["spans"]:
-            self.log.span(role, what, start - c, end - c)
+        for role, what, began, ended in report["spans"]:
+            self.log.span(role, what, began - c, ended - c)
         for rec in records:
             t0, t1, t2, t3 = rec.pop("spans")
             trained = rec.pop("groups")
@@ -182,9 +182,6 @@ class LaneLoop:
             self.log.step({**rec, "tokens_per_s": rate, "generated_tokens": generated, "reissued_calls": 0,
                            "restarts": self.restarts, "reissued_requests": 0, "revived_workers": 0, **queue_m})
         return steps
-
-    def _checkpoints_after(self, step: int) -> bool:
-        return checkpoints_after(self.cfg, step)
 
     async def revive(self) -> None:
         """Rollout workers are not restarted in place with run.loops=roles (the run resumes instead)."""

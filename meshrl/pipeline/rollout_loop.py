@@ -30,8 +30,6 @@ from typing import Any
 
 from meshrl.actors import RolloutJob
 from meshrl.actors.requests import RequestMaker
-from meshrl.engines import GenerateRequest
-from meshrl.envs import EpisodeRequest
 from meshrl.mesh import ActorFailure, ActorMesh
 from meshrl.pipeline import checkpoint as ckpt
 from meshrl.pipeline.config import PipelineConfig
@@ -93,11 +91,6 @@ class RolloutDriver:
         self.revivals = revivals or Revivals(cfg, len(roles.rollouts) if roles.rollouts is not None else 0)
         """The rollout workers serving the current weights, and those restarted (meshrl.pipeline.revival)."""
 
-    def requests(self, problems: list[Problem], *, greedy: bool, n: int, group_ids: list[int] | None = None,
-                 max_new_tokens: int | None = None) -> tuple[list[list[int]], list[GenerateRequest]]:
-        """Tokenised prompts and their single-turn requests (``RequestMaker.requests``)."""
-        return self.maker.requests(problems, greedy=greedy, n=n, group_ids=group_ids, max_new_tokens=max_new_tokens)
-
     def start_play(self, worker: ActorMesh, problems: list[Problem], *, greedy: bool, n: int,
                    group_ids: list[int] | None) -> tuple[Any, RolloutJob, str]:
         """Start generating (or playing episodes) on ``worker`` (a one-actor mesh, or a mesh to
@@ -105,21 +98,16 @@ class RolloutDriver:
         the job's field (and ``RewardWorker.score``'s keyword) they go to."""
         call = worker.run_episodes if self.environment else worker.generate
         adverb = call.call_one if len(worker) == 1 else call.choose
-        job, requests = self.job(problems, greedy=greedy, n=n, group_ids=group_ids)
+        job, requests = self.maker.job(problems, greedy=greedy, n=n, group_ids=group_ids)
         return adverb(requests), job, "episodes" if self.environment else "results"
 
     def start_play_scored(self, worker: ActorMesh, problems: list[Problem], *, greedy: bool, n: int,
                           group_ids: list[int] | None, by_ref: bool | int = False) -> Any:
         """``start_play`` with reward.num_workers=0: ``worker`` generates and scores them in one call
         (``RolloutWorker.play_scored``, within run.step_timeout_s of generating); the call's future."""
-        job, requests = self.job(problems, greedy=greedy, n=n, group_ids=group_ids)
+        job, requests = self.maker.job(problems, greedy=greedy, n=n, group_ids=group_ids)
         call = worker.play_scored.call_one if len(worker) == 1 else worker.play_scored.choose
         return call(job, requests, within_s=self.cfg.run.step_timeout_s, by_ref=by_ref)
-
-    def job(self, problems: list[Problem], *, greedy: bool, n: int, group_ids: list[int] | None
-            ) -> tuple[RolloutJob, list[GenerateRequest] | list[EpisodeRequest]]:
-        """The job ``problems``' generations (or episodes) belong to, and the requests that make them."""
-        return self.maker.job(problems, greedy=greedy, n=n, group_ids=group_ids)
 
     async def play(self, problems: list[Problem], *, greedy: bool, n: int, group_ids: list[int] | None,
                    what: str, scored: bool = False) -> Any:

@@ -156,7 +156,7 @@ class TrainLoop:
                     self.log.span("colocated", "switch_to_train", t1, t1 + metrics["colocated/switch_to_train_s"])
                 self.step += 1
                 await self.audit.record(self.step, batch.groups)
-                sync_s, pushed, checkpoint = 0.0, self._pushes_after(self.step), self._checkpoints_after(self.step)
+                sync_s, pushed, checkpoint = 0.0, self._pushes_after(self.step), checkpoints_after(self.cfg, self.step)
                 if pushed:
                     self.version = await self.push(self.version + 1, publish=not checkpoint)
                     sync_s = self.log.now() - t2
@@ -219,10 +219,7 @@ class TrainLoop:
         the run is stopping. A batch taken early is trained even if the run stops meanwhile (a step
         in flight finishes); the queue's admission is the same either way (``meshrl.queues.admission``:
         taking a batch only moves the consumed position it would move a step later)."""
-        return step < self.cfg.run.total_steps and not self._checkpoints_after(step) and not self.rollout.stopping.is_set()
-
-    def _checkpoints_after(self, step: int) -> bool:
-        return checkpoints_after(self.cfg, step)
+        return step < self.cfg.run.total_steps and not checkpoints_after(self.cfg, step) and not self.rollout.stopping.is_set()
 
     def _record(self, fields: dict[str, Any]) -> None:
         """The step record, with the queue's metrics after the step, written beside the next step:
