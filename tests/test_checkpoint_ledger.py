@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 
+from meshrl.manifest import write_manifest
 from meshrl.pipeline.checkpoint import (
     PromptLedger,
     RunState,
@@ -81,6 +82,7 @@ def test_latest_skips_partial_checkpoints_and_keep_prunes(tmp_path):
     assert latest_checkpoint(tmp_path) is None and resolve_resume("latest", tmp_path) is None
     for step in (2, 4, 6):
         write_checkpoint_files(partial_dir(tmp_path, step), state, None)
+        write_manifest(partial_dir(tmp_path, step))
         commit(partial_dir(tmp_path, step), keep=2)
     write_checkpoint_files(partial_dir(tmp_path, 8), state, None)  # a crash mid-write: never picked
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
@@ -112,6 +114,11 @@ def _commit_step(root, step: int, *, keep: int, generated_tokens: int):
     state = RunState(step=step, version=step, prompt_position=0, next_group=0, generated_tokens=generated_tokens,
                      accuracy_before=None, in_flight=[], queue_snapshot=b"")
     write_checkpoint_files(partial_dir(root, step), state, None)
+    trainer = partial_dir(root, step) / "trainer"  # what the trainer writes there, in miniature
+    trainer.mkdir()
+    (trainer / "__0_0.distcp").write_bytes(bytes(range(256)) * 4)
+    (trainer / "rank0.pt").write_bytes(b"rng" * 10)
+    write_manifest(partial_dir(root, step))  # last, as write_run_checkpoint does
     return commit(partial_dir(root, step), keep=keep)
 
 
@@ -307,6 +314,7 @@ def test_a_refused_resume_leaves_the_runs_config_file_alone(tmp_path):
     state = RunState(step=2, version=2, prompt_position=0, next_group=0, generated_tokens=0, accuracy_before=None,
                      in_flight=[], queue_snapshot=b"", fingerprint=run_fingerprint(first))
     write_checkpoint_files(partial_dir(out, 2), state, None)
+    write_manifest(partial_dir(out, 2))
     commit(partial_dir(out, 2), keep=0)
     (out / "config.yaml").write_text(to_yaml(first))
 
@@ -314,3 +322,47 @@ def test_a_refused_resume_leaves_the_runs_config_file_alone(tmp_path):
     with pytest.raises(ConfigError, match="other settings"):
         asyncio.run(Pipeline(other).run())
     assert (out / "config.yaml").read_text() == to_yaml(first)
+
+
+def test_a_damaged_checkpoint_is_named_and_latest_falls_back_to_the_newest_intact_one(tmp_path):
+    """Each file is checked against the manifest written at save before anything is read: a
+    truncated shard, a changed run state or a missing file is named in one line, run.resume=latest
+    takes the newest intact checkpoint of the run (saying so), and a path to a damaged one is
+    refused, naming the newest intact one."""
+    import pytest
+
+    from meshrl.config import ConfigError
+
+    for step in (2, 4, 6):
+        _commit_step(tmp_path, step, keep=0, generated_tokens=step)
+    root = tmp_path / "checkpoints"
+    shard = root / "step_00000006" / "trainer" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])  # truncated: a full disk, a copy cut short
+    state = root / "step_00000004" / "run_state.msgpack"
+    state.write_bytes(state.read_bytes()[:-1] + b"\x00")  # same size, other contents
+    said: list[str] = []
+    assert resolve_resume("latest", tmp_path, said.append) == root / "step_00000002"
+    assert said == [f"run.resume=latest: step_00000006 is damaged ({shard} is 100 bytes, 1,024 when it was written); "
+                    f"step_00000004 is damaged ({state} has other contents than when it was written (SHA-256 "
+                    f"differs)): resuming from the newest intact checkpoint, {root / 'step_00000002'}"]
+    with pytest.raises(ConfigError) as info:
+        resolve_resume(str(root / "step_00000006"), tmp_path)
+    assert str(info.value) == (f"`run.resume`: the checkpoint {root / 'step_00000006'} is damaged ({shard} is 100 "
+                               f"bytes, 1,024 when it was written); the newest intact checkpoint there is "
+                               f"{root / 'step_00000002'}")
+    (root / "step_00000002" / "trainer" / "rank0.pt").unlink()
+    with pytest.raises(ConfigError, match=r"no intact checkpoint under .*step_00000002 is damaged \(.*rank0.pt is "
+                                          r"missing\); start over with run.overwrite=true"):
+        resolve_resume("latest", tmp_path)
+    # written before manifests existed: only what a resume needs is checked, and a run state that decodes
+    legacy = partial_dir(tmp_path / "old", 3)
+    write_checkpoint_files(legacy, RunState(step=3, version=3, prompt_position=0, next_group=0, generated_tokens=0,
+                                            accuracy_before=None, in_flight=[], queue_snapshot=b""), None)
+    (legacy / "trainer").mkdir()
+    (legacy / "trainer" / ".metadata").write_bytes(b"m")
+    (legacy / "trainer" / "rank0.pt").write_bytes(b"r")
+    final = commit(legacy, keep=0)
+    assert resolve_resume("latest", tmp_path / "old") == final
+    (final / "run_state.msgpack").write_bytes(b"\x92")
+    with pytest.raises(ConfigError, match=r"run_state.msgpack is damaged: "):
+        resolve_resume("latest", tmp_path / "old")

@@ -39,6 +39,25 @@ def test_warm_start_lowers_the_loss_saves_and_reuses(tmp_path, capfd):
     again: list[str] = []
     assert warm_start(TINY, task, cfg, log=again.append) == path
     assert again == [f"warm start: reusing {path}"]  # no training the second time
+
+    # a damaged entry (a copy cut short, a full disk) is found by its manifest and trained again: it was
+    # a safetensors error in every worker, and a restart loop
+    weights = path / "model.safetensors"
+    size = weights.stat().st_size
+    weights.write_bytes(weights.read_bytes()[: size // 2])
+    rebuilt: list[str] = []
+    assert warm_start(TINY, task, cfg, log=rebuilt.append) == path
+    assert rebuilt[0] == (f"warm start: the cached {path} is damaged ({weights} is {size // 2:,} bytes, {size:,} when "
+                          "it was written): training it again")
+    assert rebuilt[-1].startswith("warm start: 30 steps in ")
+    AutoModelForCausalLM.from_pretrained(path)
+    # an entry written before manifests: its safetensors headers must cover the files
+    (path / "manifest.json").unlink()
+    weights.write_bytes(weights.read_bytes()[:-10])
+    rebuilt.clear()
+    warm_start(TINY, task, cfg, log=rebuilt.append)
+    assert rebuilt[0].startswith(f"warm start: the cached {path} is damaged ({weights}: ") and "training it again" in rebuilt[0]
+    assert (path / "manifest.json").is_file()
     other = warm_start(TINY, task, WarmStartConfig(max_steps=2, target_accuracy=None, cache_dir=str(tmp_path)), log=lambda _: None)
     assert other != path  # a different recipe is a different cache entry
 
@@ -143,3 +162,40 @@ def test_cancelling_the_pipeline_during_its_warm_start_ends_the_warm_start_threa
 
     assert asyncio.run(main()) < 20
     assert not (tmp_path / "warmstart").exists()  # nothing cached, no temporary folder left
+
+
+def test_stopping_the_pipeline_during_its_warm_start_ends_it_at_its_next_step(tmp_path):
+    """The first Ctrl-C or SIGTERM (Pipeline.stop) during a warm start waited for the whole warm start
+    (a minute on a CPU, past a scheduler's grace period), then started every role, evaluated,
+    checkpointed step 0 and exported. Now the warm start ends at its next step and the run with it,
+    having started and written nothing (a fresh run may start there again)."""
+    import asyncio
+
+    import pytest
+
+    from meshrl.config import load_config
+    from meshrl.embedded import WarmStartStopped
+    from meshrl.pipeline import Pipeline, PipelineConfig
+
+    out = tmp_path / "run"
+    cfg = load_config(PipelineConfig, None, [f"run.output_dir={out}", f"warmstart.cache_dir={tmp_path}",
+                                             "warmstart.max_steps=12000", "warmstart.target_accuracy=null",
+                                             "warmstart.check_every=100000", "warmstart.batch_size=8",
+                                             "model.embedded.hidden_size=32", "model.embedded.intermediate_size=64"])
+
+    async def main() -> tuple[object, float]:
+        pipeline = Pipeline(cfg)
+        run = asyncio.ensure_future(pipeline.run())
+        await asyncio.sleep(1.5)  # the warm start is under way in its thread
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        stopped = await pipeline.stop(timeout_s=60)
+        with pytest.raises(WarmStartStopped, match="nothing was cached"):
+            await run
+        return stopped, loop.time() - t0
+
+    stopped, took = asyncio.run(main())
+    assert stopped is None and took < 20
+    assert not (tmp_path / "warmstart").exists() and not (out / "checkpoints").exists()
+    assert sorted(p.name for p in out.iterdir()) == [".meshrl.lock"]
+    Pipeline(cfg)  # not refused: nothing of a run is there

@@ -4,8 +4,9 @@ No pretrained weights exist offline, and RL from a random policy would never see
 few hundred steps of supervised learning on ``prompt → answer`` leave a policy that is right
 some of the time, which is where RL starts. The result is a Hugging Face safetensors checkpoint
 (model, config, tokenizer) in a cache folder keyed by everything that shapes it, so later runs
-reuse it. It is written to a temporary folder and renamed into place, so a run killed midway
-never leaves a half-written cache entry.
+reuse it. It is written to a temporary folder, with a manifest of its files' sizes and digests
+(``meshrl.manifest``), and renamed into place, so a run killed midway never leaves a half-written
+cache entry; an entry damaged since (a truncated copy, a full disk) is found and trained again.
 
 Simplification on purpose: one process, plain AdamW, constant learning rate.
 """
@@ -25,6 +26,7 @@ import msgspec
 import torch
 from transformers import AutoModelForCausalLM
 
+from meshrl import manifest
 from meshrl.embedded.model import EmbeddedModelConfig, build_model_config
 from meshrl.embedded.tokenizer import build_char_tokenizer
 from meshrl.envs.rewards import to_reward_output
@@ -103,6 +105,26 @@ def greedy_accuracy(model, tokenizer, task: Task, problems, max_new_tokens: int 
     return sum(to_reward_output(task.reward(p, t)).reward >= 1.0 for p, t in zip(problems, texts)) / len(problems)
 
 
+def _damage(entry: Path) -> str | None:
+    """What is wrong with a cache entry (naming the file), or None. Entries written before manifests:
+    each safetensors file's header must cover the file (a truncated one does not) and the config read."""
+    if manifest.has_manifest(entry):
+        return manifest.damage(entry)
+    from safetensors import SafetensorError, safe_open
+
+    for path in sorted(entry.glob("*.safetensors")) or [entry / "model.safetensors"]:
+        try:
+            with safe_open(str(path), "pt"):
+                pass
+        except (OSError, SafetensorError) as exc:
+            return f"{path}: {str(exc)[:120]}"
+    try:
+        json.loads((entry / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        return f"{entry / 'config.json'}: {type(exc).__name__}"
+    return None
+
+
 class WarmStartStopped(RuntimeError):
     """``warm_start``'s ``stop`` was set before it finished; nothing was cached."""
 
@@ -119,8 +141,12 @@ def warm_start(
     root = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
     out = root / "warmstart" / _cache_key(model_cfg, task, cfg, len(tokenizer))
     if (out / "meshrl_warmstart.json").is_file():
-        log(f"warm start: reusing {out}")
-        return out
+        problem = _damage(out)
+        if problem is None:
+            log(f"warm start: reusing {out}")
+            return out
+        log(f"warm start: the cached {out} is damaged ({problem}): training it again")
+        shutil.rmtree(out, ignore_errors=True)
 
     torch.manual_seed(cfg.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # a GPU makes a bigger model's warm start seconds
@@ -161,6 +187,7 @@ def warm_start(
     tokenizer.save_pretrained(tmp)
     meta = {"steps": step + 1, "train_accuracy": accuracy, "final_loss": last_loss, "seconds": time.perf_counter() - start}
     (tmp / "meshrl_warmstart.json").write_text(json.dumps(meta))
+    manifest.write_manifest(tmp)  # what a later run checks the entry against before it trusts it
     if not (out / "meshrl_warmstart.json").is_file():
         shutil.rmtree(out, ignore_errors=True)  # an entry without its metadata file is not one
         try:

@@ -8,14 +8,19 @@
     run_state.msgpack   RunState: step, policy version, prompt-stream position, group counter,
                         requests in flight, the queue snapshot, held-out accuracy before RL
     metrics.jsonl       the run's records up to this step (a resumed run's log starts from them)
+    manifest.json       the size and SHA-256 of every file above (meshrl.manifest)
 ```
 
-A checkpoint is written under ``step_XXXXXXXX.partial`` and renamed when complete, then named in
-``checkpoints/latest``: ``run.resume=latest`` takes the checkpoint committed last, never a
-half-written one. Retention (``keep``) counts the steps up to the one just committed: checkpoints
-of later steps are left by a run this one was resumed back from (an earlier step, or a fresh run in
-an old output directory). They are kept, not counted and not ``latest``, until this run writes
-their steps again; deleting a checkpoint the user did not ask to replace would lose their model.
+A checkpoint is written under ``step_XXXXXXXX.partial``, its manifest last, and renamed when
+complete, then named in ``checkpoints/latest``: ``run.resume=latest`` takes the checkpoint committed
+last, never a half-written one. Before a resume reads anything of a checkpoint, its files are
+checked against the manifest (``damage``): a damaged one is refused in one line naming the file,
+and ``run.resume=latest`` falls back to the newest intact checkpoint of the run, saying so.
+
+Retention (``keep``) counts the steps up to the one just committed: checkpoints of later steps are
+left by a run this one was resumed back from (an earlier step). They are kept, not counted and not
+``latest``, until this run writes their steps again; deleting a checkpoint the user did not ask to
+replace would lose their model.
 
 Exactness: the controller writes a checkpoint after a weight push and *before* the queue learns
 the new version, so at ``max_staleness = 0`` no rollout is in flight and the queue is empty; the
@@ -33,15 +38,16 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import msgspec
 
+from meshrl import manifest
 from meshrl.tasks import Problem
 from meshrl.tasks.ledger import InFlight, PromptLedger
 
 __all__ = ["InFlight", "PromptLedger", "RunState", "write_checkpoint_files", "read_run_state", "read_records",
-           "commit", "latest_checkpoint", "later_checkpoints", "resolve_resume", "partial_dir"]
+           "commit", "damage", "latest_checkpoint", "later_checkpoints", "resolve_resume", "partial_dir"]
 
 FORMAT = 1
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -168,10 +174,30 @@ def read_run_state(path: Path) -> RunState:
     if not file.is_file():
         raise FileNotFoundError(f"{path} is not a run checkpoint (no run_state.msgpack); pass a "
                                 "<output_dir>/checkpoints/step_XXXXXXXX directory or run.resume=latest")
-    state = msgspec.msgpack.decode(file.read_bytes(), type=RunState)
+    try:
+        state = msgspec.msgpack.decode(file.read_bytes(), type=RunState)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ValueError(f"{file} is damaged: {str(exc)[:200]}") from None
     if state.format != FORMAT:
         raise ValueError(f"{file}: checkpoint format {state.format}, this meshrl reads {FORMAT}")
     return state
+
+
+def damage(path: Path) -> str | None:
+    """What is wrong with the checkpoint at ``path`` (naming the file), or None if it is whole. With a
+    manifest every file is checked (``meshrl.manifest``); a checkpoint written before manifests
+    existed only for the files a resume needs, and a run state that decodes."""
+    path = Path(path)
+    if manifest.has_manifest(path):
+        return manifest.damage(path)
+    for name in ("run_state.msgpack", "trainer/.metadata", "trainer/rank0.pt"):
+        if not (path / name).is_file():
+            return f"{path / name} is missing"
+    try:
+        read_run_state(path)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def read_records(path: Path) -> list[dict]:
@@ -239,12 +265,46 @@ def later_checkpoints(output_dir: str | Path, step: int) -> list[Path]:
     return [p for s, p in _complete(output_dir) if s > step]
 
 
-def resolve_resume(resume: str | None, output_dir: str | Path) -> Path | None:
-    """``run.resume`` → a checkpoint directory: None starts fresh, so does ``latest`` with none yet."""
+def _lineage(output_dir: str | Path) -> list[Path]:
+    """The checkpoints ``run.resume=latest`` may take, newest first: the one committed last, then the
+    run's earlier steps (a later step's checkpoint is an earlier run's: ``later_checkpoints``)."""
+    newest = latest_checkpoint(output_dir)
+    if newest is None:
+        return []
+    step = int(newest.name[len("step_"):].removesuffix(_REPLACED))
+    return [newest] + [p for s, p in reversed(_complete(output_dir)) if s < step]
+
+
+def resolve_resume(resume: str | None, output_dir: str | Path, echo: Callable[[str], None] = print) -> Path | None:
+    """``run.resume`` → a whole checkpoint directory: None starts fresh, so does ``latest`` with none yet.
+
+    Each candidate is checked against its manifest before anything of it is read (``damage``).
+    ``latest`` falls back to the newest intact checkpoint of the run, saying so through ``echo``; a
+    damaged one named by path, or no intact one at all, raises ``ConfigError`` naming the damaged
+    file (and the newest intact checkpoint, if there is one)."""
+    from meshrl.config import ConfigError
+
     if resume is None:
         return None
     if resume == "latest":
-        return latest_checkpoint(output_dir)
+        damaged: list[str] = []
+        for candidate in _lineage(output_dir):
+            problem = damage(candidate)
+            if problem is None:
+                if damaged:
+                    echo(f"run.resume=latest: {'; '.join(damaged)}: resuming from the newest intact checkpoint, "
+                         f"{candidate}")
+                return candidate
+            damaged.append(f"{candidate.name} is damaged ({problem})")
+        if damaged:
+            raise ConfigError(f"`run.resume`: no intact checkpoint under {checkpoints_root(output_dir)}: "
+                              f"{'; '.join(damaged)}; start over with run.overwrite=true or in another run.output_dir")
+        return None
     path = Path(resume)
-    read_run_state(path)  # fails now, naming the path, if it is not a checkpoint
+    problem = damage(path)
+    if problem is not None:
+        intact = next((c for c in _lineage(path.parent.parent) if c != path and damage(c) is None), None)
+        where = (f"the newest intact checkpoint there is {intact}" if intact is not None
+                 else "there is no intact checkpoint beside it")
+        raise ConfigError(f"`run.resume`: the checkpoint {path} is damaged ({problem}); {where}")
     return path

@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
+from meshrl import manifest
 from meshrl.pipeline import checkpoint as ckpt
 from meshrl.pipeline.config import PipelineConfig
 from meshrl.pipeline.metrics import RunLog
@@ -339,13 +340,15 @@ class TrainLoop:
 async def write_run_checkpoint(loop: Any, run_state: Callable[[], Awaitable[ckpt.RunState]]) -> Path:
     """A checkpoint of ``loop``'s step (a ``TrainLoop`` or ``lanes.LaneLoop``): the trainer's state,
     then ``run_state()`` (the rollout side's part, captured at once), written under the partial
-    directory and committed."""
+    directory with its manifest and committed."""
     t0, timeout = loop.log.now(), loop.cfg.run.step_timeout_s
     partial = ckpt.partial_dir(loop.out_dir, loop.step)
     if partial.exists():
         shutil.rmtree(partial)
     await loop.roles.trainer.save_checkpoint.call(str(partial / "trainer")).within(timeout)
     ckpt.write_checkpoint_files(partial, await run_state(), loop.out_dir / "metrics.jsonl")
+    # last: what a resume checks every file against (a large checkpoint's hashing: off the event loop)
+    await asyncio.to_thread(manifest.write_manifest, partial)
     final = ckpt.commit(partial, keep=loop.cfg.run.keep_checkpoints)
     loop.last_checkpoint = loop.step
     loop.log.span("trainer", "checkpoint", t0, loop.log.now(), step=loop.step)
