@@ -30,7 +30,7 @@ from aiohttp import web
 
 from meshrl.engines import serve_cli
 from meshrl.engines.openai_api import OpenAIServer, load_hf_tokenizer
-from meshrl.engines.serve_http import Handler, errors
+from meshrl.engines.serve_http import READ_TIMEOUT_S, Handler, errors, read_bodies
 from meshrl.engines.serve_weights import WeightSync
 from meshrl.engines.sglang_api import SGLANG_COMPAT_VERSION, SGLangServer, load_tokenizer
 from meshrl.engines.torch_engine import TorchEngine
@@ -42,7 +42,8 @@ ENGINE = web.AppKey("engine", TorchEngine)
 
 def make_app(engine: TorchEngine, *, tokenizer: Any = None, server_args: dict[str, Any] | None = None,
              extra_routes: Iterable[tuple[str, str, Handler]] = (), compat_version: str = SGLANG_COMPAT_VERSION,
-             hf_tokenizer: Any = "auto", model_name: str | None = None) -> web.Application:
+             hf_tokenizer: Any = "auto", model_name: str | None = None,
+             read_timeout_s: float = READ_TIMEOUT_S) -> web.Application:
     """The aiohttp application serving ``engine``; ``extra_routes`` are ``(method, path, handler)``.
 
     ``tokenizer``: the ``tokenizer.json`` tokenizer of ``/generate``'s text in/out (``load_tokenizer``;
@@ -51,6 +52,8 @@ def make_app(engine: TorchEngine, *, tokenizer: Any = None, server_args: dict[st
     the weight-update branches of ``serve_weights``); older ones let adapters test their branches.
     ``hf_tokenizer``: the transformers tokenizer of the OpenAI endpoints (``openai_api``: text,
     chat template); "auto" loads the checkpoint's, None serves them on token ids only.
+    ``read_timeout_s``: how long a request's whole body may take to arrive; after it the client gets
+    a 408 and its connection is closed (``serve_http.read_bodies``).
     """
     if hf_tokenizer == "auto":
         hf_tokenizer = load_hf_tokenizer(engine.model_path)
@@ -58,7 +61,7 @@ def make_app(engine: TorchEngine, *, tokenizer: Any = None, server_args: dict[st
     openai = OpenAIServer(engine, hf_tokenizer, model_name=name)
     sglang = SGLangServer(engine, tokenizer, dict(server_args or {}), compat_version)
     weights = WeightSync(engine, compat_version)
-    app = web.Application(client_max_size=64 * 1024**2, middlewares=[errors])
+    app = web.Application(client_max_size=64 * 1024**2, middlewares=[errors, read_bodies(read_timeout_s)])
     app[ENGINE] = engine
     for method, path, handler in [*sglang.routes(), *weights.routes(), *openai.routes(), *extra_routes]:
         app.router.add_route(method, path, handler)

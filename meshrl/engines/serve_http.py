@@ -14,12 +14,19 @@ Not errors in this sense, on purpose: ``/health``, ``/health_generate`` and ``/f
 answer SGLang's plain-text status replies (clients read ``(503, "paused")``), and the weight
 endpoints SGLang's ``{"success": false, "message"}`` (``serve_weights.py``). An unexpected
 exception is left to aiohttp (a 500, its traceback in the server's log).
+
+Bodies: ``read_bodies`` reads each request's whole body before its handler runs, within the
+server's read timeout, so no endpoint (``extra_routes`` included) waits on a client that announced
+more bytes than it sends: that one gets a 408 and its connection closed, and a client gone mid-body
+a 499; each is one line in the server's log, not a traceback. On purpose no endpoint streams its
+body in: each parses one JSON object, of at most the app's ``client_max_size``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
@@ -32,8 +39,15 @@ DISCONNECT_POLL_S = 0.5
 ABORTED_STATUS = 499
 """nginx's "client closed request": the reply to a request aborted before it finished (SGLang's too)."""
 
+READ_TIMEOUT_S = 30.0
+"""How long a request's whole body may take to arrive, by default (``make_app(read_timeout_s=)``,
+``--read-timeout-s``): a JSON body on a working link takes milliseconds."""
+
 ENGINE_ERRORS = (ValueError, TimeoutError, RuntimeError)
 """The exceptions of a generation that are the client's answer (``status_of``); others are bugs."""
+
+
+_log = logging.getLogger("meshrl.engines.serve")
 
 
 class BadRequest(ValueError):
@@ -103,6 +117,56 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return resp
 
 
+def read_bodies(read_timeout_s: float) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+    """A middleware that reads each request's body whole (aiohttp keeps it: ``read_json`` parses that
+    copy) before the handler runs, within ``read_timeout_s``:
+
+    - a body that has not all arrived by then (fewer bytes than its Content-Length, and the client
+      waits): a 408 if the client still reads, then the connection is closed;
+    - a client that closed its connection mid-body: a 499 that nobody reads.
+
+    Either is one warning line in the log; a body past the app's ``client_max_size`` is still
+    aiohttp's 413 (``errors``)."""
+
+    @web.middleware
+    async def read_body(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.can_read_body:
+            try:
+                await asyncio.wait_for(request.read(), read_timeout_s)
+            except asyncio.TimeoutError:
+                return await _body_timed_out(request, read_timeout_s)
+            except ConnectionError:  # aiohttp's "Connection lost": the payload fails when the client goes
+                _log.warning("%s %s from %s: the client closed the connection before its body (%s) arrived",
+                             request.method, request.path, request.remote, _announced(request))
+                return client_closed()
+        return await handler(request)
+
+    return read_body
+
+
+async def _body_timed_out(request: web.Request, read_timeout_s: float) -> web.StreamResponse:
+    _log.warning("%s %s from %s: the body (%s) did not arrive within %g s: answered 408 and closed the connection",
+                 request.method, request.path, request.remote, _announced(request), read_timeout_s)
+    message = (f"{request.method} {request.path}: the body ({_announced(request)}) did not arrive within "
+               f"{read_timeout_s:g} s: send all of it, or start the server with a longer --read-timeout-s")
+    resp = error_response(408, message)
+    resp.force_close()
+    try:
+        await resp.prepare(request)
+        await resp.write_eof()
+    except ConnectionError:
+        pass  # it went away meanwhile: nobody to answer
+    # Closed now: returning with the body unread, aiohttp would first wait its lingering_time (10 s)
+    # for the rest of it, which this client is not sending.
+    request.protocol.force_close()
+    return resp
+
+
+def _announced(request: web.Request) -> str:
+    n = request.content_length
+    return "chunked" if n is None else f"Content-Length: {n}"
+
+
 def _siblings(request: web.Request) -> str:
     """For an unknown ``/head/x`` (``/v1/x``): the endpoints this server has under ``/head/``, in the order
     they were added; none for a path of one part (SGLang's endpoints are many)."""
@@ -119,7 +183,8 @@ def _siblings(request: web.Request) -> str:
 
 async def read_json(request: web.Request, *, default: dict[str, Any] | None = None) -> dict[str, Any]:
     """The request's JSON object body; ``default`` stands in for no body (or ``null``), else one is required."""
-    if not request.can_read_body and default is not None:
+    # (read, not can_read_body: read_bodies has read the body already, and aiohttp keeps it)
+    if default is not None and not await request.read():
         return default
     try:
         body = await request.json()

@@ -19,6 +19,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from meshrl.engines.layout import SUPPORTED_MODEL_TYPES, ModelSpec
 from meshrl.engines.model import Transformer
 
 
@@ -49,6 +50,49 @@ def checkpoint_files(path: str) -> list[str]:
     if not files:
         raise FileNotFoundError(f"{path!r} has no *.safetensors files")
     return files
+
+
+def check_checkpoint_dir(path: str) -> ModelSpec:
+    """What TorchEngine and the trainer need of a model directory, from file headers alone (no
+    weight is read; milliseconds once transformers is imported): a directory, a config.json of an
+    architecture the engine runs (``ModelSpec``, its own reading), and whole safetensors files
+    (``checkpoint_files``; a truncated one's header promises bytes past its end). Raises
+    ``ValueError`` naming the path, the problem and its fix; returns the model's ``ModelSpec``."""
+    from safetensors import SafetensorError, safe_open
+
+    if not os.path.isdir(path):
+        why = "is not a directory" if os.path.exists(path) else "does not exist"
+        raise ValueError(f"{path} {why}: give a Hugging Face checkpoint directory (config.json + *.safetensors)")
+    try:
+        with open(os.path.join(path, "config.json")) as fh:
+            raw = json.load(fh)
+    except FileNotFoundError:
+        raise ValueError(f"{path} has no config.json: give a Hugging Face checkpoint directory (save_pretrained "
+                         "writes one)") from None
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: config.json is not readable JSON ({exc})") from None
+    model_type = raw.get("model_type") if isinstance(raw, dict) else None
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        # before transformers reads it: its error for a model_type it does not know is a paragraph about upgrading
+        archs = ", ".join(raw.get("architectures") or []) if isinstance(raw, dict) else ""
+        *others, last = SUPPORTED_MODEL_TYPES
+        raise ValueError(f"{path}: model_type {model_type!r}{f' ({archs})' if archs else ''} is not supported: "
+                         f"meshrl runs {', '.join(others)} or {last} checkpoints")
+    try:
+        spec = ModelSpec.from_hf_config(load_hf_config(path))
+    except (OSError, ValueError) as exc:  # attention, activation or RoPE the engine does not run
+        raise ValueError(f"{path}: {exc}") from None
+    try:
+        files = checkpoint_files(path)
+    except FileNotFoundError as exc:
+        raise ValueError(f"{exc}: save the model there with save_pretrained") from None
+    for f in files:
+        try:
+            with safe_open(os.path.join(path, f), framework="pt"):  # parses the header: offsets past the end fail
+                pass
+        except (OSError, SafetensorError) as exc:
+            raise ValueError(f"{path}: {f} is not a whole safetensors file ({exc}): copy or save it again") from None
+    return spec
 
 
 def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
