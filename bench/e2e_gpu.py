@@ -143,7 +143,8 @@ def overrides(args: argparse.Namespace, shape: str, eta: int, model_dir: Path, r
                  f"--requests-in-flight = {n * rif}")
     device = "cpu" if args.tiny else "cuda"
     return [
-        f"model.path={model_dir}", f"run.output_dir={run_dir}", f"run.total_steps={args.warmup + args.steps}",
+        f"model.path={model_dir}", f"run.output_dir={run_dir}", "run.overwrite=true",  # a rerun replaces the cell
+        f"run.total_steps={args.warmup + args.steps}",
         "run.eval_every=0", "run.eval_max_new_tokens=4", "run.progress=false", "run.checkpoint_at_end=false",
         f"run.step_timeout_s={args.step_timeout_s}", f"queue.max_staleness={eta}",
         f"queue.reserve_timeout_s={args.step_timeout_s}", f"queue.get_timeout_s={args.step_timeout_s}",

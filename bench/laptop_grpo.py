@@ -124,7 +124,7 @@ def main_job(model_dir: Path, samples: int, steps: int, warmup: int, out: Path, 
            f"algo.samples_per_prompt={GROUP}", f"rollout.max_new_tokens={NEW_TOKENS}", "rollout.ignore_eos=true",
            f"trainer.samples_per_step={samples}",
            f"rollout.prompts_per_request={min(16, samples // GROUP)}", f"run.total_steps={warmup + steps}", f"run.eval_every={warmup + steps}",
-           f"run.output_dir={run_dir}", *extra]
+           f"run.output_dir={run_dir}", "run.overwrite=true", *extra]  # a rerun replaces the measurement
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     with open(out / f"{name}.log", "w") as log:
         subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)

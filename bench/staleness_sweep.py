@@ -136,7 +136,8 @@ async def sweep(etas: list[int], steps: int, out: Path, overrides: list[str], ta
         run_dir = out / f"eta{eta}"
         cfg = load_config(
             PipelineConfig, ROOT / "examples" / "async_ppo.yaml",
-            [*overrides, f"queue.max_staleness={eta}", f"run.total_steps={steps}", f"run.output_dir={run_dir}", "run.progress=false"],
+            [*overrides, f"queue.max_staleness={eta}", f"run.total_steps={steps}", f"run.output_dir={run_dir}", "run.progress=false",
+             "run.overwrite=true"],  # a rerun replaces the cell
         )
         print(f"== max_staleness={eta} ==", flush=True)
         await Pipeline(cfg).run()

@@ -25,12 +25,13 @@ Without ``MESHRL_FAULTS`` a point costs a dictionary lookup.
 from __future__ import annotations
 
 import fcntl
+import functools
 import os
 import signal
 import sys
 from pathlib import Path
 
-__all__ = ["POINTS", "env", "point", "schedule"]
+__all__ = ["POINTS", "check_environment", "env", "point", "schedule"]
 
 POINTS = ("rollout.generate", "reward.score", "trainer.train_step", "trainer.reshard_send", "rollout.reshard_receive",
           "trainer.save_checkpoint")
@@ -48,7 +49,19 @@ def schedule(text: str) -> dict[str, int]:
     return out
 
 
-_SCHEDULE = schedule(os.environ.get("MESHRL_FAULTS", ""))
+def check_environment() -> dict[str, int]:
+    """The schedule of this process's ``MESHRL_FAULTS``, or ``ValueError`` in one line naming what
+    is wrong with it (a pipeline checks it at start, so its roles never meet a bad one)."""
+    found = schedule(os.environ.get("MESHRL_FAULTS", ""))
+    if found and not os.environ.get("MESHRL_FAULTS_DIR"):
+        raise ValueError("MESHRL_FAULTS is set but MESHRL_FAULTS_DIR is not: name a directory every process of "
+                         "the run sees (the points count their calls there)")
+    return found
+
+
+@functools.cache
+def _schedule() -> dict[str, int]:
+    return schedule(os.environ.get("MESHRL_FAULTS", ""))  # read once, at the first point: not at import
 
 
 def env() -> dict[str, str]:
@@ -58,7 +71,7 @@ def env() -> dict[str, str]:
 
 def point(name: str) -> None:
     """Count a call of point ``name``; kill this process if the schedule says this call."""
-    n = _SCHEDULE.get(name)
+    n = _schedule().get(name)
     if n is None:
         return
     folder = os.environ.get("MESHRL_FAULTS_DIR")

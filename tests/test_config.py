@@ -113,7 +113,12 @@ def test_yaml_syntax_errors_and_repeated_keys_are_one_line_naming_the_line(tmp_p
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["run.step_timeout_s=0"], "`run.step_timeout_s`: must be a finite number of seconds > 0"),
+    (["run.step_timeout_s=0"], "`run.step_timeout_s`: must be a finite number of seconds >= 10"),
+    (["run.step_timeout_s=0.01"], "(a role's start-up waits that long), got 0.01"),
+    (['run.output_dir=""'], "`run.output_dir`: empty; the run would write into the current directory"),
+    (["run.output_dir=' '"], "`run.output_dir`: empty"),
+    (["run.overwrite=true", "run.resume=latest"], "`run.overwrite`: true deletes the run in runs/async_ppo, and "
+                                                  "run.resume=latest continues it: give one of them"),
     (["run.eval_every=-3"], "`run.eval_every`: must be >= 0"),
     (["run.num_cpus=0"], "`run.num_cpus`: must be >= 1"),
     (["run.eval_max_new_tokens=0"], "`run.eval_max_new_tokens`: must be >= 1"),
@@ -128,10 +133,22 @@ def test_validate_refuses_run_values_that_would_fail_mid_run(overrides, message)
     assert message in str(info.value)
 
 
-def test_an_output_dir_that_is_a_file_is_refused(tmp_path):
+def test_an_output_dir_that_is_a_file_or_under_one_is_refused(tmp_path):
     (tmp_path / "afile").write_text("")
-    with pytest.raises(ConfigError, match="`run.output_dir`: .* exists and is not a directory"):
-        load_config(PipelineConfig, None, [f"run.output_dir={tmp_path / 'afile'}"]).validate()
+    for path in (tmp_path / "afile", tmp_path / "afile" / "run"):
+        with pytest.raises(ConfigError, match=f"`run.output_dir`: {tmp_path / 'afile'} is a file, not a directory"):
+            load_config(PipelineConfig, None, [f"run.output_dir={path}"]).validate()
+
+
+def test_a_bad_fault_schedule_is_a_config_error(monkeypatch):
+    """MESHRL_FAULTS was parsed when meshrl.faults was imported: a typo was a traceback from an import."""
+    monkeypatch.setenv("MESHRL_FAULTS", "garbage")
+    with pytest.raises(ConfigError, match=r"^MESHRL_FAULTS: 'garbage' is not point=n with a point of rollout.generate"):
+        PipelineConfig().validate()
+    monkeypatch.setenv("MESHRL_FAULTS", "reward.score=2")
+    monkeypatch.delenv("MESHRL_FAULTS_DIR", raising=False)
+    with pytest.raises(ConfigError, match=r"^MESHRL_FAULTS is set but MESHRL_FAULTS_DIR is not"):
+        PipelineConfig().validate()
 
 
 def test_cuda_on_a_cluster_without_enough_gpus_is_refused_at_start_naming_the_key(ray_cluster):
@@ -164,6 +181,12 @@ def test_validate_checks_paths_and_cross_component_rules(tmp_path):
     with pytest.raises(ConfigError, match=r"no \*\.safetensors"):
         load_config(PipelineConfig, None, [f"model.path={model}"]).validate()
     (model / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ConfigError, match="model.safetensors is not a whole safetensors file"):  # a copy cut short
+        load_config(PipelineConfig, None, [f"model.path={model}"]).validate()
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(2)}, str(model / "model.safetensors"))
     with pytest.raises(ConfigError, match="has no tokenizer"):  # transformers would make an empty one
         load_config(PipelineConfig, None, [f"model.path={model}"]).validate()
     (model / "tokenizer.json").write_text("{}")

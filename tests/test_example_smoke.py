@@ -133,43 +133,121 @@ def test_bad_paths_prompts_and_files_stop_at_start_with_one_line(tmp_path, monke
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("metrics.jsonl"))
 
 
+class _Run:
+    """``examples/async_ppo.py`` in a subprocess whose output lines a thread collects."""
+
+    def __init__(self, tmp_path: Path, *args: str) -> None:
+        import threading
+
+        env = {**os.environ, "MESHRL_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1",
+               "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+        env.pop("RAY_ADDRESS", None)
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "examples" / "async_ppo.py"), *TINY, *args],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
+        self._reader.start()
+
+    @property
+    def out(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for_step(self, step: int, timeout: float = 240) -> set[int]:
+        """Wait for train step ``step``'s line; every process the run has started (descendants)."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while not any(line.startswith(f"step {step:>4}/") for line in self.lines):
+            assert self.proc.poll() is None and time.monotonic() < deadline, self.out[-3000:]
+            time.sleep(0.1)
+        return _descendants(self.proc.pid)
+
+    def stopped_by(self, signum: int, timeout: float = 180) -> int:
+        self.proc.send_signal(signum)
+        try:
+            code = self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+        self._reader.join(10)
+        return code
+
+
+def _descendants(pid: int) -> set[int]:
+    found, todo = set(), [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            try:
+                children = {int(c) for c in (task / "children").read_text().split()}
+            except OSError:
+                continue
+            todo.extend(children - found)
+            found |= children
+    return found
+
+
+def _left_running(pids: set[int], within_s: float) -> list[str]:
+    """Those of ``pids`` still running after ``within_s`` seconds (zombies count as gone)."""
+    import time
+
+    deadline = time.monotonic() + within_s
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                continue
+            if stat.rpartition(")")[2].split()[0] != "Z":
+                alive.append(f"{pid} {stat.split('(')[1].split(')')[0]}")
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.25)
+
+
 @pytest.mark.slow
-def test_ctrl_c_stops_cleanly_with_a_checkpoint_to_resume(tmp_path):
-    """The first Ctrl-C drains, checkpoints and exports (it used to exit with a traceback and save
-    nothing: with checkpoint_every=0, run.resume=latest then started over)."""
+def test_signals_stop_cleanly_resume_past_a_damaged_checkpoint_and_leave_nothing_running(tmp_path):
+    """SIGTERM (Slurm, Kubernetes, `ray job stop`, kill) and SIGHUP stop a run as Ctrl-C does (the
+    same handler): the steps in flight finish, a checkpoint and final/ are written, whatever
+    run.checkpoint_every, and the exit status says which signal. SIGTERM used to kill the run (exit
+    143, everything since the last periodic checkpoint lost), and Ray's own handler aborted the
+    process 3 s into a clean stop. After each signal, and after a SIGKILL of the driver, no process of
+    the run's local Ray cluster is left (its agents outlived it, holding ports). The resume in between
+    meets a damaged newest checkpoint and falls back to the one before, saying so."""
     import signal
-    import threading
 
-    env = {**os.environ, "MESHRL_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled",
-           "PYTHONUNBUFFERED": "1"}
-    env.pop("RAY_ADDRESS", None)
-    proc = subprocess.Popen([sys.executable, str(ROOT / "examples" / "async_ppo.py"), *TINY, "run.total_steps=500",
-                             "run.progress=false", f"run.output_dir={tmp_path / 'run'}"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
-    lines: list[str] = []
-    stepped = threading.Event()
+    from meshrl.pipeline.output_dir import OutputLock
 
-    def read() -> None:
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("step ") and "/500" in line:
-                stepped.set()
+    run_dir = tmp_path / "run"
+    args = ["run.total_steps=500", "run.progress=false", "run.checkpoint_every=2", f"run.output_dir={run_dir}"]
+    first = _Run(tmp_path, *args)
+    processes = first.wait_for_step(3)
+    assert first.stopped_by(signal.SIGTERM) == 128 + signal.SIGTERM, first.out[-3000:]
+    assert "stopping (SIGTERM): the steps in flight finish" in first.out and "stopped after" in first.out, first.out[-3000:]
+    assert "SIGTERM received" not in first.out  # Ray's abort handler did not run
+    summary = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    assert summary["kind"] == "summary" and summary["stopped"] and 3 <= summary["steps"] < 500
+    checkpoints = run_dir / "checkpoints"
+    newest = checkpoints / (checkpoints / "latest").read_text().strip()
+    assert newest.name == f"step_{summary['steps']:08d}" and (run_dir / "final" / "config.json").is_file()
+    assert not _left_running(processes, 15)
 
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    try:
-        assert stepped.wait(240), "".join(lines[-40:])
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(180) == 0, "".join(lines[-60:])
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    reader.join(10)
-    out = "".join(lines)
-    assert "stopping: the steps in flight finish" in out and "stopped after" in out and "run.resume=latest" in out, out[-3000:]
-    run = tmp_path / "run"
-    latest = (run / "checkpoints" / "latest").read_text().strip()
-    assert (run / "checkpoints" / latest / "run_state.msgpack").is_file()
-    assert (run / "final" / "config.json").is_file()
-    summary = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
-    assert summary["kind"] == "summary" and summary["stopped"] and 1 <= summary["steps"] < 500
+    shard = next((newest / "trainer").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    intact = sorted(p for p in checkpoints.glob("step_*") if p != newest)[-1]
+    second = _Run(tmp_path, *args, "run.resume=latest")
+    processes = second.wait_for_step(int(intact.name[5:]) + 1)
+    assert (f"run.resume=latest: {newest.name} is damaged ({shard} is 100 bytes" in second.out
+            and f"resuming from the newest intact checkpoint, {intact}" in second.out), second.out[-3000:]
+    assert second.stopped_by(signal.SIGHUP) == 128 + signal.SIGHUP, second.out[-3000:]
+    assert "stopping (SIGHUP)" in second.out and "stopped after" in second.out
+    assert not _left_running(processes, 15)
+
+    third = _Run(tmp_path, *args, "run.resume=latest")
+    processes = third.wait_for_step(int((checkpoints / "latest").read_text().strip()[5:]) + 1)
+    assert third.stopped_by(signal.SIGKILL) == -signal.SIGKILL
+    left = _left_running(processes, 20)  # meshrl.mesh.reaper stops the cluster the driver started
+    assert not left, left
+    lock = OutputLock(run_dir)
+    lock.acquire()  # the killed run's hold on the directory went with it
+    lock.release()

@@ -562,3 +562,43 @@ def test_a_reward_worker_answers_within_its_callers_timeout(ray_cluster, tmp_pat
         assert time.monotonic() - t0 < 2.5 and 0 < scored.failures < 8 and scored.rewards.count(1.0) == 8 - scored.failures
     finally:
         procs.stop()
+
+
+def test_a_reward_failing_on_every_job_says_so_in_one_line_now_and_then(caplog, monkeypatch):
+    """A batched reward answering with the wrong number of scores printed 34 tracebacks (215 lines)
+    in 3 steps. Now: one line naming the counts, no traceback; the same failure again within
+    WARN_EVERY_S is counted into the next line. An exception the function raises keeps its
+    traceback, on its first line only."""
+    import logging
+
+    from meshrl.envs import rewards
+
+    monkeypatch.setattr(rewards, "_warned", {})
+
+    async def short_batch(problems, completions):
+        return [1.0]
+
+    reward = FunctionReward(short_batch, batched=True, timeout_s=1)
+    with caplog.at_level(logging.WARNING, logger="meshrl.envs.rewards"):
+        for _ in range(5):
+            assert score(reward) == [None] * 6
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [f"{reward!r}: returned 1 scores for 6 completions (one each expected): the 6 samples are marked "
+                     "reward_failed, reward 0"]
+    monkeypatch.setattr(rewards, "WARN_EVERY_S", 0.0)  # the window passed: the next line counts what it held back
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="meshrl.envs.rewards"):
+        score(reward)
+    assert [r.getMessage() for r in caplog.records] == [lines[0] + " (4 more like it in the last 0s)"]
+
+    def broken(problem, completion):
+        raise KeyError("answer")
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="meshrl.envs.rewards"):
+        score(FunctionReward(broken, threads=1, timeout_s=1))
+        score(FunctionReward(broken, threads=1, timeout_s=1))
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages[0].startswith("FunctionReward('test_a_reward_failing_on_every_job_says_so_in_one_line_now_and_then"
+                                  ".<locals>.broken', batched=False) failed: KeyError: 'answer'\nTraceback")
+    assert all("Traceback" not in m and m.count("\n") == 0 for m in messages[1:])

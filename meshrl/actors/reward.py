@@ -24,7 +24,7 @@ from meshrl import faults
 from meshrl.engines import GenerateResult
 from meshrl.envs import Episode, Reward, as_reward
 from meshrl.envs.reward_models import MeshReward
-from meshrl.envs.rewards import FunctionReward, HTTPReward, to_reward_output
+from meshrl.envs.rewards import FunctionReward, HTTPReward, WrongCount, to_reward_output, warn_limited
 from meshrl.mesh import Actor, endpoint
 from meshrl.queues import Sample, encode_samples
 from meshrl.queues.wire import SampleMeta, meta_of
@@ -105,8 +105,9 @@ def call_reward(task: Task, problem: Problem, completion: str) -> tuple[RewardOu
     """``task.reward`` guarded: a reward that raises gives 0 and ``failed=True`` (never raises)."""
     try:
         return to_reward_output(task.reward(problem, completion)), False  # a number, a RewardOutput or a dict
-    except Exception:  # a broken reward marks the sample; it must never stop the run
-        log.warning("reward function failed on problem %s:\n%s", problem.id, traceback.format_exc())
+    except Exception as exc:  # a broken reward marks the sample; it must never stop the run
+        warn_limited(task, type(exc).__name__, f"reward function failed on problem {problem.id}: "
+                     f"{type(exc).__name__}: {str(exc)[:300]}", details=traceback.format_exc())
         return RewardOutput(reward=0.0), True
 
 
@@ -185,18 +186,18 @@ async def _score(reward: Reward, problems: list[Problem], texts: list[str], time
         call = reward.score(problems, texts)
         scored = list(await (asyncio.wait_for(call, min(limits)) if limits else call))
         if len(scored) != len(texts):
-            raise ValueError(f"returned {len(scored)} results for {len(texts)} completions")
+            raise WrongCount(f"returned {len(scored)} results for {len(texts)} completions (one each expected)")
     except Exception as exc:  # TimeoutError included
-        log.warning("%s failed, so its %d samples are marked reward_failed: %s: %s", name, len(texts),
-                    type(exc).__name__, exc or f"no answer within {min(limits, default=0):g}s (reward.timeout_s or "
-                    "the caller's timeout, whichever is shorter)")
+        warn_limited(name, type(exc).__name__, f"{name} failed, so its {len(texts)} samples are marked reward_failed: "
+                     f"{type(exc).__name__}: " + (str(exc)[:300] or f"no answer within {min(limits, default=0):g}s "
+                                                  "(reward.timeout_s or the caller's timeout, whichever is shorter)"))
         return [None] * len(texts)
     outs: list[RewardOutput | None] = []
     for out in scored:
         try:
             outs.append(None if out is None else to_reward_output(out))
         except (TypeError, ValueError, ArithmeticError) as exc:
-            log.warning("%s: a result is marked reward_failed: %s", name, exc)
+            warn_limited(name, "result", f"{name}: a result is marked reward_failed: {exc}")
             outs.append(None)
     return outs
 

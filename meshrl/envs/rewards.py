@@ -49,8 +49,8 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 from meshrl.tasks import Problem, RewardOutput
 from meshrl.threads import CallThread, in_thread
 
-__all__ = ["FunctionReward", "HTTPReward", "Reward", "as_reward", "batched_reward", "in_thread", "is_task",
-           "to_reward_output"]
+__all__ = ["FunctionReward", "HTTPReward", "Reward", "WrongCount", "as_reward", "batched_reward", "in_thread",
+           "is_task", "to_reward_output", "warn_limited"]
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,8 @@ class FunctionReward:
             try:
                 values = await self._call(list(problems), list(completions), timeout=timeout, deadline=deadline)
                 if len(values) != len(completions):
-                    raise ValueError(f"batched reward returned {len(values)} results for {len(completions)} completions")
+                    raise WrongCount(f"returned {len(values)} scores for {len(completions)} completions (one each "
+                                     f"expected): the {len(completions)} samples are marked reward_failed, reward 0")
                 return [to_reward_output(v) for v in values]
             except Exception as exc:
                 _warn(self, exc)
@@ -290,11 +291,39 @@ def _checked(reward: Any, value: Any) -> RewardOutput | None:
         return None
 
 
+WARN_EVERY_S = 10.0
+"""A reward's failures of one kind are logged once per this many seconds per process, with a count
+of those in between (a broken reward fails on every job: dozens a step)."""
+_warned: dict[tuple[str, str], list[float]] = {}  # (reward, error type) -> [time logged, failures since]
+
+
+def warn_limited(reward: Any, kind: str, message: str, *, details: str = "") -> None:
+    """Log ``message`` about ``reward``'s failure of ``kind`` in one line, unless one of that kind was
+    logged less than ``WARN_EVERY_S`` ago (then counted into the next line). ``details`` (a
+    traceback) goes with the first line of each kind only."""
+    now, key = time.monotonic(), (repr(reward), kind)
+    last = _warned.get(key)
+    if last is not None and now - last[0] < WARN_EVERY_S:
+        last[1] += 1
+        return
+    more = f" ({last[1]:.0f} more like it in the last {now - last[0]:.0f}s)" if last is not None and last[1] else ""
+    _warned[key] = [now, 0]
+    log.warning("%s%s%s", message, more, f"\n{details}" if details and last is None else "")
+
+
+class WrongCount(ValueError):
+    """A batched reward answered with another number of results than completions it was given."""
+
+
 def _warn(reward: Any, exc: BaseException) -> None:
+    kind = type(exc).__name__
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
-        log.warning("%r timed out: %s", reward, exc or "no answer in time")
+        warn_limited(reward, kind, f"{reward!r} timed out: {exc or 'no answer in time'}")
+    elif isinstance(exc, WrongCount):  # the reward's own answer is wrong: the line says all there is
+        warn_limited(reward, kind, f"{reward!r}: {exc}")
     else:
-        log.warning("%r failed:\n%s", reward, "".join(traceback.format_exception(exc)))
+        warn_limited(reward, kind, f"{reward!r} failed: {kind}: {str(exc)[:300]}",
+                     details="".join(traceback.format_exception(exc)))
 
 
 def is_task(value: Any) -> bool:

@@ -15,15 +15,19 @@ import msgspec
 
 from meshrl.actors import AlgoConfig, RewardConfig, RolloutConfig, TrainerConfig
 from meshrl.actors.hybrid import ColocatedConfig
+from meshrl import faults
 from meshrl.config import ConfigError
 from meshrl.embedded import EmbeddedModelConfig, WarmStartConfig
 from meshrl.engines.layout import ModelSpec
-from meshrl.engines.weights import load_hf_config
+from meshrl.engines.weights import check_checkpoint_dir, load_hf_config
 from meshrl.queues import QueueConfig
 from meshrl.reshard import ReshardConfig
+from meshrl.pipeline import output_dir
 from meshrl.tasks import TaskConfig
 
 __all__ = ["ClusterConfig", "ModelConfig", "RolePlacement", "RunConfig", "PipelineConfig"]
+
+MIN_STEP_TIMEOUT_S = 10.0
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -38,7 +42,12 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True):
     total_steps: int = 200
     """Train steps."""
     output_dir: str = "runs/async_ppo"
-    """metrics.jsonl, plots, config.yaml, checkpoints/ and the final HF checkpoint go here."""
+    """metrics.jsonl, plots, config.yaml, checkpoints/ and the final HF checkpoint go here. A fresh
+    run refuses a directory that holds another run's files (run.resume=latest continues that run,
+    run.overwrite=true starts over), and one that a live run holds (meshrl.pipeline.output_dir)."""
+    overwrite: bool = False
+    """Start fresh in an output_dir that holds an earlier run: its checkpoints, final/, records,
+    plots and config.yaml are deleted first (nothing else in the directory is touched)."""
     eval_every: int = 25
     """Train steps between held-out evaluations (0: only before and after)."""
     eval_max_new_tokens: int | None = None
@@ -50,7 +59,8 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True):
     """TensorBoard scalars under output_dir/tensorboard: null writes them when the ``tensorboard``
     package is installed, true requires it (the run fails at start without it), false never."""
     step_timeout_s: float = 600.0
-    """Longest wait for one train step, one batch or one weight push before the run stops."""
+    """Longest wait for one train step, one batch or one weight push before the run stops (at
+    least 10: the roles' start-up and the first checkpoint wait as long)."""
     num_cpus: int | None = None
     """CPUs of the local Ray cluster started when none is running; None: all of this machine's."""
     ray_address: str | None = None
@@ -159,15 +169,12 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 def _check_model_dir(path: Path) -> None:
     """What the trainer and TorchEngine need of ``model.path``, checked before anything starts: the
-    engine's own reading of the config (``ModelSpec``: family, attention, activation) and weights."""
-    if not path.is_dir():
-        raise ConfigError(f"`model.path`: {path} does not exist or is not a directory")
+    directory, the engine's own reading of its config and whole weight files
+    (``check_checkpoint_dir``), and a tokenizer."""
     try:
-        ModelSpec.from_hf_config(load_hf_config(str(path)))
-    except (OSError, ValueError) as exc:  # no or unreadable config.json, an unsupported model
+        check_checkpoint_dir(str(path))
+    except ValueError as exc:
         raise ConfigError(f"`model.path`: {exc}") from None
-    if not any(path.glob("*.safetensors")):
-        raise ConfigError(f"`model.path`: {path} has no *.safetensors weights (save with save_pretrained)")
     if not any((path / name).is_file() for name in _TOKENIZER_FILES):
         # transformers would build an empty tokenizer from the config alone: every prompt would be no tokens
         raise ConfigError(f"`model.path`: {path} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}): "
@@ -226,6 +233,10 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
             if not tensorboard_available():
                 raise ConfigError("`run.tensorboard`: true, but the tensorboard package is not installed "
                                   "(pip install tensorboard), or set it to null to write scalars only when it is")
+        try:
+            faults.check_environment()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         for key in ("max_restarts", "max_worker_restarts"):
             if not 0 <= getattr(self.run, key) <= 100:
                 raise ConfigError(f"`run.{key}`: must be 0 to 100, got {getattr(self.run, key)}")
@@ -264,13 +275,12 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError(f"`run.eval_every`: must be >= 0 (0: only before and after), got {run.eval_every}")
         if run.eval_max_new_tokens is not None and run.eval_max_new_tokens < 1:
             raise ConfigError(f"`run.eval_max_new_tokens`: must be >= 1 (or null), got {run.eval_max_new_tokens}")
-        if not 0 < run.step_timeout_s < math.inf:
-            raise ConfigError(f"`run.step_timeout_s`: must be a finite number of seconds > 0, got {run.step_timeout_s}")
+        if not MIN_STEP_TIMEOUT_S <= run.step_timeout_s < math.inf:
+            raise ConfigError(f"`run.step_timeout_s`: must be a finite number of seconds >= {MIN_STEP_TIMEOUT_S:g} "
+                              f"(a role's start-up waits that long), got {run.step_timeout_s:g}")
         if run.num_cpus is not None and run.num_cpus < 1:
             raise ConfigError(f"`run.num_cpus`: must be >= 1 (or null: all of this machine's), got {run.num_cpus}")
-        out = Path(run.output_dir)
-        if out.exists() and not out.is_dir():
-            raise ConfigError(f"`run.output_dir`: {out} exists and is not a directory")
+        output_dir.check(run.output_dir, run.resume, run.overwrite)
 
     def _validate_queue_fill(self) -> None:
         """Sizes with which the queue could never fill a train batch: the run would wait out its

@@ -64,13 +64,16 @@ from meshrl.actors.lanes import LaneRollout, LaneSettings, LaneTrainer
 from meshrl.config import ConfigError, to_yaml
 from meshrl.embedded import warm_start
 from meshrl.envs import EnvFactory
+from meshrl.envs.rewards import as_reward
 from meshrl.mesh import ActorFailure, ActorMesh
 from meshrl.pipeline import checkpoint as ckpt
 from meshrl.pipeline import evaluation
 from meshrl.pipeline.config import PipelineConfig
 from meshrl.pipeline.metrics import RunLog
 from meshrl.pipeline.rollout_loop import Roles, RolloutDriver, bounded
-from meshrl.pipeline.startup import check_prompts, ensure_ray, settle_devices, start_sglang_servers
+from meshrl.pipeline import output_dir
+from meshrl.pipeline.startup import (check_prompts, check_ray_address, ensure_ray, reclaim_sigterm, settle_devices,
+                                     start_sglang_servers)
 from meshrl.pipeline.recovery import Recovery
 from meshrl.pipeline.revival import Revivals, restarts_rollout_in_place
 from meshrl.pipeline.storage import check_run_storage
@@ -93,6 +96,20 @@ async def _enumerate(items: AsyncIterator[Any]) -> AsyncIterator[tuple[int, Any]
         i += 1
 
 
+def _check_task(task: Any, *, reward: Any, environment: Any) -> None:
+    """A ``Pipeline(task=...)`` without what the run calls is refused at construction (a worker would
+    fail after it started): ``split(name)``, and ``reward(problem, text)`` unless ``reward=`` or an
+    environment scores instead."""
+    if task is None:
+        return
+    needs = ["split"] + (["reward"] if reward is None and environment is None else [])
+    missing = [name for name in needs if not callable(getattr(task, name, None))]
+    if missing:
+        raise TypeError(f"task must have {' and '.join(f'{n}()' for n in needs)} (meshrl.Task: split(name) -> "
+                        f"problems, reward(problem, completion) -> float); {type(task).__name__} lacks "
+                        f"{' and '.join(missing)}")
+
+
 class Pipeline:
     """An asynchronous RL run: ``summary = await Pipeline(cfg).run()`` (docs/embedding.md).
 
@@ -107,6 +124,7 @@ class Pipeline:
     def __init__(self, config: PipelineConfig, *, task: Task | None = None, reward: Any = None,
                  environment: EnvFactory | None = None) -> None:
         self.cfg = config.validate()
+        _check_task(task, reward=reward, environment=environment)
         self.task = task if task is not None else build_task(config.task, config.model.path)
         if config.task.reward_function is not None:
             if reward is not None:
@@ -118,13 +136,19 @@ class Pipeline:
         if environment is not None and config.run.loops == "roles":
             raise ConfigError("`run.loops`: roles plays single-turn requests only; an environment's episodes run "
                               "from the controller's loop (run.loops=controller)")
+        if reward is not None:
+            as_reward(reward, timeout_s=config.reward.timeout_s)  # a wrong kind now, not in a worker
         self.reward, self.environment = reward, environment
         self.out_dir = Path(config.run.output_dir).resolve()  # actors may run in another directory
+        output_dir.check_fresh(self.out_dir, config.run.resume, config.run.overwrite)  # again under run()'s lock
+        check_ray_address(config.run.ray_address)  # before the warm start: a dead address fails in seconds
         self._stopping = asyncio.Event()  # set when the run winds down (the end, a failure, or stop())
         self._stop_requested = asyncio.Event()
         self._started, self._finished = asyncio.Event(), asyncio.Event()
         self._log_ready, self._roles_ready = asyncio.Event(), asyncio.Event()
         self._failure: BaseException | None = None
+        self._warm_stop = threading.Event()  # stop() during the warm start ends it at its next step
+        self._lock = output_dir.OutputLock(self.out_dir)
         self._processes = RoleProcesses(self.out_dir, self.cfg)
         """Each attempt's role meshes, and those a failed one leaves for the resumed one (run.warm_resume)."""
         self.log: RunLog | None = None
@@ -154,12 +178,12 @@ class Pipeline:
     async def _model_dir(self) -> str:
         if self.cfg.model.path is not None:
             return str(Path(self.cfg.model.path).resolve())  # actors may run in another directory
-        stop = threading.Event()
         try:
             return str(await asyncio.to_thread(warm_start, self.cfg.model.embedded, self.task, self.cfg.warmstart,
-                                               log=self._echo, stop=stop))
-        finally:  # cancelled (a second Ctrl-C): the thread ends at its next step, not after the whole warm start
-            stop.set()
+                                               log=self._echo, stop=self._warm_stop))
+        except asyncio.CancelledError:  # a second Ctrl-C: the thread ends at its next step, not after the whole warm start
+            self._warm_stop.set()
+            raise
 
     def _spawn(self, name: str, cls: type, *args: Any, **kwargs: Any) -> ActorMesh:
         """Start role ``name`` (``RoleProcesses.spawn``; a reward served by a mesh of its own starts through this)."""
@@ -255,6 +279,7 @@ class Pipeline:
             raise RuntimeError("Pipeline.run() was already called: a Pipeline runs once (build a new one to resume)")
         self._started.set()
         try:
+            self._claim_output_dir()
             while True:
                 try:
                     self._summary = await self._run()
@@ -266,7 +291,17 @@ class Pipeline:
                     self._prepare_resume(exc)
         finally:
             await self._processes.stop_parked()  # left by a failure that was not resumed
+            self._lock.release()
             self._finished.set()
+
+    def _claim_output_dir(self) -> None:
+        """Take run.output_dir for this run (its lock), refusing another run's files in it
+        (meshrl.pipeline.output_dir); run.overwrite deletes them now."""
+        self._lock.acquire()
+        run = self.cfg.run
+        earlier = output_dir.check_fresh(self.out_dir, run.resume, run.overwrite)
+        if run.overwrite:
+            output_dir.overwrite(self.out_dir, earlier, self._echo)
 
     def _prepare_resume(self, exc: BaseException) -> None:
         """Reset the per-attempt state so that ``_run`` resumes from the newest checkpoint."""
@@ -284,7 +319,8 @@ class Pipeline:
         started = time.perf_counter()
         from transformers import AutoTokenizer
 
-        resume_from = ckpt.resolve_resume(cfg.run.resume, self.out_dir)
+        # checked whole before anything of it is read, and before this run writes into its directory
+        resume_from = await asyncio.to_thread(ckpt.resolve_resume, cfg.run.resume, self.out_dir, self._echo)
         resumed_step = 0
         if resume_from is not None:  # before the warm start and the roles, as the prompt check below
             state = ckpt.read_run_state(resume_from)
@@ -292,9 +328,6 @@ class Pipeline:
             resumed_step = state.step
         else:
             await self._processes.stop_parked()  # no checkpoint: a fresh start, in fresh processes
-        # after the check: a refused resume leaves the folder describing the run its checkpoints are of
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        (self.out_dir / "config.yaml").write_text(to_yaml(cfg))
         await asyncio.to_thread(check_prompts, cfg, self.task, reward=self.reward, environment=self.environment,
                                 echo=self._echo)
         model_dir = await self._model_dir()
@@ -316,6 +349,9 @@ class Pipeline:
         else:
             self._echo(f"starting roles: queue, {cfg.rollout.num_workers} rollout{tp}, {cfg.reward.num_workers or 'no'} "
                        f"reward, trainer (dp={cfg.trainer.dp})" + (", reference" if reference else ""))
+        # the run's first file, once it will run: a refused resume leaves the folder describing the run its
+        # checkpoints are of, and a run stopped in its warm start leaves nothing a fresh one would refuse
+        (self.out_dir / "config.yaml").write_text(to_yaml(cfg))
         self.log = log = RunLog(self.out_dir, cfg.run.total_steps, progress=cfg.run.progress,
                                 tensorboard=cfg.run.tensorboard, resumed_step=resumed_step)
         for rec in ckpt.read_records(resume_from) if resume_from is not None else []:
@@ -326,6 +362,7 @@ class Pipeline:
         try:
             # seconds: not on the caller's event loop
             self._echo(await asyncio.to_thread(ensure_ray, cfg.run.num_cpus, cfg.run.ray_address))
+            reclaim_sigterm()  # a clean stop on SIGTERM, not Ray's abort 3 s into it
             self.cfg = cfg = settle_devices(cfg, self._echo)
             roles = await self._start_roles(model_dir)
             self._echo(await asyncio.to_thread(self._processes.placement_line))
@@ -466,15 +503,19 @@ class Pipeline:
 
     async def stop(self, *, timeout_s: float | None = None) -> dict[str, Any] | None:
         """Drain, checkpoint and shut down (module docstring); returns run()'s summary once it
-        returned, or None if the run failed or was never started. Resume with ``run.resume=latest``."""
+        returned, or None if the run failed, was never started, or was stopped in its warm start
+        (run() raises ``WarmStartStopped``: nothing to save yet). Resume with ``run.resume=latest``."""
         self._stop_requested.set()
         self._stopping.set()
+        if not self._roles_ready.is_set():
+            self._warm_stop.set()  # a warm start under way ends at its next step, caching nothing
         await asyncio.sleep(0)  # a run task created just before gets to start
         if not self._started.is_set():
             # nothing to stop: a run() started later runs (it used to start every role, evaluate,
             # checkpoint step 0 and export, then return "stopped" without a word)
             self._stop_requested.clear()
             self._stopping.clear()
+            self._warm_stop.clear()
             return None
         limit = self.cfg.run.stop_drain_timeout_s + 3 * self.cfg.run.step_timeout_s if timeout_s is None else timeout_s
         try:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
+import socket
 import threading
 from pathlib import Path
 from typing import Any, Callable
@@ -19,11 +21,12 @@ import msgspec
 import ray
 
 from meshrl.config import ConfigError
+from meshrl.mesh import reaper
 from meshrl.pipeline.config import PipelineConfig
 from meshrl.tasks import Task
 from meshrl.tasks.answers import reference_answer
 
-__all__ = ["WORKER_ENV", "check_prompts", "ensure_ray", "settle_devices", "sglang_transport"]
+__all__ = ["WORKER_ENV", "check_prompts", "check_ray_address", "ensure_ray", "reclaim_sigterm", "settle_devices", "sglang_transport"]
 
 WORKER_ENV = {
     "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_WARN_BLOCKING_GET_INSIDE_ASYNC": "0",
@@ -32,6 +35,34 @@ WORKER_ENV = {
 
 
 _ray_init_lock = threading.Lock()
+_reaper: list[Any] = []  # the watcher of the local cluster this process started (meshrl.mesh.reaper)
+
+PROBE_TIMEOUT_S = 10.0
+"""How long the TCP probe of a named cluster's address may take before the run stops at start."""
+ATTACH_TIMEOUT_S = 60.0
+"""Longest wait for ``ray.init`` to attach to a cluster whose address answers."""
+
+
+def check_ray_address(address: str | None) -> None:
+    """Refuse, in one line naming it, the cluster address a run would attach to (``address``: run.ray_address,
+    else ``RAY_ADDRESS``) if it is not one, or if nothing answers there within ``PROBE_TIMEOUT_S``
+    (``ray.init`` would wait minutes for it); ``auto``, ``local`` and none pass (Ray's own rules)."""
+    named = address or os.environ.get("RAY_ADDRESS", "").strip()
+    key = "run.ray_address" if address else "RAY_ADDRESS"
+    if not named or named in ("auto", "local"):
+        return
+    host, sep, port = named.removeprefix("ray://").rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or "/" in host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"`{key}`: {named!r} is not a Ray cluster address: give its head's host:port (e.g. "
+                          "10.0.0.1:6379, what `ray start --head` printed), ray://host:10001 for Ray Client, or auto")
+    try:
+        with socket.create_connection((host, int(port)), timeout=PROBE_TIMEOUT_S):
+            pass
+    except OSError as exc:
+        why = exc.strerror or ("no answer within %gs" % PROBE_TIMEOUT_S if isinstance(exc, TimeoutError) else type(exc).__name__)
+        raise ConfigError(f"`{key}`: nothing answers at {named} ({why}): start the cluster there (ray start --head), "
+                          f"or unset {key} to start a local one") from None
 
 
 def ensure_ray(num_cpus: int | None, address: str | None = None) -> str:
@@ -52,7 +83,9 @@ def ensure_ray(num_cpus: int | None, address: str | None = None) -> str:
     with _ray_init_lock:
         if ray.is_initialized():
             return _cluster_line("connected to")
-        if threading.current_thread() is threading.main_thread():
+        check_ray_address(address)
+        attaching = bool(address or os.environ.get("RAY_ADDRESS"))
+        if threading.current_thread() is threading.main_thread() and not attaching:
             return _cluster_line(_ray_init(num_cpus, address))
         started: list[Any] = []
         ready = threading.Event()
@@ -67,10 +100,29 @@ def ensure_ray(num_cpus: int | None, address: str | None = None) -> str:
                 threading.Event().wait()  # the cluster's processes live while this thread does
 
         threading.Thread(target=owner, name="meshrl-ray", daemon=True).start()
-        ready.wait()
+        # waits for: ray.init; unblocked by: the cluster (an attach whose address answered is bounded)
+        if not ready.wait(ATTACH_TIMEOUT_S if attaching else None):
+            named = address or os.environ.get("RAY_ADDRESS")
+            raise TimeoutError(f"ray.init did not attach to the Ray cluster at {named} within {ATTACH_TIMEOUT_S:g}s "
+                               "(its port answers; is it a Ray head's GCS port?)")
         if isinstance(started[0], BaseException):
             raise started[0]
         return _cluster_line(started[0])
+
+
+def reclaim_sigterm() -> None:
+    """Give SIGTERM back to this program's own Python handler, if it has one (call on the main thread,
+    after ``ensure_ray``).
+
+    A driver's Ray core worker installs abseil's failure handler for SIGTERM over the program's: it
+    prints a stack trace, calls the program's handler, and aborts the process 3 seconds later
+    whatever that handler started (a clean stop takes longer: the steps in flight, a checkpoint,
+    the export). A program without a handler of its own keeps Ray's."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    handler = signal.getsignal(signal.SIGTERM)
+    if callable(handler):
+        signal.signal(signal.SIGTERM, handler)
 
 
 def _cluster_line(how: str) -> str:
@@ -90,11 +142,22 @@ def _ray_init(num_cpus: int | None, address: str | None) -> str:
     with _quiet_sigterm_warning():  # off the main thread Ray leaves SIGTERM alone and says so
         if address is None:
             try:
-                ray.init(
-                    num_cpus=num_cpus, include_dashboard=False, **common,
-                    # Batches of small samples stay out of the shared-memory store (about +30% queue speed).
-                    _system_config={"max_direct_call_object_size": 1 << 20},
-                )
+                # the processes of a cluster started here carry its mark, and ignore a terminal's hang-up
+                # (Ray blocks SIGINT in them, not SIGHUP: a closed terminal killed the cluster under the
+                # run's clean stop); a thread's blocked signals are its children's
+                blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+                try:
+                    with reaper.marked() as token:
+                        ray.init(
+                            num_cpus=num_cpus, include_dashboard=False, **common,
+                            # Batches of small samples stay out of the shared-memory store (about +30% queue speed).
+                            _system_config={"max_direct_call_object_size": 1 << 20},
+                        )
+                finally:
+                    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+                if _started_here():  # they end with this process, however it ends
+                    session = ray._private.worker._global_node.get_session_dir_path()
+                    _reaper.append(reaper.start(token, session))
                 return "started"
             except ValueError as exc:  # RAY_ADDRESS or a `ray start` cluster: Ray connects to it
                 if "existing cluster" not in str(exc):
@@ -103,6 +166,13 @@ def _ray_init(num_cpus: int | None, address: str | None) -> str:
             env["PYTHONPATH"] = _worker_pythonpath()
         ray.init(address=address, **common)
         return "attached to"
+
+
+def _started_here() -> bool:
+    """Whether the cluster ``ray.init`` just joined is one it started (its head processes are this
+    process's), not one it found."""
+    node = getattr(ray._private.worker, "_global_node", None)
+    return bool(getattr(node, "head", False))  # a driver that attached holds a connect-only, non-head node
 
 
 def _job_env_vars() -> dict[str, str]:
