@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from processes import descendants, left_running
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
@@ -142,8 +143,10 @@ class _Run:
         env = {**os.environ, "MESHRL_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1",
                "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
         env.pop("RAY_ADDRESS", None)
+        # a session of its own, as a terminal's job: a signal to its process group reaches every process it started
         self.proc = subprocess.Popen([sys.executable, str(ROOT / "examples" / "async_ppo.py"), *TINY, *args],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path,
+                                     start_new_session=True)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
         self._reader.start()
@@ -160,10 +163,14 @@ class _Run:
         while not any(line.startswith(f"step {step:>4}/") for line in self.lines):
             assert self.proc.poll() is None and time.monotonic() < deadline, self.out[-3000:]
             time.sleep(0.1)
-        return _descendants(self.proc.pid)
+        return descendants(self.proc.pid)
 
-    def stopped_by(self, signum: int, timeout: float = 180) -> int:
-        self.proc.send_signal(signum)
+    def stopped_by(self, signum: int, timeout: float = 180, *, group: bool = False) -> int:
+        """Send ``signum`` to the driver (``group``: to its process group, as a closed terminal does); its exit status."""
+        if group:
+            os.killpg(self.proc.pid, signum)
+        else:
+            self.proc.send_signal(signum)
         try:
             code = self.proc.wait(timeout)
         finally:
@@ -173,50 +180,17 @@ class _Run:
         return code
 
 
-def _descendants(pid: int) -> set[int]:
-    found, todo = set(), [pid]
-    while todo:
-        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
-            try:
-                children = {int(c) for c in (task / "children").read_text().split()}
-            except OSError:
-                continue
-            todo.extend(children - found)
-            found |= children
-    return found
-
-
-def _left_running(pids: set[int], within_s: float) -> list[str]:
-    """Those of ``pids`` still running after ``within_s`` seconds (zombies count as gone)."""
-    import time
-
-    deadline = time.monotonic() + within_s
-    while True:
-        alive = []
-        for pid in pids:
-            try:
-                stat = Path(f"/proc/{pid}/stat").read_text()
-            except OSError:
-                continue
-            if stat.rpartition(")")[2].split()[0] != "Z":
-                alive.append(f"{pid} {stat.split('(')[1].split(')')[0]}")
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.25)
-
-
 @pytest.mark.slow
 def test_signals_stop_cleanly_resume_past_a_damaged_checkpoint_and_leave_nothing_running(tmp_path):
     """SIGTERM (Slurm, Kubernetes, `ray job stop`, kill) and SIGHUP stop a run as Ctrl-C does (the
     same handler): the steps in flight finish, a checkpoint and final/ are written, whatever
     run.checkpoint_every, and the exit status says which signal. SIGTERM used to kill the run (exit
     143, everything since the last periodic checkpoint lost), and Ray's own handler aborted the
-    process 3 s into a clean stop. After each signal, and after a SIGKILL of the driver, no process of
-    the run's local Ray cluster is left (its agents outlived it, holding ports). The resume in between
-    meets a damaged newest checkpoint and falls back to the one before, saying so."""
+    process 3 s into a clean stop. After each signal no process of the run's local Ray cluster is
+    left (its agents outlived it, holding ports). The resume in between
+    meets a damaged newest checkpoint and falls back to the one before, saying so. (A SIGKILL of the
+    driver: test_ray_start.py.)"""
     import signal
-
-    from meshrl.pipeline.output_dir import OutputLock
 
     run_dir = tmp_path / "run"
     args = ["run.total_steps=500", "run.progress=false", "run.checkpoint_every=2", f"run.output_dir={run_dir}"]
@@ -230,7 +204,7 @@ def test_signals_stop_cleanly_resume_past_a_damaged_checkpoint_and_leave_nothing
     checkpoints = run_dir / "checkpoints"
     newest = checkpoints / (checkpoints / "latest").read_text().strip()
     assert newest.name == f"step_{summary['steps']:08d}" and (run_dir / "final" / "config.json").is_file()
-    assert not _left_running(processes, 15)
+    assert not left_running(processes, 15)
 
     shard = next((newest / "trainer").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])
@@ -239,15 +213,8 @@ def test_signals_stop_cleanly_resume_past_a_damaged_checkpoint_and_leave_nothing
     processes = second.wait_for_step(int(intact.name[5:]) + 1)
     assert (f"run.resume=latest: {newest.name} is damaged ({shard} is 100 bytes" in second.out
             and f"resuming from the newest intact checkpoint, {intact}" in second.out), second.out[-3000:]
-    assert second.stopped_by(signal.SIGHUP) == 128 + signal.SIGHUP, second.out[-3000:]
+    # a closed terminal: the hang-up reaches the whole job, Ray's processes too, which leave it to the driver
+    assert second.stopped_by(signal.SIGHUP, group=True) == 128 + signal.SIGHUP, second.out[-3000:]
     assert "stopping (SIGHUP)" in second.out and "stopped after" in second.out
-    assert not _left_running(processes, 15)
+    assert not left_running(processes, 15)
 
-    third = _Run(tmp_path, *args, "run.resume=latest")
-    processes = third.wait_for_step(int((checkpoints / "latest").read_text().strip()[5:]) + 1)
-    assert third.stopped_by(signal.SIGKILL) == -signal.SIGKILL
-    left = _left_running(processes, 20)  # meshrl.mesh.reaper stops the cluster the driver started
-    assert not left, left
-    lock = OutputLock(run_dir)
-    lock.acquire()  # the killed run's hold on the directory went with it
-    lock.release()

@@ -100,9 +100,13 @@ class OutputLock:
         be created) or the live run that holds it."""
         try:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            f = open(self.out_dir / LOCK, "a+")
         except OSError as exc:
             raise ConfigError(f"`run.output_dir`: cannot create {self.out_dir} ({exc.strerror or exc}): "
+                              "choose a writable directory") from None
+        try:
+            f = open(self.out_dir / LOCK, "a+")
+        except OSError as exc:
+            raise ConfigError(f"`run.output_dir`: cannot write in {self.out_dir} ({exc.strerror or exc}): "
                               "choose a writable directory") from None
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
