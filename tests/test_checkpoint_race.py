@@ -2,16 +2,15 @@
 after a resume from it.
 
 At ``max_staleness > 0`` the train loop checkpoints while requests are in flight, without waiting
-for their ``put`` replies, so a put lands in the queue actor just before or just after the
-snapshot. The snapshot is atomic in the actor (a request's samples are in it and its reservation
-gone, or its reservation is in it unfilled), and a resume re-issues exactly the recorded requests
-whose reservation the snapshot still holds. What the ledger records must therefore cover every
-request whose put the snapshot missed, even when that put's reply reached the controller before
-the snapshot's: Ray orders neither replies nor their wake-ups across calls, and a large snapshot
-travels through the object store while a put's empty reply comes inline.
+for their puts, so a put lands in the sampler just before or just after the checkpoint reads its
+state. The sampler holds the queue and the prompt ledger in one process and reads both at one
+instant (``Sampler.state``): a request's samples are in the snapshot and the request done, or its
+reservation is in it unfilled and the request in flight, and a resume takes exactly those again.
+(When the ledger lived in the controller and the queue in its actor, a put whose reply overtook the
+snapshot's could be missed by both; a large state still travels through the object store here.)
 
-Real queue actor on a mesh, the train loop's ``checkpoint``, the rollout side's ``next_job``
-and the ``PromptLedger``; the trainer role is reduced to the directory it writes.
+Real sampler actor on a mesh, the train loop's ``checkpoint`` and the rollout side's ``next_job``;
+the trainer role is reduced to the directory it writes.
 """
 
 from __future__ import annotations
@@ -30,12 +29,12 @@ import ray.cloudpickle
 from meshrl.config import load_config
 from meshrl.mesh import Actor, endpoint, spawn_procs
 from meshrl.pipeline import PipelineConfig
-from meshrl.pipeline.checkpoint import InFlight, PromptLedger, read_records, read_run_state
+from meshrl.pipeline.checkpoint import InFlight, read_records, read_run_state
 from meshrl.pipeline.metrics import RunLog
 from meshrl.pipeline.rollout_loop import Roles, RolloutDriver, bounded
-from meshrl.pipeline.training import TrainLoop
-from meshrl.queues import QueueConfig, Sample, SampleQueue, decode_samples, encode_samples
-from meshrl.queues.actor import QueueActor
+from meshrl.pipeline.training import TrainLoop, sampler_state
+from meshrl.queues import QueueConfig, Sample, Sampler, decode_samples, encode_samples
+from meshrl.queues.actor import SamplerActor
 from meshrl.queues.snapshot import QueueSnapshot
 from meshrl.tasks import Problem
 
@@ -54,16 +53,15 @@ class CheckpointDir(Actor):
         Path(path).mkdir(parents=True, exist_ok=True)
 
 
-class SlowSnapshotReply(QueueActor):
-    """The queue actor with a snapshot whose reply takes a while to reach the caller, as a large
-    one's does through the object store: a put arriving meanwhile is applied after the snapshot was
-    taken, yet answered first."""
+class SlowStateReply(SamplerActor):
+    """The sampler actor with a state whose reply takes a while to reach the caller, as a large one's
+    does through the object store: a put arriving meanwhile is applied after the state was read."""
 
     @endpoint
-    async def snapshot(self) -> bytes:
-        blob = await SampleQueue.snapshot(self)
+    async def state(self):
+        state = await Sampler.state(self)
         await asyncio.sleep(0.5)
-        return blob
+        return state
 
 
 def _samples(job: InFlight) -> list[Sample]:
@@ -73,11 +71,10 @@ def _samples(job: InFlight) -> list[Sample]:
 
 
 async def _put(rollout: RolloutDriver, job: InFlight) -> None:
-    """The end of a rollout request (rollout_loop.RolloutDriver.loop): put, then the ledger hears of it."""
-    queue = rollout.roles.queue
+    """The end of a rollout request (rollout_loop.RolloutDriver._request): the put, which also ends
+    the request in the sampler's ledger."""
     blob = encode_samples(_samples(job))
-    await bounded(queue.put_encoded.call_one(blob, job.reservation_id), 60, "the queue to accept samples")
-    rollout.ledger.done(job.reservation_id)
+    await bounded(rollout.roles.queue.put_encoded.call_one(blob, job.reservation_id), 60, "the sampler to accept samples")
 
 
 def _accepted_in_lineage(path: Path) -> list[int]:
@@ -95,14 +92,14 @@ async def _controller(out: Path, queue_cls: type) -> AsyncIterator[TrainLoop]:
         f"queue.max_staleness={ETA}", "queue.stale_policy=keep", "run.audit=true",
     ])
     procs = [spawn_procs({"procs": 1}, cpus_per_proc=0.01, name=name) for name in ("queue", "trainer")]
-    queue = procs[0].spawn("queue", queue_cls, cfg.queue, samples_per_step=STEP, ledger=True)
+    queue = procs[0].spawn("queue", queue_cls, cfg.queue, PROBLEMS, 3, samples_per_prompt=N, samples_per_step=STEP,
+                           audit=True)
     trainer = procs[1].spawn("trainer", CheckpointDir)
     log = RunLog(out, total_steps=1, progress=False)
     try:
         await asyncio.gather(queue.ready().within(60), trainer.ready().within(60))
         roles = Roles(queue=queue, rollouts=None, rewards=None, trainer=trainer, reference=None)
-        rollout = RolloutDriver(cfg, roles, None, PromptLedger(PROBLEMS, seed=3), log, stopping=asyncio.Event(),
-                                environment=False)
+        rollout = RolloutDriver(cfg, roles, None, PROBLEMS, log, stopping=asyncio.Event(), environment=False)
         yield TrainLoop(cfg, roles, rollout, log, out, evaluate=None)
     finally:
         log.close()
@@ -117,37 +114,31 @@ async def _resumed(path: Path, consumed: list[int]) -> tuple[list[int], list[int
     state = read_run_state(path)
     snap = msgspec.msgpack.decode(state.queue_snapshot, type=QueueSnapshot)
     queued = [s.group_id for g in snap.groups for s in g.samples]
-    # what TrainLoop.restore does, with a queue of this process
-    fresh = SampleQueue(QueueConfig(max_staleness=ETA), samples_per_step=STEP)
-    outstanding = await fresh.restore(state.queue_snapshot)
-    ledger = PromptLedger(PROBLEMS, seed=3)
-    for reservation_id in ledger.restore(state, [r.id for r in outstanding]):
-        await fresh.cancel(reservation_id)
+    # what TrainLoop.restore does, with a sampler of this process
+    fresh = Sampler(QueueConfig(max_staleness=ETA), PROBLEMS, 3, samples_per_prompt=N, samples_per_step=STEP)
+    pending = await fresh.restore(sampler_state(state))
     reissued = []
-    while (taken := ledger.take_reissued()) is not None:
-        await fresh.put(_samples(taken[0]), taken[0].reservation_id)  # refused if the snapshot had them
-        reissued += [s.group_id for s in _samples(taken[0])]
+    for _ in range(pending):
+        job, _ = await fresh.take(PROMPTS)
+        await fresh.queue.put(_samples(job), job.reservation_id)  # refused if the snapshot had them
+        reissued += [s.group_id for s in _samples(job)]
     # one consumer of whole batches: the first consumed_position samples it got were taken before the snapshot
     trained = consumed[:snap.consumed_position] + queued + reissued
     return (sorted(trained), sorted(g for g in range(state.next_group) for _ in range(N)),
             sorted(_accepted_in_lineage(path) + reissued))
 
 
-def test_a_put_answered_before_the_snapshot_but_applied_after_it_is_reissued(ray_cluster, tmp_path):
-    """The put lands just after the snapshot was taken and its reply overtakes the snapshot's: the
-    ledger hears of it before the checkpoint reads the ledger, but the snapshot holds its
-    reservation unfilled. Its prompts must be issued again on resume, not cancelled and lost."""
+def test_a_put_applied_after_the_state_was_read_is_reissued(ray_cluster, tmp_path):
+    """The put lands while the state's reply is still on its way: the state holds the request in flight
+    and its reservation unfilled, so a resume issues its prompts again, once."""
 
     async def main() -> Path:
-        async with _controller(tmp_path, SlowSnapshotReply) as train:
+        async with _controller(tmp_path, SlowStateReply) as train:
             rollout = train.rollout
             job, _ = await asyncio.wait_for(rollout.next_job(), 60)
             train.step = 1
             checkpoint = asyncio.create_task(train.checkpoint())
-            # waits for: the checkpoint to hold new requests back and ask for the snapshot (same loop step)
-            async with asyncio.timeout(60):
-                while rollout.taking.is_set():
-                    await asyncio.sleep(0.001)
+            await asyncio.sleep(0.2)  # the state is read; its reply takes 0.5 s
             await _put(rollout, job)
             assert not checkpoint.done()  # the put's reply came first
             path = await asyncio.wait_for(checkpoint, 60)
@@ -155,8 +146,10 @@ def test_a_put_answered_before_the_snapshot_but_applied_after_it_is_reissued(ray
             return path
 
     path = asyncio.run(main())
-    snap = msgspec.msgpack.decode(read_run_state(path).queue_snapshot, type=QueueSnapshot)
-    assert [r.filled for r in snap.reservations] == [0] and snap.groups == []  # the put missed the snapshot
+    state = read_run_state(path)
+    snap = msgspec.msgpack.decode(state.queue_snapshot, type=QueueSnapshot)
+    assert [r.filled for r in snap.reservations] == [0] and snap.groups == []  # the put missed the state
+    assert [j.reservation_id for j in state.in_flight] == [0]
     trained, handed_out, accepted = asyncio.run(_resumed(path, []))
     assert trained == handed_out == accepted == [0, 0, 1, 1]  # the resume's put is the one the audit counts
     assert _accepted_in_lineage(path) == []
@@ -182,7 +175,7 @@ def test_checkpoints_taken_while_producers_put_account_for_every_sample_once(ray
             await bounded(queue.set_version.call_one(version), 60, "set_version")
 
     async def main() -> tuple[list[Path], list[int]]:
-        async with _controller(tmp_path, QueueActor) as train:
+        async with _controller(tmp_path, SamplerActor) as train:
             rollout, queue, consumed = train.rollout, train.roles.queue, []
             loops = [asyncio.create_task(produce(rollout, random.Random(i))) for i in range(4)]
             loops.append(asyncio.create_task(consume(queue, consumed)))
@@ -192,7 +185,7 @@ def test_checkpoints_taken_while_producers_put_account_for_every_sample_once(ray
                 train.step += 1
                 written.append(await train.checkpoint())
             rollout.stopping.set()
-            await queue.close.call_one().within(60)  # wakes the loops' reserve, put and get_batch
+            await queue.close.call_one().within(60)  # wakes the loops' take, put and get_batch
             await asyncio.wait_for(asyncio.gather(*loops, return_exceptions=True), 60)
             return written, consumed
 

@@ -178,7 +178,7 @@ def test_the_main_job_runs_under_ray_job_submit(tmp_path, two_nodes, cache):
     assert _placed(job.stdout)["trainer"] == [_nodes(two_nodes)["node_b"]]
     namespace = next(line for line in job.stdout.splitlines() if "actors: role/rank in Ray namespace" in line).split()[-1]
     actors = {(a.name, a.class_name) for a in list_actors(address=dashboard, filters=[("ray_namespace", "=", namespace)])}
-    assert {("queue/0", "QueueActor"), ("rollout/0", "RolloutWorker"), ("reward/0", "RewardWorker"),
+    assert {("queue/0", "SamplerActor"), ("rollout/0", "RolloutWorker"), ("reward/0", "RewardWorker"),
             ("trainer/0", "Trainer")} <= actors, actors
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
             if json.loads(line)["kind"] == "step"] == [1, 2]

@@ -151,8 +151,9 @@ def test_roles_running_the_loops_answer_the_users_calls_and_stop_without_losing_
                                                                                        tiny_model):
     """run.loops=roles (the rollout worker and the trainer run the loops): the same user script, no
     environment. generate and evaluate reach the rollout worker beside its own loops; stop() pauses
-    them (the requests in flight put their samples), and the checkpoint holds every sample put and
-    not trained: the queue is the rollout worker's. A resumed run continues from it."""
+    them (the requests being generated put their samples), and the checkpoint holds every sample put
+    and not trained, and the requests granted meanwhile: the sampler is the rollout worker's. A
+    resumed run continues from it."""
     lanes = ("run.loops=roles", "reward.num_workers=0", "rollout.requests_in_flight=3", "run.lane_chunk_steps=2")
     out = asyncio.run(user_script(make_config(tiny_model, tmp_path / "run", *lanes), stop_after_steps=3, environment=None,
                                   evaluate=True))
@@ -162,14 +163,15 @@ def test_roles_running_the_loops_answer_the_users_calls_and_stop_without_losing_
     state = read_run_state(summary["last_checkpoint"])
     assert state.step == summary["steps"]
     snap = msgspec.msgpack.decode(state.queue_snapshot, type=QueueSnapshot)
-    # paused: every request in flight put its samples; reservations granted but never given prompts
-    # remain, unfilled and in no request (the resume cancels them)
-    taken = {job.reservation_id for job in state.in_flight}
-    assert all(r.filled == 0 and r.reservation.id not in taken for r in snap.reservations), snap.reservations
+    # paused: every request being generated put its samples; one granted during the pause holds its
+    # prompts, its reservation unfilled, recorded in flight: the resume generates it
+    taken = {job.reservation_id: job.count for job in state.in_flight}
+    assert all(r.filled == 0 and r.reservation.id in taken for r in snap.reservations), (snap.reservations, taken)
+    parked = sum(taken[r.reservation.id] for r in snap.reservations)
     queued, c = [s for g in snap.groups for s in g.samples], snap.counters
     # nothing lost: what was put is trained, dropped or queued, and every prompt taken was put (2 samples each)
     assert len(queued) == c.samples_put - c.samples_consumed - c.dropped_stale - c.dropped_incomplete
-    assert c.samples_consumed == 8 * summary["steps"] and state.prompt_position * 2 == c.samples_put
+    assert c.samples_consumed == 8 * summary["steps"] and (state.prompt_position - parked) * 2 == c.samples_put
 
     cfg = make_config(tiny_model, tmp_path / "run", *lanes, "run.resume=latest", f"run.total_steps={summary['steps'] + 2}")
     resumed = asyncio.run(meshrl.Pipeline(cfg, reward=digit_reward).run())

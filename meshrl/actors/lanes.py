@@ -2,12 +2,12 @@
 and weights over a channel of their own (``meshrl.mesh.channel``), with no controller call per step.
 
 ```text
-LaneRollout (async actor: engine, reward, SampleQueue, PromptLedger)     LaneTrainer (sync actor)
+LaneRollout (async actor: engine, reward, Sampler)                       LaneTrainer (sync actor)
   rollout loop × rollout.requests_in_flight:                           lane_steps(step, version, count):
-    queue.reserve(k·n)  waits for: admission within max_staleness         BATCH(n, v) ───► queue.get_batch_encoded
+    sampler.take(k)     waits for: admission within max_staleness         BATCH(n, v) ───► queue.get_batch_encoded
                         unblocked by: WEIGHTS' set_version                 ◄─── the batch's bytes (or the error)
-    ledger.take → generate → score, in this process                        the next step's BATCH, then train_step
-    queue.put_encoded   waits for: room under queue.capacity_tokens        every sync_interval steps: version += 1
+    generate → score, in this process                                      the next step's BATCH, then train_step
+    sampler.put_encoded waits for: room under queue.capacity_tokens        every sync_interval steps: version += 1
                         unblocked by: a BATCH                              WEIGHTS(v) ───► engine.update_weights(v),
   the channel: BATCHes answered concurrently, WEIGHTS one at a time          queue.set_version(v) ───► ACK(v)
   in order (the trainer sends the next only after the ACK of the last);
@@ -19,13 +19,13 @@ The weights of a version go through a file in /dev/shm that both map when they s
 
 The controller starts both (``meshrl.pipeline.lanes``), hands the trainer chunks of steps (up to
 the next checkpoint, evaluation or ``run.lane_chunk_steps``) and writes their records; it reaches
-the queue and the ledger through the rollout worker's endpoints (``close``, ``metrics``,
-``lane_state`` for a checkpoint, ``lane_restore``). A Ray actor call costs about a millisecond of
+the sampler through the rollout worker's endpoints (``close``, ``metrics``, ``lane_state`` for a
+checkpoint, ``lane_restore``). A Ray actor call costs about a millisecond of
 CPU on a 2-core machine, and the controller's loops make about ten a step: at a few milliseconds a
 step that is most of the machine. Here a step costs two round trips over the channel and no call.
 
 The queue, admission, the ledger, the requests, scoring and the train step are the same code as the
-controller's loops (``SampleQueue``, ``PromptLedger``, ``RequestMaker``, ``Scorer``,
+controller's loops (``Sampler``, ``RequestMaker``, ``Scorer``,
 ``PolicyTrainer.train_step``), so a run's samples, staleness and checkpoints mean the same; what
 differs is only who calls them.
 """
@@ -55,11 +55,9 @@ from meshrl.actors.trainer import Trainer
 from meshrl.engines import TorchEngineConfig
 from meshrl.mesh import endpoint
 from meshrl.mesh.channel import Channel, ChannelClosed, read_message, serve, write_message
-from meshrl.queues import QueueConfig
-from meshrl.queues.sample_queue import SampleQueue
+from meshrl.queues import QueueConfig, Sampler, SamplerState
 from meshrl.queues.wire import decode_samples
 from meshrl.tasks import Problem
-from meshrl.tasks.ledger import PromptLedger
 
 __all__ = ["LaneRollout", "LaneSettings", "LaneTrainer"]
 
@@ -74,7 +72,7 @@ the tensors' bytes in LAYOUT's order, or nothing when they are in the shared fil
 ACK once applied. ERROR (the tag it answers): the failure's text. STOP (a BATCH's tag): the rollout
 worker paused (``Pipeline.stop``): no batch comes, the trainer ends its chunk there."""
 
-_QUEUE_ENDPOINTS = ("close", "metrics", "snapshot", "set_version", "cancel", "held_groups", "ledger")
+_QUEUE_ENDPOINTS = ("close", "metrics", "state", "set_version", "cancel", "held_groups", "ledger")
 
 
 class WeightFrame:
@@ -162,15 +160,18 @@ class LaneRollout(RolloutWorker):
                  lane: LaneSettings, problems: Sequence[Problem]) -> None:
         super().__init__(model_path, engine, threads, scorer=scorer)
         self.lane = lane
-        self.queue = SampleQueue(lane.queue, samples_per_step=lane.samples_per_step, steps_per_version=lane.sync_interval,
-                                 ledger=lane.audit)
-        self.ledger = PromptLedger(problems, lane.seed)
+        self.sampler = Sampler(lane.queue, problems, lane.seed, samples_per_prompt=lane.samples_per_prompt,
+                               samples_per_step=lane.samples_per_step, steps_per_version=lane.sync_interval,
+                               audit=lane.audit)
+        self.queue = self.sampler.queue
         self.maker = RequestMaker(lane.rollout, lane.seed, None, self.tokenizer, environment=False)
         self.taking = asyncio.Event()
         """Set while the loops take new prompts (``lane_start``; cleared by ``lane_pause``)."""
         self.pausing = asyncio.Event()
         """Set by ``lane_pause``: the trainer's batches are answered with STOP."""
         self.generated_tokens = 0
+        self.active = 0
+        """Requests being generated (taken, not parked by a pause, not yet put)."""
         self.spans: list[tuple[str, str, float, float]] = []
         """(role, what, start, end) by ``time.time()`` since the last ``lane_report``."""
         self.failure: BaseException | None = None
@@ -279,31 +280,29 @@ class LaneRollout(RolloutWorker):
         self.pausing.set()
         deadline = time.monotonic() + timeout_s
         # waits for: the requests in flight to put their samples; unblocked by: this worker's loops
-        while self.ledger.in_flight and time.monotonic() < deadline and self.failure is None:
+        while self.active and time.monotonic() < deadline and self.failure is None:
             await asyncio.sleep(0.01)
-        return len(self.ledger.in_flight)
+        return self.active
 
     async def _loop(self, index: int) -> None:
-        lane, queue = self.lane, self.queue
+        lane, sampler = self.lane, self.sampler
         n, k = lane.samples_per_prompt, lane.rollout.prompts_per_request
         try:
             while True:
                 await self.taking.wait()
-                taken = self.ledger.take_reissued()
-                if taken is None:
-                    # waits for: admission within max_staleness; unblocked by: a pushed version (set_version)
-                    reservation = await queue.reserve(k * n, timeout=lane.queue.reserve_timeout_s)
-                    await self.taking.wait()  # a checkpoint's pause: the reservation waits, its prompts not taken
-                    taken = self.ledger.take(reservation.id, k)
-                job, problems = taken
+                # waits for: admission within max_staleness; unblocked by: a pushed version (set_version)
+                job, problems = await sampler.take(k, timeout=lane.queue.reserve_timeout_s)
+                if not self.taking.is_set():  # paused (Pipeline.stop) meanwhile: recorded, re-issued on resume
+                    await self.taking.wait()
+                self.active += 1
                 group_ids = list(range(job.first_group, job.first_group + job.count))
                 rjob, requests = self.maker.job(problems, greedy=False, n=n, group_ids=group_ids)
                 t0 = time.time()
                 scored = await self.play_scored(rjob, requests, within_s=lane.step_timeout_s)
                 t1 = time.time()
                 # waits for: room under capacity_tokens; unblocked by: a BATCH
-                await queue.put_encoded(scored.encoded, job.reservation_id, timeout=lane.queue.put_timeout_s)
-                self.ledger.done(job.reservation_id)
+                await sampler.put_encoded(scored.encoded, job.reservation_id, timeout=lane.queue.put_timeout_s)
+                self.active -= 1
                 self.generated_tokens += scored.completion_tokens
                 self.spans += [("rollout", "generate", t0, scored.received), ("reward", "score", scored.received, t1)]
         except asyncio.CancelledError:
@@ -316,7 +315,7 @@ class LaneRollout(RolloutWorker):
             if self.failure is None:
                 self.failure = exc
                 logger.exception("rollout loop %d failed", index)
-            await queue.close()  # wakes the trainer's batch and every other loop (lane_report raises it)
+            await sampler.close()  # wakes the trainer's batch and every other loop (lane_report raises it)
 
     @endpoint
     async def lane_report(self) -> dict[str, Any]:
@@ -329,34 +328,28 @@ class LaneRollout(RolloutWorker):
         return {"queue": await self.queue.metrics(), "generated_tokens": self.generated_tokens, "spans": spans}
 
     @endpoint
-    async def lane_state(self) -> dict[str, Any]:
-        """What a checkpoint keeps of the rollout side, read at once (no await between the queue's
-        snapshot and the ledger): the snapshot, the prompt position, the next group, the requests in flight."""
-        snapshot = await self.queue.snapshot()  # never suspends (SampleQueue: no await between reads)
-        return {"queue_snapshot": snapshot, "prompt_position": self.ledger.stream.position,
-                "next_group": self.ledger.next_group, "in_flight": self.ledger.unfinished(),
-                "generated_tokens": self.generated_tokens}
+    async def lane_state(self) -> tuple[SamplerState, int]:
+        """What a checkpoint keeps of the rollout side: the sampler's state (read at one instant) and
+        the tokens generated so far."""
+        generated = self.generated_tokens
+        return await self.sampler.state(), generated
 
     @endpoint
-    async def lane_restore(self, state: Any, version: int) -> int:
-        """Continue from a checkpoint's ``RunState`` (before ``lane_start``): its queue snapshot, its
-        prompt position and requests in flight (re-issued first; reservations no request holds are
-        cancelled), at ``version``. Returns how many requests are re-issued."""
-        outstanding = await self.queue.restore(state.queue_snapshot)
-        await self.queue.set_version(version)
-        unknown = self.ledger.restore(state, [r.id for r in outstanding])
-        for reservation_id in unknown:
-            await self.queue.cancel(reservation_id)
-        self.generated_tokens = state.generated_tokens
-        return self.ledger.reissue_pending
+    async def lane_restore(self, state: SamplerState, generated_tokens: int, version: int) -> int:
+        """Continue from a checkpoint's sampler state (before ``lane_start``) at ``version``; returns
+        how many requests that were in flight are taken again first."""
+        pending = await self.sampler.restore(state)
+        await self.sampler.set_version(version)
+        self.generated_tokens = generated_tokens
+        return pending
 
 
 def _queue_endpoint(name: str) -> Any:
     async def call(self: LaneRollout, *args: Any, **kwargs: Any) -> Any:
-        return await getattr(self.queue, name)(*args, **kwargs)
+        return await getattr(self.sampler, name)(*args, **kwargs)
 
     call.__name__ = call.__qualname__ = name
-    call.__doc__ = f"``SampleQueue.{name}`` of this worker's queue (the controller's ``roles.queue``)."
+    call.__doc__ = f"``Sampler.{name}`` of this worker's sampler (the controller's ``roles.queue``)."
     return endpoint(call)
 
 

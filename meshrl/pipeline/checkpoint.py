@@ -44,7 +44,7 @@ import msgspec
 
 from meshrl import manifest
 from meshrl.tasks import Problem
-from meshrl.tasks.ledger import InFlight, PromptLedger
+from meshrl.queues.ledger import InFlight, PromptLedger
 
 __all__ = ["InFlight", "PromptLedger", "RunState", "write_checkpoint_files", "read_run_state", "read_records",
            "commit", "damage", "latest_checkpoint", "later_checkpoints", "resolve_resume", "partial_dir"]

@@ -81,7 +81,7 @@ from meshrl.pipeline.lanes import LaneLoop
 from meshrl.pipeline.training import TrainLoop
 from meshrl.pipeline.processes import RoleProcesses
 from meshrl.queues import QueueClosed
-from meshrl.queues.actor import QueueActor
+from meshrl.queues.actor import SamplerActor
 from meshrl.reshard import meshes as reshard_meshes
 from meshrl.tasks import NamedFunction, Task, build_task, load_reward_function, source_split
 
@@ -195,9 +195,11 @@ class Pipeline:
         restarts = ({"max_restarts": cfg.run.max_worker_restarts,
                      "on_restart": functools.partial(self.recovery.restarted, cfg)} if cfg.run.max_worker_restarts else {})
         lanes = cfg.run.loops == "roles"
-        if not lanes:
-            queue = self._spawn("queue", QueueActor, cfg.queue, samples_per_step=cfg.trainer.samples_per_step,
-                                steps_per_version=cfg.trainer.sync_interval, ledger=cfg.run.audit)
+        if not lanes:  # the sampler: the queue and the prompt ledger (meshrl.queues.sampler)
+            queue = self._spawn("queue", SamplerActor, cfg.queue, list(self.task.split("train")), cfg.run.seed,
+                                samples_per_prompt=cfg.algo.samples_per_prompt,
+                                samples_per_step=cfg.trainer.samples_per_step,
+                                steps_per_version=cfg.trainer.sync_interval, audit=cfg.run.audit)
         max_new_tokens = cfg.rollout.episode.max_tokens if env else cfg.rollout.max_new_tokens
         sglang = cfg.rollout.engine.backend == "sglang"
         share = 0.5 if cfg.placement == "colocated" and sglang else 1  # colocated SGLang: half a GPU each, for Ray
@@ -333,7 +335,6 @@ class Pipeline:
         model_dir = await self._model_dir()
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        ledger = ckpt.PromptLedger(self.task.split("train"), cfg.run.seed, source=source_split(self.task, "train"))
         if cfg.run.resume == "latest" and resume_from is None:
             self._echo(f"run.resume=latest: no complete checkpoint under {self.out_dir / 'checkpoints'} yet, starting fresh")
         later = ckpt.later_checkpoints(self.out_dir, resumed_step)
@@ -369,8 +370,9 @@ class Pipeline:
             launched = cfg.rollout.engine.backend == "sglang" and not cfg.rollout.engine.sglang.urls  # logs in output_dir
             await check_run_storage(roles, self.out_dir, model_dir, launched, cfg.run.step_timeout_s, self._echo)
             revivals = Revivals(cfg, len(roles.rollouts), record=self.recovery.revived)
-            self._rollout = rollout = RolloutDriver(cfg, roles, tokenizer, ledger, log, stopping=self._stopping,
-                                                    environment=self.environment is not None, revivals=revivals)
+            self._rollout = rollout = RolloutDriver(cfg, roles, tokenizer, source_split(self.task, "train"), log,
+                                                    stopping=self._stopping, environment=self.environment is not None,
+                                                    revivals=revivals)
             self.recovery.revivals = revivals
             lanes = cfg.run.loops == "roles"
             self._train = train = (LaneLoop if lanes else TrainLoop)(cfg, roles, rollout, log, self.out_dir,

@@ -36,8 +36,8 @@ from meshrl.pipeline.audit import AuditLog
 from meshrl.pipeline.config import PipelineConfig
 from meshrl.pipeline.metrics import RunLog
 from meshrl.pipeline.rollout_loop import Roles, RolloutDriver, bounded
-from meshrl.pipeline.training import checkpoints_after, evaluate_missed, load_run_checkpoint, write_run_checkpoint
-from meshrl.queues.snapshot import ledger_mark
+from meshrl.pipeline.training import (checkpoints_after, evaluate_missed, load_run_checkpoint, run_state, sampler_state,
+                                      write_run_checkpoint)
 
 __all__ = ["LaneLoop"]
 
@@ -203,14 +203,9 @@ class LaneLoop:
         return await write_run_checkpoint(self, self._run_state)
 
     async def _run_state(self) -> ckpt.RunState:
-        side = await bounded(self.roles.rollouts.lane_state.call_one(), self.cfg.run.step_timeout_s,
-                             "the rollout side's state")
-        await self.audit.record(self.step, (), upto=ledger_mark(side["queue_snapshot"]))  # run.audit
-        return ckpt.RunState(
-            step=self.step, version=self.version, prompt_position=side["prompt_position"], next_group=side["next_group"],
-            generated_tokens=side["generated_tokens"], accuracy_before=self.accuracy_before, in_flight=side["in_flight"],
-            queue_snapshot=side["queue_snapshot"], fingerprint=ckpt.run_fingerprint(self.cfg, self.rollout.ledger.source),
-        )
+        side, generated = await bounded(self.roles.rollouts.lane_state.call_one(), self.cfg.run.step_timeout_s,
+                                        "the rollout side's state")
+        return await run_state(self, side, generated)
 
     async def restore(self, path: Path, *, engines_kept: bool = False) -> str:
         """Continue the run saved at ``path`` (before ``run``); a line saying so."""
@@ -218,8 +213,9 @@ class LaneLoop:
         state = await load_run_checkpoint(self, path)
         if state.step > 0:
             await self.roles.trainer.lane_push.call(state.version).within(timeout)  # the engine serves it
-        pending = await bounded(self.roles.rollouts.lane_restore.call_one(state, state.version), timeout,
-                                "the rollout worker to restore the queue and the ledger")
+        pending = await bounded(self.roles.rollouts.lane_restore.call_one(sampler_state(state), state.generated_tokens,
+                                                                         state.version), timeout,
+                                "the rollout worker to restore the sampler")
         evaluate_missed(self, state)
         return (f"resumed from {path} at step {state.step}, policy version {state.version}"
                 + (f", re-issuing {pending} requests that were in flight" if pending else ""))

@@ -2,19 +2,21 @@
 
 ```text
 rollout loop (× workers × requests_in_flight), until the run stops:
-  queue.reserve(k·n)        waits for: admission within max_staleness
+  sampler.take(k)           a restored request, or k·n positions and the next k prompts
+                            waits for: admission within max_staleness
                             unblocked by: train loop set_version after a push
   rollout.generate          single-turn: one request per prompt, n samples each
   or rollout.run_episodes   with an environment: n episodes per prompt (meshrl.envs.episode)
   reward.score              samples built and encoded on the reward worker
   (or rollout.play_scored   reward.num_workers=0: generated, scored and encoded in one call)
   reference.annotate        (only with a KL term)
-  queue.put_ref             waits for: room under queue.capacity_tokens
+  sampler.put_ref           waits for: room under queue.capacity_tokens
                             unblocked by: train loop get_batch_refs
 ```
 
-Every request is recorded in the ``PromptLedger`` until its samples are in the queue, so a
-checkpoint knows what was in flight. A rollout worker that dies and is restarted in place
+The sampler (``meshrl.queues.sampler``: the queue and the prompt ledger in the queue role's
+process) records every request until its samples are in, so a checkpoint knows what was in flight.
+A rollout worker that dies and is restarted in place
 (``meshrl.pipeline.revival``) has its requests re-issued once it serves the current weights: the
 same reservation, prompts and group ids (so the same seeds); the other workers keep generating. A request interrupted by ``Pipeline.stop`` stays recorded
 (its reservation stays outstanding in the queue snapshot) and is re-issued on resume.
@@ -26,15 +28,15 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from meshrl.actors import RolloutJob
 from meshrl.actors.requests import RequestMaker
 from meshrl.mesh import ActorFailure, ActorMesh
-from meshrl.pipeline import checkpoint as ckpt
 from meshrl.pipeline.config import PipelineConfig
 from meshrl.pipeline.metrics import RunLog
 from meshrl.pipeline.revival import Revivals
+from meshrl.queues import InFlight
 from meshrl.tasks import Problem
 
 __all__ = ["Roles", "RolloutDriver", "bounded"]
@@ -72,17 +74,18 @@ class Roles:
 class RolloutDriver:
     """Builds requests and runs the rollout loops of one pipeline run (module docstring)."""
 
-    def __init__(self, cfg: PipelineConfig, roles: Roles, tokenizer: Any, ledger: ckpt.PromptLedger, log: RunLog, *,
+    def __init__(self, cfg: PipelineConfig, roles: Roles, tokenizer: Any, source: Sequence[Problem], log: RunLog, *,
                  stopping: asyncio.Event, environment: bool, revivals: Revivals | None = None) -> None:
-        self.cfg, self.roles, self.tokenizer, self.ledger, self.log = cfg, roles, tokenizer, ledger, log
+        self.cfg, self.roles, self.tokenizer, self.log = cfg, roles, tokenizer, log
+        self.source = source
+        """The training problems as written (what a checkpoint's fingerprint hashes)."""
         self.stopping = stopping
         """Set when the run winds down: no new request starts."""
         self.environment = environment
         self.maker = RequestMaker(cfg.rollout, cfg.run.seed, cfg.run.eval_max_new_tokens, tokenizer, environment=environment)
         """Sampling settings, seeds and tokenised prompts of the requests (shared with ``run.loops=roles``)."""
-        self.taking = asyncio.Event()
-        """Cleared while a checkpoint captures the controller state."""
-        self.taking.set()
+        self.active = 0
+        """Requests taken from the sampler and not yet put or given back."""
         self.generated_tokens = 0
         """Policy tokens generated for training so far."""
         self.reissued_calls = 0
@@ -148,25 +151,16 @@ class RolloutDriver:
         self._turn += 1
         return self.roles.rollouts.slice(procs=ranks[self._turn % len(ranks)])
 
-    async def next_job(self) -> tuple[ckpt.InFlight, list[Problem]] | None:
-        """A restored request to generate again, or a new reservation with the next prompts;
-        None once the run is stopping."""
-        if (reissued := self.ledger.take_reissued()) is not None:
-            return reissued
-        r, n, queue = self.cfg.rollout, self.cfg.algo.samples_per_prompt, self.roles.queue
+    async def next_job(self) -> tuple[InFlight, list[Problem]] | None:
+        """A restored request to generate again, or a new reservation with the next prompts (the
+        sampler's ``take``); None once the run is stopping."""
+        r, sampler = self.cfg.rollout, self.roles.queue
         # waits for: admission within max_staleness; unblocked by: train loop set_version
-        reservation = await bounded(queue.reserve.call_one(r.prompts_per_request * n),
-                                    self.cfg.queue.reserve_timeout_s + 30, "the queue to admit a rollout request")
-        try:
-            # waits for: a checkpoint to finish capturing the controller state (milliseconds)
-            await self.taking.wait()
-        except BaseException:
-            await asyncio.shield(queue.cancel.call_one(reservation.id).within(60))
-            raise
-        if self.stopping.is_set():  # granted while the run winds down: give the positions back
-            await asyncio.shield(queue.cancel.call_one(reservation.id).within(60))
+        job, problems = await bounded(sampler.take.call_one(r.prompts_per_request, timeout=self.cfg.queue.reserve_timeout_s),
+                                      self.cfg.queue.reserve_timeout_s + 30, "the sampler to admit a rollout request")
+        if self.stopping.is_set():  # granted while the run winds down: it stays recorded (re-issued on resume)
             return None
-        return self.ledger.take(reservation.id, r.prompts_per_request)
+        return job, problems
 
     async def loop(self, worker: ActorMesh, worker_index: int) -> None:
         """One rollout loop on one worker, until the run stops (module docstring)."""
@@ -175,6 +169,7 @@ class RolloutDriver:
             if (taken := await self.next_job()) is None:
                 return
             job, problems = taken
+            self.active += 1
             try:
                 while True:
                     # a restarted worker takes requests once it serves the current weights
@@ -194,12 +189,12 @@ class RolloutDriver:
             except BaseException:
                 if not self.stopping.is_set():
                     await asyncio.shield(queue.cancel.call_one(job.reservation_id).within(60))
-                    self.ledger.done(job.reservation_id)
-                # stopping: the request stays in the ledger, so the checkpoint re-issues it on resume
+                # stopping: the request stays in the sampler's ledger, so the checkpoint re-issues it on resume
                 raise
-            self.ledger.done(job.reservation_id)
+            finally:
+                self.active -= 1
 
-    async def _request(self, worker: ActorMesh, worker_index: int, job: ckpt.InFlight, problems: list[Problem]) -> None:
+    async def _request(self, worker: ActorMesh, worker_index: int, job: InFlight, problems: list[Problem]) -> None:
         """One request on ``worker``: generated, scored (and annotated), put into the queue."""
         n, timeout, queue = self.cfg.algo.samples_per_prompt, self.cfg.run.step_timeout_s, self.roles.queue
         group_ids = list(range(job.first_group, job.first_group + job.count))
@@ -258,6 +253,6 @@ class RolloutDriver:
         returns how many were still in flight after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         # waits for: the in-flight requests' puts; unblocked by: rollout loops (or the deadline)
-        while self.ledger.in_flight and time.monotonic() < deadline:
+        while self.active and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        return len(self.ledger.in_flight)
+        return self.active

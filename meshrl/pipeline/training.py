@@ -14,14 +14,14 @@ train loop, until run.total_steps or the run stops:
   goes on once the trainer has sent, and the engines flip on their own time (awaited before the
   next push, a checkpoint or an evaluation). object_store: trainer.gather_weights (dp > 1: full
   tensors onto rank 0) → reshard.push_weights → engines
-  every checkpoint_every steps and at the end: checkpoint (trainer state, queue snapshot, prompt
-  position, requests in flight) — before set_version, so at max_staleness = 0 nothing is in
-  flight (meshrl.pipeline.checkpoint)
+  every checkpoint_every steps and at the end: checkpoint (trainer state, the sampler's state: queue
+  snapshot, prompt position, requests in flight) — before set_version, so at max_staleness = 0
+  nothing is in flight (meshrl.pipeline.checkpoint)
   queue.set_version(version)  only once every engine serves it (a detached push: when its flip
                               lands), so admission never grants a batch that starts on v - 1
   the step record (with queue.metrics) is written beside the next step, in step order
-resume: trainer.load_checkpoint → push its weights as the saved version → queue.restore
-        → re-issue the requests that were in flight (or cancel unknown reservations)
+resume: trainer.load_checkpoint → push its weights as the saved version → sampler.restore (the
+        requests that were in flight are taken again first; unknown reservations cancelled)
 a rollout worker restarted in place (meshrl.pipeline.revival): loaded when the trainer's weights are
   the served version's — by ``revive`` between a push and the next train step (the train loop holds
   ``_weights`` from that step to its push), or by the push that failed with it, sent again
@@ -45,7 +45,7 @@ from meshrl.pipeline.metrics import RunLog
 from meshrl.pipeline.rollout_loop import Roles, RolloutDriver, bounded
 from meshrl.pipeline.weight_sync import weight_sync
 from meshrl.pipeline.audit import AuditLog
-from meshrl.queues import QueueClosed
+from meshrl.queues import QueueClosed, SamplerState
 from meshrl.queues.snapshot import ledger_mark
 
 __all__ = ["TrainLoop"]
@@ -296,39 +296,24 @@ class TrainLoop:
         return await write_run_checkpoint(self, self._run_state)
 
     async def _run_state(self) -> ckpt.RunState:
-        """The rollout side's part of a checkpoint, captured while no new prompts are taken."""
-        timeout, ledger = self.cfg.run.step_timeout_s, self.rollout.ledger
-        self.rollout.taking.clear()  # no new prompts are taken until the state below is captured
-        try:
-            snapshot = await bounded(self.roles.queue.snapshot.call_one(), timeout, "the queue's snapshot")
-            # what the queue took until its snapshot, into this checkpoint's lineage
-            await self.audit.record(self.step, (), upto=ledger_mark(snapshot))
-            return ckpt.RunState(
-                step=self.step, version=self.version, prompt_position=ledger.stream.position,
-                next_group=ledger.next_group, generated_tokens=self.rollout.generated_tokens,
-                accuracy_before=self.accuracy_before, in_flight=ledger.unfinished(),
-                queue_snapshot=snapshot, fingerprint=ckpt.run_fingerprint(self.cfg, ledger.source),
-            )
-        finally:
-            self.rollout.taking.set()
+        """The rollout side's part of a checkpoint: the sampler's state, read at one instant there."""
+        side = await bounded(self.roles.queue.state.call_one(), self.cfg.run.step_timeout_s, "the sampler's state")
+        return await run_state(self, side, self.rollout.generated_tokens)
 
     async def restore(self, path: Path, *, engines_kept: bool = False) -> str:
         """Continue the run saved at ``path`` (roles started, rollout loops not yet); a line saying so.
         ``engines_kept``: the engines are a failed attempt's (run.warm_resume), serving later weights."""
-        timeout, queue = self.cfg.run.step_timeout_s, self.roles.queue
+        timeout, sampler = self.cfg.run.step_timeout_s, self.roles.queue
         state = await load_run_checkpoint(self, path)
         self.published = state.version  # announced below
         self.rollout.generated_tokens = state.generated_tokens
         if state.step > 0 or engines_kept:
             await self.push(state.version)  # the engines serve the restored policy as its version
             await self.settle()
-        outstanding = await bounded(queue.restore.call_one(state.queue_snapshot), timeout, "the queue to restore its snapshot")
+        pending = await bounded(sampler.restore.call_one(sampler_state(state)), timeout, "the sampler to restore its state")
         # the checkpoint was taken between the push and set_version: announce that version now
-        await bounded(queue.set_version.call_one(state.version), timeout, "the queue to take the restored version")
-        for reservation_id in self.rollout.ledger.restore(state, [r.id for r in outstanding]):
-            await bounded(queue.cancel.call_one(reservation_id), timeout, "the queue to cancel a reservation")
+        await bounded(sampler.set_version.call_one(state.version), timeout, "the sampler to take the restored version")
         evaluate_missed(self, state)
-        pending = self.rollout.ledger.reissue_pending
         off_cadence = "" if self._pushes_after(state.step) else (
             f" (step {state.step} is between two pushes of trainer.sync_interval={self.cfg.trainer.sync_interval}: "
             f"the engines serve the trainer's step-{state.step} weights as version {state.version}, so this run "
@@ -353,6 +338,23 @@ async def write_run_checkpoint(loop: Any, run_state: Callable[[], Awaitable[ckpt
     loop.last_checkpoint = loop.step
     loop.log.span("trainer", "checkpoint", t0, loop.log.now(), step=loop.step)
     return final
+
+
+async def run_state(loop: Any, side: SamplerState, generated_tokens: int) -> ckpt.RunState:
+    """The ``RunState`` of ``loop``'s step from the sampler's state ``side``; the audit (run.audit)
+    records what the queue took up to its snapshot into this checkpoint's lineage."""
+    await loop.audit.record(loop.step, (), upto=ledger_mark(side.queue_snapshot))
+    return ckpt.RunState(
+        step=loop.step, version=loop.version, prompt_position=side.prompt_position, next_group=side.next_group,
+        generated_tokens=generated_tokens, accuracy_before=loop.accuracy_before, in_flight=side.in_flight,
+        queue_snapshot=side.queue_snapshot, fingerprint=ckpt.run_fingerprint(loop.cfg, loop.rollout.source),
+    )
+
+
+def sampler_state(state: ckpt.RunState) -> SamplerState:
+    """The sampler's part of a checkpoint's ``RunState``."""
+    return SamplerState(queue_snapshot=state.queue_snapshot, prompt_position=state.prompt_position,
+                        next_group=state.next_group, in_flight=state.in_flight)
 
 
 async def load_run_checkpoint(loop: Any, path: Path) -> ckpt.RunState:

@@ -1,7 +1,8 @@
-"""``SampleQueue`` as a mesh actor: the same class, with its public coroutines as endpoints.
+"""``SampleQueue`` and ``Sampler`` as mesh actors: the same classes, with their public coroutines as
+endpoints.
 
-The queue itself stays Ray-free (unit tests drive it in-process); this module only exposes it
-through ``meshrl.mesh`` so the pipeline can spawn it like every other role.
+Both stay Ray-free (unit tests drive them in-process); this module only exposes them through
+``meshrl.mesh`` so the pipeline can spawn them like every other role.
 """
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ import functools
 
 from meshrl.mesh import Actor, endpoint
 from meshrl.queues.sample_queue import SampleQueue
+from meshrl.queues.sampler import Sampler
 
-__all__ = ["QueueActor"]
+__all__ = ["QueueActor", "SamplerActor"]
 
 _ENDPOINTS = (
     "reserve", "put", "put_encoded", "put_ref", "cancel", "get_batch", "get_batch_encoded", "get_batch_refs", "set_version",
@@ -33,3 +35,17 @@ class QueueActor(SampleQueue, Actor):
 
 for _name in _ENDPOINTS:
     setattr(QueueActor, _name, _expose(getattr(SampleQueue, _name)))
+
+
+_SAMPLER_ENDPOINTS = (
+    "take", "put_encoded", "put_ref", "cancel", "state", "restore", "get_batch", "get_batch_encoded", "get_batch_refs",
+    "set_version", "close", "metrics", "held_groups", "ledger",
+)
+
+
+class SamplerActor(Sampler, Actor):
+    """A ``Sampler`` spawned on a mesh (the pipeline's ``queue`` role); calls share one event loop."""
+
+
+for _name in _SAMPLER_ENDPOINTS:
+    setattr(SamplerActor, _name, _expose(getattr(Sampler, _name)))

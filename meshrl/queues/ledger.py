@@ -1,7 +1,6 @@
 """The rollout side's data position: prompts and group ids handed out, and the requests in flight.
 
-Kept by whatever sends the rollout requests (the controller's rollout loop, or a rollout worker
-running its own loop with ``run.loops=roles``) and saved in every checkpoint
+Kept beside the queue in the ``Sampler`` (``meshrl.queues.sampler``) and saved in every checkpoint
 (``meshrl.pipeline.checkpoint``), so a resumed run takes the prompts the uninterrupted one would.
 """
 

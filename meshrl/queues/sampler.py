@@ -1,0 +1,134 @@
+"""The sampler: the sample queue and the prompt ledger as one object, with one snapshot.
+
+Whoever sends rollout requests takes them here, and the trainer takes its batches here:
+
+```text
+take(k)       a request to generate: a restored one first (same reservation, prompts, group ids),
+              else k·n queue positions (waits for: admission within max_staleness; unblocked by:
+              set_version after a push) and the next k prompts of the stream, in one step
+put_*(…, id)  its samples (waits for: room under capacity_tokens; unblocked by: a batch taken);
+              the request is done
+cancel(id)    a request that will not put: its positions go back, it is done
+get_batch_*   whole groups within max_staleness of the step's version (SampleQueue)
+state()       what a checkpoint keeps: the queue's snapshot, the prompt position, the next group and
+              the requests in flight, read at one instant (no await between the reads)
+restore(s)    a fresh sampler continues from a checkpoint's state: its requests in flight are
+              taken again first, reservations no request holds are cancelled
+```
+
+The queue and the ledger used to live in two processes (the queue actor, the controller), so a
+checkpoint had to hold new requests back while it read both, and a put whose reply overtook the
+snapshot's had to stay recorded; here one object holds both, so a request is either in the
+snapshot's samples or in its ``in_flight``, never neither. It is a plain class with async methods
+and no Ray import (``SamplerActor`` runs it as an actor; one rollout worker may hold it in process).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import msgspec
+
+from meshrl.queues.config import QueueConfig
+from meshrl.queues.ledger import InFlight, PromptLedger
+from meshrl.queues.sample_queue import SampleQueue
+from meshrl.queues.wire import SampleMeta
+from meshrl.tasks.base import Problem
+
+__all__ = ["Sampler", "SamplerState"]
+
+
+class SamplerState(msgspec.Struct, frozen=True, kw_only=True):
+    """The sampler's part of a checkpoint (``RunState`` keeps these fields under the same names)."""
+
+    queue_snapshot: bytes
+    """``SampleQueue.snapshot()``."""
+    prompt_position: int
+    """Training prompts handed out so far."""
+    next_group: int
+    """The next group id (sampling seeds are derived from group ids)."""
+    in_flight: list[InFlight]
+    """Requests taken and not put: a resume takes them again."""
+
+
+class Sampler:
+    """The run's queue and prompt ledger (module docstring)."""
+
+    def __init__(self, config: QueueConfig, problems: Sequence[Problem], seed: int, *, samples_per_prompt: int,
+                 samples_per_step: int, steps_per_version: int = 1, audit: bool = False) -> None:
+        self.queue = SampleQueue(config, samples_per_step=samples_per_step, steps_per_version=steps_per_version,
+                                 ledger=audit)
+        self.prompts = PromptLedger(problems, seed)
+        self.samples_per_prompt = samples_per_prompt
+
+    async def take(self, prompts: int, *, timeout: float | None = None) -> tuple[InFlight, list[Problem]]:
+        """A request to generate ``prompts`` prompts × samples_per_prompt samples (module docstring)."""
+        if (reissued := self.prompts.take_reissued()) is not None:
+            return reissued
+        # waits for: admission within max_staleness; unblocked by: set_version after a push
+        reservation = await self.queue.reserve(prompts * self.samples_per_prompt, timeout=timeout)
+        return self.prompts.take(reservation.id, prompts)  # no await since the grant: a snapshot sees both or neither
+
+    async def put_encoded(self, blob: bytes, reservation_id: int, *, timeout: float | None = None) -> None:
+        # waits for: room under capacity_tokens; unblocked by: a batch taken
+        await self.queue.put_encoded(blob, reservation_id, timeout=timeout)
+        self.prompts.done(reservation_id)
+
+    async def put_ref(self, blobs: list[Any], metas: list[SampleMeta], reservation_id: int, *,
+                      timeout: float | None = None) -> None:
+        # waits for: room under capacity_tokens; unblocked by: a batch taken
+        await self.queue.put_ref(blobs, metas, reservation_id, timeout=timeout)
+        self.prompts.done(reservation_id)
+
+    async def cancel(self, reservation_id: int) -> int:
+        """Give a request's positions back (it will not put); returns how many."""
+        self.prompts.done(reservation_id)
+        return await self.queue.cancel(reservation_id)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests taken and not yet put or cancelled."""
+        return len(self.prompts.in_flight)
+
+    async def state(self) -> SamplerState:
+        """What a checkpoint keeps (module docstring), read at one instant."""
+        position, group, in_flight = self.prompts.stream.position, self.prompts.next_group, self.prompts.unfinished()
+        # its groups and reservations are read before its first await: the same instant as the ledger's
+        snapshot = await self.queue.snapshot()
+        return SamplerState(queue_snapshot=snapshot, prompt_position=position, next_group=group, in_flight=in_flight)
+
+    async def restore(self, state: Any) -> int:
+        """Continue from a checkpoint's state (a ``SamplerState`` or a ``RunState``) in this fresh
+        sampler; returns how many requests are taken again first."""
+        outstanding = await self.queue.restore(state.queue_snapshot)
+        for reservation_id in self.prompts.restore(state, [r.id for r in outstanding]):
+            await self.queue.cancel(reservation_id)  # granted, but its prompts were never taken
+        return self.prompts.reissue_pending
+
+    # the queue's own verbs, as they are
+
+    async def get_batch(self, n: int, current_version: int, *, timeout: float | None = None) -> Any:
+        return await self.queue.get_batch(n, current_version, timeout=timeout)
+
+    async def get_batch_encoded(self, n: int, current_version: int, *, timeout: float | None = None) -> bytes:
+        return await self.queue.get_batch_encoded(n, current_version, timeout=timeout)
+
+    async def get_batch_refs(self, n: int, current_version: int, *, timeout: float | None = None,
+                             shares: int | None = None) -> Any:
+        return await self.queue.get_batch_refs(n, current_version, timeout=timeout, shares=shares)
+
+    async def set_version(self, version: int) -> None:
+        await self.queue.set_version(version)
+
+    async def close(self) -> None:
+        await self.queue.close()
+
+    async def metrics(self) -> dict[str, float]:
+        return await self.queue.metrics()
+
+    async def held_groups(self) -> dict[int, int]:
+        return await self.queue.held_groups()
+
+    async def ledger(self, since: int, upto: int | None = None) -> tuple[list[tuple[int, int, bool]], int]:
+        """The queue's audit ledger (run.audit), not the prompt ledger."""
+        return await self.queue.ledger(since, upto)
