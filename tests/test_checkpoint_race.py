@@ -9,8 +9,9 @@ reservation is in it unfilled and the request in flight, and a resume takes exac
 (When the ledger lived in the controller and the queue in its actor, a put whose reply overtook the
 snapshot's could be missed by both; a large state still travels through the object store here.)
 
-Real sampler actor on a mesh, the train loop's ``checkpoint`` and the rollout side's ``next_job``;
-the trainer role is reduced to the directory it writes.
+Real sampler actor on a mesh and the train loop's ``checkpoint``; producers take and put as the
+rollout workers' loops do (``meshrl.actors.rollout_loops``); the trainer role is reduced to the
+directory it writes.
 """
 
 from __future__ import annotations
@@ -68,6 +69,11 @@ def _samples(job: InFlight) -> list[Sample]:
     return [Sample(prompt_id=g, group_id=g, group_size=N, prompt_ids=[1, 2], response_ids=[3] * RESPONSE_TOKENS,
                    behavior_logprobs=[-1.0] * RESPONSE_TOKENS, behavior_version=0)
             for g in range(job.first_group, job.first_group + job.count) for _ in range(N)]
+
+
+async def _take(rollout: RolloutDriver) -> tuple[InFlight, list]:
+    """The start of a rollout request (rollout_loops.RolloutLoops._loop)."""
+    return await bounded(rollout.roles.queue.take.call_one(PROMPTS, timeout=60), 90, "the sampler to admit a request")
 
 
 async def _put(rollout: RolloutDriver, job: InFlight) -> None:
@@ -135,7 +141,7 @@ def test_a_put_applied_after_the_state_was_read_is_reissued(ray_cluster, tmp_pat
     async def main() -> Path:
         async with _controller(tmp_path, SlowStateReply) as train:
             rollout = train.rollout
-            job, _ = await asyncio.wait_for(rollout.next_job(), 60)
+            job, _ = await asyncio.wait_for(_take(rollout), 60)
             train.step = 1
             checkpoint = asyncio.create_task(train.checkpoint())
             await asyncio.sleep(0.2)  # the state is read; its reply takes 0.5 s
@@ -162,9 +168,10 @@ def test_checkpoints_taken_while_producers_put_account_for_every_sample_once(ray
     """Producers and a consumer run flat out while the train loop checkpoints; no reply is slowed."""
 
     async def produce(rollout: RolloutDriver, rng: random.Random) -> None:
-        while (taken := await rollout.next_job()) is not None:
+        while not rollout.stopping.is_set():
+            job, _ = await _take(rollout)
             await asyncio.sleep(rng.uniform(0, 0.004))  # generating
-            await _put(rollout, taken[0])
+            await _put(rollout, job)
 
     async def consume(queue, consumed: list[int]) -> None:
         version = 0

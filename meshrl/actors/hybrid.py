@@ -52,6 +52,7 @@ import torch
 from meshrl.actors.algo_config import AlgoConfig
 from meshrl.actors.policy_trainer import PolicyTrainer, TrainerConfig
 from meshrl.actors.rollout import RolloutWorker
+from meshrl.actors.rollout_loops import LoopSettings, RolloutLoops
 from meshrl.actors.trainer import Trainer
 from meshrl.actors.trainer_checkpoint import init_optimizer_state
 from meshrl.cpu import compute_process
@@ -379,6 +380,25 @@ async def _play_scored(self: HybridWorker, job: Any, requests: Any, *, within_s:
     return await self.rollout.score(job, within_s, by_ref, **generations)
 
 
+async def _run_loops(self: HybridWorker, sampler: Any, rewards: Any, reference: Any, settings: LoopSettings,
+                     rollout: Any, seed: int) -> None:
+    """``RolloutWorker.run_loops``: the loops generate in rollout mode only (``_Gate``), and score
+    outside it."""
+
+    async def play(requests: Any) -> Any:
+        async with self._gate.rollout("play"):
+            return await self.rollout.play(requests)
+
+    loops = RolloutLoops(play, functools.partial(_play_scored, self), self.rollout.request_maker(rollout, seed), sampler,
+                         rewards, reference, settings)
+    await self.rollout.loop_host.run(loops)
+
+
+async def _pause_loops(self: HybridWorker, timeout_s: float) -> int:
+    """``RolloutWorker.pause_loops``."""
+    return await self.rollout.loop_host.pause(timeout_s)
+
+
 async def _version(self: HybridWorker) -> int:
     """The policy version the engine serves."""
     return self.rollout.engine.version
@@ -390,3 +410,5 @@ for _name in ("generate", "run_episodes"):
     setattr(HybridWorker, _name, _gated(getattr(RolloutWorker, _name)))
 HybridWorker.version = endpoint(_version)
 HybridWorker.play_scored = endpoint(_play_scored)
+HybridWorker.run_loops = endpoint(_run_loops)
+HybridWorker.pause_loops = endpoint(_pause_loops)

@@ -1,6 +1,7 @@
-"""The RolloutWorker role: one generation engine, driven by the controller's rollout loops.
+"""The RolloutWorker role: one generation engine, and the rollout loops that feed it.
 
-An async actor: several ``generate`` calls are in flight at once and the engine batches them
+An async actor: its rollout loops (``run_loops``, ``meshrl.actors.rollout_loops``) take requests
+from the run's sampler, several at once, and the engine batches them
 continuously; ``update_weights`` lands between two decode steps, so a sample's per-token versions
 show exactly where the weights changed. The ``reshard_*`` endpoints are the engine side of
 ``meshrl.reshard.meshes`` (the trainer's shards arrive straight into this engine's TP layout and
@@ -33,7 +34,9 @@ from typing import Any, Literal, Sequence
 import msgspec
 
 from meshrl import faults
+from meshrl.actors.requests import RequestMaker
 from meshrl.actors.reward import RolloutJob, Scored, Scorer
+from meshrl.actors.rollout_loops import LoopHost, LoopSettings, RolloutLoops
 from meshrl.cpu import compute_process
 from meshrl.engines import GenerateRequest, GenerateResult
 from meshrl.engines.engine_config import TorchEngineConfig
@@ -134,6 +137,8 @@ class RolloutWorker(Actor):
 
             self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.scorer = None if scorer is None else Scorer(scorer[0], self.tokenizer, scorer[1])
+        self.loop_host = LoopHost()
+        """The rollout loops this worker runs (``run_loops``)."""
 
     @endpoint
     async def start_sglang(self, log_dir: str, trainer_ip: str, mem_fraction: float | None = None) -> str:
@@ -241,6 +246,32 @@ class RolloutWorker(Actor):
         if requests and isinstance(requests[0], EpisodeRequest):
             return {"episodes": await self.run_episodes(requests)}
         return {"results": await self.generate(requests)}
+
+    @endpoint
+    async def run_loops(self, sampler: Any, rewards: Any, reference: Any, settings: LoopSettings, rollout: Any,
+                        seed: int) -> None:
+        """This worker's rollout loops (``meshrl.actors.rollout_loops``): requests from ``sampler``,
+        generated here, scored here or on ``rewards``, annotated by ``reference``, put back; until the
+        sampler closes. A loop's failure is raised (the others end). ``rollout``: the run's
+        ``RolloutConfig``; ``seed``: run.seed (the requests' seeds come from it and the group ids)."""
+        loops = RolloutLoops(self.play, self.play_scored, self.request_maker(rollout, seed), sampler, rewards, reference,
+                             settings)
+        await self.loop_host.run(loops)
+
+    @endpoint
+    async def pause_loops(self, timeout_s: float) -> int:
+        """No new requests; wait (at most ``timeout_s``) for those being generated to put their
+        samples; how many still were (``RolloutLoops.pause``)."""
+        return await self.loop_host.pause(timeout_s)
+
+    def request_maker(self, rollout: Any, seed: int) -> RequestMaker:
+        """The ``RequestMaker`` of this worker's loops: the same requests, seeds and tokenised prompts
+        wherever they are made."""
+        if self.tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        return RequestMaker(rollout, seed, None, self.tokenizer, environment=self.environment is not None)
 
     async def score(self, job: RolloutJob, within_s: float | None = None, by_ref: bool | int = False,
                     results: list[GenerateResult] | None = None, episodes: list[list[Episode]] | None = None) -> Scored:

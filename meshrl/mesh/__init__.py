@@ -29,7 +29,7 @@ from meshrl.mesh.distributed import (
     init_torch_distributed_on,
     join_process_group,
 )
-from meshrl.mesh.adverbs import Endpoint, Future, Stream
+from meshrl.mesh.adverbs import Endpoint, Future, Stream, bounded
 from meshrl.mesh.errors import ActorFailure
 from meshrl.mesh.proc_mesh import ProcMesh, spawn_procs
 from meshrl.mesh.shape import ValueMesh
@@ -47,6 +47,7 @@ __all__ = [
     "Stream",
     "ValueMesh",
     "actor_address",
+    "bounded",
     "current_device_mesh",
     "current_rank",
     "current_size",

@@ -17,6 +17,7 @@ Names an endpoint must not have, because the mesh itself uses them: see ``RESERV
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from typing import TYPE_CHECKING, Annotated, Any, Generic, TypeVar
 
@@ -27,6 +28,10 @@ from meshrl.mesh.actor import HEARTBEAT_GROUP, Actor
 from meshrl.mesh.adverbs import Endpoint, Future
 from meshrl.mesh.state import Flush, MeshState, state_for
 from meshrl.mesh.shape import Shape
+
+SENT: collections.Counter[str] = collections.Counter()
+"""Actor calls this process has sent, one per actor called, by "mesh.method" (what a benchmark of
+the control plane counts: ``bench/bench_controller.py``)."""
 
 log = logging.getLogger("meshrl.mesh")
 
@@ -174,6 +179,7 @@ class _ActorMeshImpl(Generic[A]):
     # -- used by Endpoint --------------------------------------------------------------------
 
     def _submit_one(self, method: str, pos: int, args: Any, kwargs: Any) -> Any:
+        SENT[f"{self._name}.{method}"] += 1
         state = self._state
         if state.broadcasts:
             state.check()
@@ -185,6 +191,7 @@ class _ActorMeshImpl(Generic[A]):
         return ref
 
     def _submit_all(self, method: str, args: Any, kwargs: Any, check: bool = True) -> list[Any]:
+        SENT[f"{self._name}.{method}"] += len(self._handles)
         state = self._state
         if check and state.broadcasts:
             state.check()

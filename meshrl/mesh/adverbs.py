@@ -207,6 +207,15 @@ class Future(Generic[R]):
         )
 
 
+async def bounded(call: Any, seconds: float, what: str) -> Any:
+    """Await a mesh call (a ``Future``: its ``within``) or a coroutine at most ``seconds``; the
+    ``TimeoutError`` says what was waited for (``what``)."""
+    try:
+        return await (call.within(seconds) if isinstance(call, Future) else asyncio.wait_for(call, seconds))
+    except (TimeoutError, asyncio.TimeoutError):
+        raise TimeoutError(f"gave up after {seconds:.0f}s waiting for {what}") from None
+
+
 class Stream(Generic[R]):
     """Answers of every actor in arrival order: ``async for v in s``, ``s.iter(timeout)``, ``s.get(timeout)``."""
 

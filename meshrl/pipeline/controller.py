@@ -1,42 +1,47 @@
-"""The single controller: builds the role meshes and the queue, and runs the asynchronous loops.
+"""The single controller: builds the role meshes and the sampler, starts the rollout workers' loops
+and runs the train loop.
 
 ```text
- prompts ─► rollout loop (× workers × requests_in_flight) ─────────────────────────────┐
-              queue.reserve(k·n)   waits for: admission within max_staleness             │
-                                   unblocked by: train loop set_version after a push     │
-              rollout.generate     (engine: continuous batching, per-token versions)     │
-              or run_episodes      (environment episodes, loss mask 0 on its text)       │
-              reward.score         (samples built, kept in the worker's object store)    │
-              reference.annotate   (only with a KL term)                                 │
-              queue.put_ref        waits for: room under queue.capacity_tokens           │
-                                   unblocked by: train loop get_batch_refs               ▼
- train loop:  queue.get_batch_refs waits for: samples_per_step samples (whole groups) SampleQueue
-                                   within max_staleness of the current version
-                                   unblocked by: rollout loop put_ref
+ prompts ─► rollout workers, each running its loops (× requests_in_flight), no call from here ──┐
+  (rollout.run_loops)   sampler.take(k)      waits for: admission within max_staleness         │
+                                             unblocked by: train loop set_version after a push  │
+                        generate             (engine: continuous batching, per-token versions)  │
+                        or run_episodes      (environment episodes, loss mask 0 on its text)    │
+                        score                here (reward.num_workers=0) or on a reward worker  │
+                        reference.annotate   (only with a KL term)                              │
+                        sampler.put_ref      waits for: room under queue.capacity_tokens        │
+                                             unblocked by: train loop get_batch_refs            ▼
+ train loop:  sampler.get_batch_refs waits for: samples_per_step samples (whole groups)   Sampler
+                                   within max_staleness of the current version     (queue + prompt
+                                   unblocked by: a rollout worker's put                    ledger)
               trainer.train_step   (every dp rank fetches only its share's blobs, whole groups, by their refs)
-              every sync_interval steps: version += 1; trainer.gather_weights (dp > 1: full
-              tensors onto rank 0) → reshard.push_weights → engines
-              every checkpoint_every steps and at the end: checkpoint (trainer state, queue
-              snapshot, prompt position, requests in flight) — before set_version, so at
-              max_staleness = 0 nothing is in flight (meshrl.pipeline.checkpoint)
-              queue.set_version(version)  (only after every engine applied it)
+              every sync_interval steps: version += 1; the weights to every engine
+              (meshrl.pipeline.weight_sync)
+              every checkpoint_every steps and at the end: checkpoint (trainer state, the sampler's
+              state) — before set_version, so at max_staleness = 0 nothing is in flight
+              sampler.report       the queue's metrics and what the requests put since did, for
+                                   the step record (beside the next step)
+              sampler.set_version(version)  (only after every engine applied it)
  eval:        held-out prompts, greedy, on the rollout engines (before, every eval_every, after);
               one every eval_every runs beside the loops and, like them, its failure stops the run
- stop():      no new requests → drain: wait for: the requests in flight to put their samples
-              (unblocked by: rollout loops; at most run.stop_drain_timeout_s) → queue.close (wakes
-              the train loop's get_batch) → checkpoint (the queue snapshot holds every sample not
-              trained yet) → HF export → roles stopped
- resume:      trainer.load_checkpoint → push its weights as the saved version → queue.restore
-              → re-issue the requests that were in flight (or cancel unknown reservations)
+ stop():      rollout.pause_loops: no new requests, wait for: the requests being generated to put
+              their samples (unblocked by: the workers' loops; at most run.stop_drain_timeout_s) →
+              sampler.close (wakes the train loop's get_batch) → checkpoint (the sampler's state
+              holds every sample not trained yet, and the requests still in flight) → HF export →
+              roles stopped
+ resume:      trainer.load_checkpoint → push its weights as the saved version → sampler.restore
+              (the requests that were in flight are taken again first)
 ```
 
-The rollout side lives in ``rollout_loop``, the train side in ``training``, evaluation in
-``evaluation``. With ``run.loops=roles`` the two loops above run inside the rollout worker and
-the trainer instead (``meshrl.actors.lanes``: the queue is the rollout worker's, the batches and
-weights go over their own channel), and ``lanes.LaneLoop`` stands in for the train loop: it hands
-the trainer chunks of steps and does the checkpoints, evaluations and records between them.
-With ``max_staleness = 0`` the loops alternate strictly (synchronous, on-policy); with η > 0 rollout runs up to η versions ahead while the trainer trains. Every wait has a timeout;
-a failure in any loop closes the queue, which wakes every waiter, and the run stops with that error
+The rollout side lives in ``rollout_loop`` (the workers' loops: ``meshrl.actors.rollout_loops``),
+the train side in ``training``, evaluation in ``evaluation``. With ``run.loops=roles`` the train
+loop runs inside the trainer too (``meshrl.actors.lanes``: the sampler is the rollout worker's,
+the batches and weights go over their own channel), and ``lanes.LaneLoop`` stands in for the
+train loop: it hands the trainer chunks of steps and does the checkpoints, evaluations and
+records between them.
+With ``max_staleness = 0`` the loops alternate strictly (synchronous, on-policy); with η > 0
+rollout runs up to η versions ahead while the trainer trains. Every wait has a timeout; a failure
+in any loop closes the sampler, which wakes every waiter, and the run stops with that error
 — unless it is a role's death: a reward, reference or rollout worker is restarted in place
 (``recovery``, ``revival``), and with ``run.auto_resume`` any other death resumes the run from its
 newest checkpoint, in the processes that are still alive (``processes``).
@@ -388,9 +393,9 @@ class Pipeline:
                 train.accuracy_before = before["accuracy"]
                 self._echo(f"held-out accuracy before RL: {before['accuracy']:.1%} ({before['problems']} problems)")
             self.recovery.recovered(log, train.step, kept=self._processes.taken)
-            loops = [] if lanes else [  # run.loops=roles: the rollout worker runs them (LaneLoop.run starts them)
+            loops = [] if lanes else [  # each worker runs its loops (run.loops=roles: LaneLoop.run starts them)
                 asyncio.create_task(self._guard(rollout.loop(roles.rollouts.slice(procs=i), i)))
-                for i in range(cfg.rollout.num_workers) for _ in range(cfg.rollout.requests_in_flight)
+                for i in range(cfg.rollout.num_workers)
             ]
             training = asyncio.create_task(self._guard(train.run(), always_fails=True))
             heartbeat = asyncio.create_task(self._guard(self.recovery.watch(cfg, roles, log), what="the heartbeat"))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Sequence
 
+from meshrl.actors.rollout_loops import again
 from meshrl.pipeline.metrics import RunLog
 from meshrl.pipeline.rollout_loop import RolloutDriver, bounded
 from meshrl.tasks import Problem, Task
@@ -35,7 +36,8 @@ async def evaluate(driver: RolloutDriver, task: Task, log: RunLog, *, step: int,
                 return await driver.play(problems, greedy=True, n=1, group_ids=None, scored=True,
                                          what="held-out generation and scoring")
             job = await driver.play(problems, greedy=True, n=1, group_ids=None, what="held-out generation")
-        return await driver.again(lambda: roles.rewards.score.choose(job, within_s=timeout), timeout, "held-out scoring")
+        return await again(lambda: roles.rewards.score.choose(job, within_s=timeout), timeout, "held-out scoring",
+                           restarts=bool(driver.cfg.run.max_worker_restarts))
 
     scored = await asyncio.gather(*(part(problems[i : i + chunk]) for i in range(0, len(problems), chunk)))
     rewards = [x for s in scored for x in s.rewards]

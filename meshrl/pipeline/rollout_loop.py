@@ -1,25 +1,24 @@
-"""The controller's rollout side: the roles it drives, the requests it builds, and the rollout loop.
+"""The controller's rollout side: the roles it drives, the rollout workers' loops it starts and
+supervises, and the evaluation requests it builds.
 
 ```text
-rollout loop (× workers × requests_in_flight), until the run stops:
-  sampler.take(k)           a restored request, or k·n positions and the next k prompts
-                            waits for: admission within max_staleness
-                            unblocked by: train loop set_version after a push
-  rollout.generate          single-turn: one request per prompt, n samples each
-  or rollout.run_episodes   with an environment: n episodes per prompt (meshrl.envs.episode)
-  reward.score              samples built and encoded on the reward worker
-  (or rollout.play_scored   reward.num_workers=0: generated, scored and encoded in one call)
-  reference.annotate        (only with a KL term)
-  sampler.put_ref           waits for: room under queue.capacity_tokens
-                            unblocked by: train loop get_batch_refs
+per rollout worker, until the run stops:
+  rollout.run_loops    the worker runs rollout.requests_in_flight rollout loops itself
+                       (meshrl.actors.rollout_loops: sampler.take → generate → score → annotate →
+                       sampler.put): one call that lasts as long as they do, none per request
+                       ends when: the sampler closes (the run winds down); fails when: a loop fails,
+                       or the worker dies
+  a restarted worker   its requests go back to the sampler (sampler.release), taken again first by
+  (revival)            any worker (same reservation, prompts, group ids: the same seeds); its loops
+                       start again once it serves the current weights (meshrl.pipeline.revival)
+stop():                rollout.pause_loops: no new requests; those being generated put their samples
 ```
 
 The sampler (``meshrl.queues.sampler``: the queue and the prompt ledger in the queue role's
-process) records every request until its samples are in, so a checkpoint knows what was in flight.
-A rollout worker that dies and is restarted in place
-(``meshrl.pipeline.revival``) has its requests re-issued once it serves the current weights: the
-same reservation, prompts and group ids (so the same seeds); the other workers keep generating. A request interrupted by ``Pipeline.stop`` stays recorded
-(its reservation stays outstanding in the queue snapshot) and is re-issued on resume.
+process) records every request until its samples are in, so a checkpoint knows what was in flight;
+a request interrupted by ``Pipeline.stop`` stays recorded (its reservation outstanding in the queue
+snapshot) and is re-issued on resume. What each request did (its spans, reward calls sent again)
+comes with its put and reaches the controller with the step's metrics (``Sampler.report``).
 """
 
 from __future__ import annotations
@@ -32,24 +31,16 @@ from typing import Any, Sequence
 
 from meshrl.actors import RolloutJob
 from meshrl.actors.requests import RequestMaker
-from meshrl.mesh import ActorFailure, ActorMesh
+from meshrl.actors.rollout_loops import LoopSettings
+from meshrl.mesh import ActorMesh, bounded
 from meshrl.pipeline.config import PipelineConfig
 from meshrl.pipeline.metrics import RunLog
 from meshrl.pipeline.revival import Revivals
-from meshrl.queues import InFlight
 from meshrl.tasks import Problem
 
 __all__ = ["Roles", "RolloutDriver", "bounded"]
 
 logger = logging.getLogger("meshrl.pipeline")
-
-
-async def bounded(future, seconds: float, what: str):
-    """Await a mesh call at most ``seconds``; the error says what was waited for."""
-    try:
-        return await future.within(seconds)
-    except TimeoutError:
-        raise TimeoutError(f"gave up after {seconds:.0f}s waiting for {what}") from None
 
 
 @dataclass
@@ -72,7 +63,8 @@ class Roles:
 
 
 class RolloutDriver:
-    """Builds requests and runs the rollout loops of one pipeline run (module docstring)."""
+    """Starts and supervises the rollout workers' loops of one pipeline run, and plays evaluation
+    requests on them (module docstring)."""
 
     def __init__(self, cfg: PipelineConfig, roles: Roles, tokenizer: Any, source: Sequence[Problem], log: RunLog, *,
                  stopping: asyncio.Event, environment: bool, revivals: Revivals | None = None) -> None:
@@ -83,16 +75,58 @@ class RolloutDriver:
         """Set when the run winds down: no new request starts."""
         self.environment = environment
         self.maker = RequestMaker(cfg.rollout, cfg.run.seed, cfg.run.eval_max_new_tokens, tokenizer, environment=environment)
-        """Sampling settings, seeds and tokenised prompts of the requests (shared with ``run.loops=roles``)."""
-        self.active = 0
-        """Requests taken from the sampler and not yet put or given back."""
+        """Sampling settings, seeds and tokenised prompts of evaluation requests (the workers make the
+        training ones with the same settings)."""
         self.generated_tokens = 0
-        """Policy tokens generated for training so far."""
+        """Policy tokens generated for training so far (the sampler's count, as last reported)."""
         self.reissued_calls = 0
-        """Reward and reference calls sent again because their worker died (``_again``)."""
+        """Reward and reference calls sent again because their worker died (the workers' reports)."""
         self._turn = 0
         self.revivals = revivals or Revivals(cfg, len(roles.rollouts) if roles.rollouts is not None else 0)
         """The rollout workers serving the current weights, and those restarted (meshrl.pipeline.revival)."""
+        self._clock = time.time() - log.now()
+        """``time.time()`` at the log's zero: the workers' stamps onto the timeline's clock."""
+
+    def settings(self, worker: int) -> LoopSettings:
+        cfg = self.cfg
+        return LoopSettings(worker=worker, prompts_per_request=cfg.rollout.prompts_per_request,
+                            samples_per_prompt=cfg.algo.samples_per_prompt,
+                            requests_in_flight=cfg.rollout.requests_in_flight, step_timeout_s=cfg.run.step_timeout_s,
+                            reserve_timeout_s=cfg.queue.reserve_timeout_s, put_timeout_s=cfg.queue.put_timeout_s,
+                            inline_bytes=cfg.reward.inline_bytes, max_worker_restarts=cfg.run.max_worker_restarts)
+
+    async def loop(self, worker: ActorMesh, worker_index: int) -> None:
+        """Worker ``worker_index``'s rollout loops, until the run winds down; restarted with the
+        worker when it is restarted in place (module docstring)."""
+        cfg, roles = self.cfg, self.roles
+        while not self.stopping.is_set():
+            # a restarted worker runs its loops once it serves the current weights
+            await self.revivals.until_serving(worker_index, "a rollout worker's loops")
+            loads = self.revivals.loads()[worker_index]
+            try:
+                # waits for: the sampler to close (the run winds down); unblocked by: the controller's close
+                await worker.run_loops.call_one(roles.queue, roles.rewards, roles.reference, self.settings(worker_index),
+                                                cfg.rollout, cfg.run.seed)
+                return
+            except Exception as exc:
+                if self.stopping.is_set() or self.revivals.restartable(exc) != worker_index:
+                    raise
+                self.revivals.died(worker_index, before=loads)
+                released = await bounded(roles.queue.release.call_one(worker_index), cfg.run.step_timeout_s,
+                                         "the sampler to release a dead rollout worker's requests")
+                self.revivals.reissued_requests += released
+                logger.warning("rollout/%d died with %d request(s) in flight; they are generated again, and its loops "
+                               "start again once it is back: %s", worker_index, released, str(exc).splitlines()[0][:200])
+
+    def reported(self, report: dict[str, Any]) -> None:
+        """The sampler's report (``Sampler.report``): the tokens generated, and what each request
+        put since did (its spans onto the timeline, its reward calls sent again)."""
+        self.generated_tokens = report["generated_tokens"]
+        c = self._clock
+        for note in report["reports"]:
+            self.reissued_calls += note["reissued_calls"]
+            for role, what, began, ended in note["spans"]:
+                self.log.span(role, what, began - c, ended - c, worker=note["worker"])
 
     def start_play(self, worker: ActorMesh, problems: list[Problem], *, greedy: bool, n: int,
                    group_ids: list[int] | None) -> tuple[Any, RolloutJob, str]:
@@ -151,108 +185,11 @@ class RolloutDriver:
         self._turn += 1
         return self.roles.rollouts.slice(procs=ranks[self._turn % len(ranks)])
 
-    async def next_job(self) -> tuple[InFlight, list[Problem]] | None:
-        """A restored request to generate again, or a new reservation with the next prompts (the
-        sampler's ``take``); None once the run is stopping."""
-        r, sampler = self.cfg.rollout, self.roles.queue
-        # waits for: admission within max_staleness; unblocked by: train loop set_version
-        job, problems = await bounded(sampler.take.call_one(r.prompts_per_request, timeout=self.cfg.queue.reserve_timeout_s),
-                                      self.cfg.queue.reserve_timeout_s + 30, "the sampler to admit a rollout request")
-        if self.stopping.is_set():  # granted while the run winds down: it stays recorded (re-issued on resume)
-            return None
-        return job, problems
-
-    async def loop(self, worker: ActorMesh, worker_index: int) -> None:
-        """One rollout loop on one worker, until the run stops (module docstring)."""
-        queue = self.roles.queue
-        while not self.stopping.is_set():
-            if (taken := await self.next_job()) is None:
-                return
-            job, problems = taken
-            self.active += 1
-            try:
-                while True:
-                    # a restarted worker takes requests once it serves the current weights
-                    await self.revivals.until_serving(worker_index, "a rollout loop's next request")
-                    loads = self.revivals.loads()[worker_index]
-                    try:
-                        await self._request(worker, worker_index, job, problems)
-                        break
-                    except Exception as exc:
-                        if self.stopping.is_set() or self.revivals.restartable(exc) != worker_index:
-                            raise
-                        self.revivals.died(worker_index, before=loads)
-                        self.revivals.reissued_requests += 1
-                        logger.warning("rollout/%d died with a request in flight (groups %d-%d); re-issuing it once the "
-                                       "worker is back: %s", worker_index, job.first_group, job.first_group + job.count - 1,
-                                       str(exc).splitlines()[0][:200])
-            except BaseException:
-                if not self.stopping.is_set():
-                    await asyncio.shield(queue.cancel.call_one(job.reservation_id).within(60))
-                # stopping: the request stays in the sampler's ledger, so the checkpoint re-issues it on resume
-                raise
-            finally:
-                self.active -= 1
-
-    async def _request(self, worker: ActorMesh, worker_index: int, job: InFlight, problems: list[Problem]) -> None:
-        """One request on ``worker``: generated, scored (and annotated), put into the queue."""
-        n, timeout, queue = self.cfg.algo.samples_per_prompt, self.cfg.run.step_timeout_s, self.roles.queue
-        group_ids = list(range(job.first_group, job.first_group + job.count))
-        t0, wall0 = self.log.now(), time.time()
-        # data plane: the generations go from the rollout worker to the reward worker by ref,
-        # the samples stay in the reward (or reference) worker's object store, and each
-        # trainer rank fetches them itself: this process moves ids, metas and refs only. The
-        # reward worker answers within `timeout` of getting them, marking what a slow reward
-        # has not scored by then.
-        inline = max(1, self.cfg.reward.inline_bytes)  # by reference from this size on (reward.inline_bytes)
-        if self.roles.rewards is None:  # reward.num_workers=0: one call, generated and scored in the worker
-            scored = await bounded(self.start_play_scored(worker, problems, greedy=False, n=n, group_ids=group_ids,
-                                                          by_ref=inline),
-                                   2 * timeout, f"rollout worker {worker_index} to generate and score")
-        else:
-            generating, job_in, kind = self.start_play(worker, problems, greedy=False, n=n, group_ids=group_ids)
-            scored = await self.again(
-                lambda: self.roles.rewards.score.choose(job_in, within_s=timeout, by_ref=inline, **{kind: generating.ref()}),
-                2 * timeout, f"rollout worker {worker_index} to generate and a reward worker to score", generating)
-        t1 = t0 + max(0.0, scored.received - wall0)  # when the generations reached the reward worker
-        self.log.span("rollout", "generate", t0, t1, worker=worker_index)
-        samples = scored.ref or scored.encoded  # refs, or a small request's bytes
-        if self.roles.reference is not None:
-            samples = await self.again(lambda: self.roles.reference.annotate.choose(scored.ref or scored.encoded),
-                                       timeout, "the reference worker")
-        self.log.span("reward", "score", t1, self.log.now(), worker=worker_index)
-        # waits for: room under capacity_tokens; unblocked by: train loop get_batch_refs
-        put = (queue.put_ref.call_one(samples, scored.metas, job.reservation_id) if scored.ref
-               else queue.put_encoded.call_one(samples, job.reservation_id))
-        await bounded(put, self.cfg.queue.put_timeout_s + 30, "the queue to accept samples")
-        self.generated_tokens += scored.completion_tokens
-
-    async def again(self, call, seconds: float, what: str, inputs: Any = None) -> Any:
-        """``bounded(call(), ...)``, sent again while the reward or reference worker that took it
-        is being restarted by Ray (run.max_worker_restarts): its inputs are refs that outlive it,
-        and a call in flight is never run twice by Ray (max_task_retries=0). A worker past its
-        restarts is dead for good: that failure is raised. ``inputs``: the future the call's inputs
-        come from; when that one failed (a dead rollout worker) its failure is raised."""
-        deadline, pause = time.monotonic() + seconds, 0.1
-        while True:
-            try:
-                return await bounded(call(), max(1.0, deadline - time.monotonic()), what)
-            except ActorFailure as exc:
-                if inputs is not None:
-                    await bounded(inputs, seconds, what)  # raises the rollout worker's own failure, if it is one
-                if (exc.mesh not in ("reward", "reference") or not exc.restarting or not self.cfg.run.max_worker_restarts
-                        or time.monotonic() + pause > deadline):
-                    raise
-                self.reissued_calls += 1
-                logger.warning("%s; sending its call again in %.1fs", exc.cause.splitlines()[0][:200], pause)
-                await asyncio.sleep(pause)
-                pause = min(2 * pause, 2.0)
-
     async def drain(self, timeout_s: float) -> int:
-        """Wait until every request in flight has put its samples (call with ``stopping`` set);
-        returns how many were still in flight after ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        # waits for: the in-flight requests' puts; unblocked by: rollout loops (or the deadline)
-        while self.active and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        return self.active
+        """Pause every worker's loops (call with ``stopping`` set): no new requests, and those being
+        generated put their samples; returns how many still were after ``timeout_s``."""
+        workers = [self.roles.rollouts.slice(procs=i) for i in self.revivals.serving()]
+        # waits for: the requests being generated to put their samples; unblocked by: the workers' loops
+        left = await asyncio.gather(*(bounded(w.pause_loops.call_one(timeout_s), timeout_s + 30,
+                                              "a rollout worker to pause its loops") for w in workers))
+        return sum(left)

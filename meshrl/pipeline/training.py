@@ -125,7 +125,7 @@ class TrainLoop:
         cfg, timeout = self.cfg, self.cfg.run.step_timeout_s
         last_end = time.perf_counter()
         # generated tokens arrive a whole request at a time: rate them over the last few steps, not one
-        window = collections.deque([(last_end, self.rollout.generated_tokens)], maxlen=TOKENS_WINDOW_STEPS + 1)
+        self._window = collections.deque([(last_end, self.rollout.generated_tokens)], maxlen=TOKENS_WINDOW_STEPS + 1)
         upcoming: asyncio.Future | None = None
         """The next step's batch, asked for while this step trains (``_prefetches``)."""
         try:
@@ -163,17 +163,13 @@ class TrainLoop:
                     sync_s = self.log.now() - t2
                     self.log.span("sync", "push_weights", t2, t2 + sync_s, version=self.version)
                 now = time.perf_counter()
-                generated = self.rollout.generated_tokens
-                self._record({
+                self._record(now, {
                     "step": self.step, "version": self.version, **metrics,
                     "step_time_s": now - last_end, "batch_wait_s": t1 - t0, "sync_time_s": sync_s,
-                    **self.sync.phases(),
-                    "tokens_per_s": (generated - window[0][1]) / max(now - window[0][0], 1e-9), "generated_tokens": generated,
-                    "reissued_calls": self.rollout.reissued_calls, "restarts": self.restarts,
+                    **self.sync.phases(), "restarts": self.restarts,
                     "reissued_requests": self.revivals.reissued_requests, "revived_workers": self.revivals.revived,
                 })
                 last_end = now
-                window.append((now, generated))
                 if checkpoint:
                     # before set_version: at max_staleness=0 no rollout is in flight now
                     await self.settle()
@@ -222,17 +218,24 @@ class TrainLoop:
         taking a batch only moves the consumed position it would move a step later)."""
         return step < self.cfg.run.total_steps and not checkpoints_after(self.cfg, step) and not self.rollout.stopping.is_set()
 
-    def _record(self, fields: dict[str, Any]) -> None:
-        """The step record, with the queue's metrics after the step, written beside the next step:
-        the queue's answer and the writing (TensorBoard, the progress line) are off the train loop's
-        path. Records are written in step order (``recorded`` waits for them)."""
+    def _record(self, ended: float, fields: dict[str, Any]) -> None:
+        """The step record, with the sampler's report after the step (the queue's metrics, the tokens
+        generated, what the requests put since did: ``RolloutDriver.reported``), written beside the
+        next step: the answer and the writing (TensorBoard, the progress line) are off the train
+        loop's path. Records are written in step order (``recorded`` waits for them). ``ended``:
+        when the step ended (``time.perf_counter``)."""
         before = self._recording
 
         async def write() -> None:
             if before is not None:
                 await before
-            queue_m = await bounded(self.roles.queue.metrics.call_one(), self.cfg.run.step_timeout_s, "the queue's metrics")
-            self.log.step({**fields, **{f"queue/{k}": v for k, v in queue_m.items() if isinstance(v, (int, float))}})
+            report = await bounded(self.roles.queue.report.call_one(), self.cfg.run.step_timeout_s, "the sampler's report")
+            self.rollout.reported(report)
+            generated, (since, then) = self.rollout.generated_tokens, self._window[0]
+            self._window.append((ended, generated))
+            self.log.step({**fields, "tokens_per_s": (generated - then) / max(ended - since, 1e-9),
+                           "generated_tokens": generated, "reissued_calls": self.rollout.reissued_calls,
+                           **{f"queue/{k}": v for k, v in report["metrics"].items() if isinstance(v, (int, float))}})
 
         self._recording = asyncio.ensure_future(write())
 
@@ -298,7 +301,7 @@ class TrainLoop:
     async def _run_state(self) -> ckpt.RunState:
         """The rollout side's part of a checkpoint: the sampler's state, read at one instant there."""
         side = await bounded(self.roles.queue.state.call_one(), self.cfg.run.step_timeout_s, "the sampler's state")
-        return await run_state(self, side, self.rollout.generated_tokens)
+        return await run_state(self, side, side.generated_tokens)
 
     async def restore(self, path: Path, *, engines_kept: bool = False) -> str:
         """Continue the run saved at ``path`` (roles started, rollout loops not yet); a line saying so.
@@ -354,7 +357,7 @@ async def run_state(loop: Any, side: SamplerState, generated_tokens: int) -> ckp
 def sampler_state(state: ckpt.RunState) -> SamplerState:
     """The sampler's part of a checkpoint's ``RunState``."""
     return SamplerState(queue_snapshot=state.queue_snapshot, prompt_position=state.prompt_position,
-                        next_group=state.next_group, in_flight=state.in_flight)
+                        next_group=state.next_group, in_flight=state.in_flight, generated_tokens=state.generated_tokens)
 
 
 async def load_run_checkpoint(loop: Any, path: Path) -> ckpt.RunState:

@@ -38,8 +38,8 @@ for _name in _ENDPOINTS:
 
 
 _SAMPLER_ENDPOINTS = (
-    "take", "put_encoded", "put_ref", "cancel", "state", "restore", "get_batch", "get_batch_encoded", "get_batch_refs",
-    "set_version", "close", "metrics", "held_groups", "ledger",
+    "take", "put_encoded", "put_ref", "cancel", "release", "report", "state", "restore", "get_batch", "get_batch_encoded",
+    "get_batch_refs", "set_version", "close", "metrics", "held_groups", "ledger",
 )
 
 

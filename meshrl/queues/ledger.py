@@ -60,7 +60,7 @@ class PromptLedger:
         return job, problems
 
     def take_reissued(self) -> tuple[InFlight, list[Problem]] | None:
-        """A request restored from a checkpoint to generate again, if any is left."""
+        """A request restored from a checkpoint (or requeued) to generate again, if any is left."""
         if not self._reissue:
             return None
         job = self._reissue.pop(0)
@@ -70,6 +70,13 @@ class PromptLedger:
     def done(self, reservation_id: int) -> None:
         if (job := self.in_flight.pop(reservation_id, None)) is not None:
             self._done_since_take.append(job)
+
+    def requeue(self, reservation_ids: Sequence[int]) -> int:
+        """Requests in flight whose producer died: handed out again first, before fresh prompts (the
+        same reservation, prompts and group ids). Returns how many were still in flight."""
+        jobs = [self.in_flight.pop(r) for r in reservation_ids if r in self.in_flight]
+        self._reissue[:0] = jobs
+        return len(jobs)
 
     def restore(self, state: Any, outstanding: Sequence[int]) -> list[int]:
         """Continue from ``state`` (a checkpoint's ``RunState``: its prompt position, next group and

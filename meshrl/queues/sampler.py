@@ -3,12 +3,13 @@
 Whoever sends rollout requests takes them here, and the trainer takes its batches here:
 
 ```text
-take(k)       a request to generate: a restored one first (same reservation, prompts, group ids),
-              else k·n queue positions (waits for: admission within max_staleness; unblocked by:
-              set_version after a push) and the next k prompts of the stream, in one step
+take(k)       a request to generate: a released or restored one first (same reservation, prompts,
+              group ids), else k·n queue positions (waits for: admission within max_staleness;
+              unblocked by: set_version after a push) and the next k prompts of the stream, in one step
 put_*(…, id)  its samples (waits for: room under capacity_tokens; unblocked by: a batch taken);
               the request is done
 cancel(id)    a request that will not put: its positions go back, it is done
+release(w)    the requests rollout worker ``w`` took and did not put (it died): taken again first
 get_batch_*   whole groups within max_staleness of the step's version (SampleQueue)
 state()       what a checkpoint keeps: the queue's snapshot, the prompt position, the next group and
               the requests in flight, read at one instant (no await between the reads)
@@ -41,6 +42,8 @@ __all__ = ["Sampler", "SamplerState"]
 class SamplerState(msgspec.Struct, frozen=True, kw_only=True):
     """The sampler's part of a checkpoint (``RunState`` keeps these fields under the same names)."""
 
+    generated_tokens: int = 0
+    """Policy tokens of the samples put so far (the puts say how many)."""
     queue_snapshot: bytes
     """``SampleQueue.snapshot()``."""
     prompt_position: int
@@ -60,30 +63,68 @@ class Sampler:
                                  ledger=audit)
         self.prompts = PromptLedger(problems, seed)
         self.samples_per_prompt = samples_per_prompt
+        self.generated_tokens = 0
+        """Policy tokens of the samples put so far (what each put says it carries)."""
+        self._owners: dict[int, int] = {}
+        """Reservation id -> the rollout worker that took the request (``release``)."""
+        self._reports: list[Any] = []
+        """What the producers sent with their puts since the last ``report`` (their timeline's spans)."""
 
-    async def take(self, prompts: int, *, timeout: float | None = None) -> tuple[InFlight, list[Problem]]:
-        """A request to generate ``prompts`` prompts × samples_per_prompt samples (module docstring)."""
-        if (reissued := self.prompts.take_reissued()) is not None:
-            return reissued
-        # waits for: admission within max_staleness; unblocked by: set_version after a push
-        reservation = await self.queue.reserve(prompts * self.samples_per_prompt, timeout=timeout)
-        return self.prompts.take(reservation.id, prompts)  # no await since the grant: a snapshot sees both or neither
+    async def take(self, prompts: int, *, timeout: float | None = None,
+                   owner: int | None = None) -> tuple[InFlight, list[Problem]]:
+        """A request to generate ``prompts`` prompts × samples_per_prompt samples (module docstring);
+        ``owner``: the rollout worker taking it (``release``)."""
+        taken = self.prompts.take_reissued()
+        if taken is None:
+            # waits for: admission within max_staleness; unblocked by: set_version after a push
+            reservation = await self.queue.reserve(prompts * self.samples_per_prompt, timeout=timeout)
+            taken = self.prompts.take(reservation.id, prompts)  # no await since the grant: a snapshot sees both or neither
+        if owner is not None:
+            self._owners[taken[0].reservation_id] = owner
+        return taken
 
-    async def put_encoded(self, blob: bytes, reservation_id: int, *, timeout: float | None = None) -> None:
+    async def put_encoded(self, blob: bytes, reservation_id: int, *, timeout: float | None = None, tokens: int = 0,
+                          report: Any = None) -> None:
+        """``SampleQueue.put_encoded``, which ends the request; ``tokens``: the policy tokens in the
+        samples, ``report``: the producer's note for the controller (``report``)."""
         # waits for: room under capacity_tokens; unblocked by: a batch taken
         await self.queue.put_encoded(blob, reservation_id, timeout=timeout)
-        self.prompts.done(reservation_id)
+        self._done(reservation_id, tokens, report)
 
     async def put_ref(self, blobs: list[Any], metas: list[SampleMeta], reservation_id: int, *,
-                      timeout: float | None = None) -> None:
+                      timeout: float | None = None, tokens: int = 0, report: Any = None) -> None:
+        """``SampleQueue.put_ref``, which ends the request (``put_encoded``)."""
         # waits for: room under capacity_tokens; unblocked by: a batch taken
         await self.queue.put_ref(blobs, metas, reservation_id, timeout=timeout)
+        self._done(reservation_id, tokens, report)
+
+    def _done(self, reservation_id: int, tokens: int, report: Any) -> None:
         self.prompts.done(reservation_id)
+        self._owners.pop(reservation_id, None)
+        self.generated_tokens += tokens
+        if report is not None:
+            self._reports.append(report)
 
     async def cancel(self, reservation_id: int) -> int:
         """Give a request's positions back (it will not put); returns how many."""
         self.prompts.done(reservation_id)
+        self._owners.pop(reservation_id, None)
         return await self.queue.cancel(reservation_id)
+
+    async def release(self, owner: int) -> int:
+        """The requests rollout worker ``owner`` took and did not put (it died): handed out again first,
+        to whichever worker takes next (same reservation, prompts and group ids: the same seeds).
+        Returns how many."""
+        ids = [r for r, o in self._owners.items() if o == owner]
+        for r in ids:
+            del self._owners[r]
+        return self.prompts.requeue(ids)
+
+    async def report(self) -> dict[str, Any]:
+        """The queue's metrics, the tokens generated so far, and what the producers sent with their
+        puts since the last report (``put_*(report=)``)."""
+        reports, self._reports = self._reports, []
+        return {"metrics": await self.queue.metrics(), "generated_tokens": self.generated_tokens, "reports": reports}
 
     @property
     def in_flight(self) -> int:
@@ -93,9 +134,11 @@ class Sampler:
     async def state(self) -> SamplerState:
         """What a checkpoint keeps (module docstring), read at one instant."""
         position, group, in_flight = self.prompts.stream.position, self.prompts.next_group, self.prompts.unfinished()
+        tokens = self.generated_tokens
         # its groups and reservations are read before its first await: the same instant as the ledger's
         snapshot = await self.queue.snapshot()
-        return SamplerState(queue_snapshot=snapshot, prompt_position=position, next_group=group, in_flight=in_flight)
+        return SamplerState(queue_snapshot=snapshot, prompt_position=position, next_group=group, in_flight=in_flight,
+                            generated_tokens=tokens)
 
     async def restore(self, state: Any) -> int:
         """Continue from a checkpoint's state (a ``SamplerState`` or a ``RunState``) in this fresh
@@ -103,6 +146,7 @@ class Sampler:
         outstanding = await self.queue.restore(state.queue_snapshot)
         for reservation_id in self.prompts.restore(state, [r.id for r in outstanding]):
             await self.queue.cancel(reservation_id)  # granted, but its prompts were never taken
+        self.generated_tokens = state.generated_tokens
         return self.prompts.reissue_pending
 
     # the queue's own verbs, as they are
