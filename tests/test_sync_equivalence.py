@@ -13,6 +13,7 @@ that ``bounds.py`` derives (AdamW would amplify rounding past any useful bound).
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 
 import pytest
@@ -26,6 +27,7 @@ from meshrl.actors.reward import RolloutJob, score_job
 from meshrl.config import load_config
 from meshrl.embedded import warm_start
 from meshrl.engines import GenerateRequest, SamplingParams, TorchEngine
+from meshrl.mesh.actor_mesh import SENT
 from meshrl.pipeline import Pipeline, PipelineConfig
 from meshrl.queues import decode_samples
 from meshrl.tasks import PromptStream, build_task
@@ -86,7 +88,12 @@ def test_async_pipeline_at_staleness_zero_equals_synchronous_training(ray_cluste
                                              f"run.output_dir={tmp_path / 'run'}", f"rollout.tp_size={tp}",
                                              f"reshard.transport={transport}", f"reward.num_workers={reward_workers}",
                                              f"run.loops={loops}", "run.lane_chunk_steps=2"])
+    sent = collections.Counter(SENT)
     summary = asyncio.run(Pipeline(cfg).run())
+    sent = collections.Counter(SENT) - sent
+    # the rollout workers run their own loops: this process (the controller) took and put nothing
+    assert not [m for m in sent if m.split(".")[1] in ("take", "put_encoded", "put_ref", "release")], sent
+    assert sent["rollout.run_loops"] == (1 if loops == "controller" else 0), sent
     out = capsys.readouterr().out
     assert ("x 2 tensor-parallel ranks, as the engines report" in out) == (tp == 2)
     assert ("the weights go through shared memory" in out) == (loops == "roles")
