@@ -103,7 +103,7 @@ def test_roles_pinned_to_two_nodes_push_checkpoint_and_resume_across_them(tmp_pa
     # the trainer on node_b; the engine's two tensor-parallel ranks unpacked, and each taking 1.5 of
     # a node's 2 CPUs: one rank on each node, so the TP schedule and the push cross nodes
     pin = ["cluster.trainer.resources={node_b: 0.01}", "rollout.tp_size=2", "cluster.rollout.pack=false",
-           "cluster.rollout.resources={CPU: 1.5}"]
+           "cluster.rollout.resources={CPU: 1.5}", "reward.num_workers=1"]  # a reward worker, placed by its label
     pin += ["cluster.reward.labels={meshrl-role: scorer}"] if LABELS else []
     first = run_example(tmp_path, *SHORT, "run.total_steps=2", f"run.output_dir={out}", "run.num_cpus=1", *pin, env=env)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]

@@ -326,7 +326,7 @@ def test_where_a_rollout_worker_is_restarted_in_place_rather_than_resumed(overri
 
 
 @pytest.mark.parametrize("overrides,message", [
-    ([], r"reward.num_workers must be 0 \(the rollout worker scores its own samples\)"),
+    (["reward.num_workers=1"], r"reward.num_workers must be 0 \(the rollout worker scores its own samples\)"),
     (["reward.num_workers=0", "rollout.num_workers=2"], r"rollout.num_workers must be 1 \(one rollout worker holds the queue\)"),
     (["reward.num_workers=0", "trainer.dp=2"], r"trainer.dp must be 1"),
     (["reward.num_workers=0", "rollout.engine.backend=sglang"], r"rollout.engine.backend must be torch"),

@@ -115,7 +115,7 @@ def test_killed_reward_reference_and_rollout_workers_are_restarted_in_place_and_
     weights (a new transfer group, the version pushed again) before it takes requests, its requests
     in flight re-issued while the other rollout worker keeps generating. Nothing lost."""
     cfg = _config(tiny_model, tmp_path / "workers", "run.max_worker_restarts=2", "run.total_steps=24",
-                  "algo.kl_coef=0.05", "rollout.num_workers=2")
+                  "algo.kl_coef=0.05", "rollout.num_workers=2", "reward.num_workers=1")
     # a tiny model's steps take milliseconds: each kill leaves 6 steps that need the worker back
     kills = [(2, "reward/0"), (6, "rollout/0"), (12, "reference/0"), (18, "rollout/1")]
     summary, killed, records = asyncio.run(_run_with_kills(cfg, kills, seed=1))
@@ -148,7 +148,7 @@ def test_a_hung_reward_worker_misses_its_heartbeat_and_is_restarted(ray_cluster,
     # the restart's record comes from supervision's probe of the new process (up to 1 s after it is
     # back): a run that ends sooner waits for it (supervision.settle), so it is in the log
     cfg = _config(tiny_model, tmp_path / "hung", "run.max_worker_restarts=2", "run.total_steps=10",
-                  "run.heartbeat_timeout_s=5")
+                  "run.heartbeat_timeout_s=5", "reward.num_workers=1")
     summary, stopped, records = asyncio.run(_run_with_kills(cfg, [(2, "reward/0")], seed=3, sig=signal.SIGSTOP))
     assert summary["steps"] == 10 and {r["role"] for r in summary["restarts"]} <= {"samples"}, summary["restarts"]
     hung = [r for _, r in records if r["kind"] == "hung"]

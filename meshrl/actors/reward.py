@@ -37,10 +37,13 @@ log = logging.getLogger(__name__)
 
 
 class RewardConfig(msgspec.Struct, frozen=True, kw_only=True):
-    num_workers: int = 1
+    num_workers: int | None = None
     """Reward workers; jobs go to the least busy one. 0: each rollout worker scores its own
     generations in its own process (no reward process, no hop between the two): for rewards that
-    cost little beside generation (exact match, a regex), on a machine with few cores."""
+    cost little beside generation (exact match, a regex). null (the default): 0 for a reward that
+    says it is quick and cannot hang (the built-in tasks' checks: ``quick_reward``,
+    ``FunctionReward(inline=True)``), else 1 (a user's function, an HTTP scorer, a reward model, an
+    environment's episodes: kept away from the engine, restarted on its own if it dies)."""
     timeout_s: float = 60.0
     """Longest call of a reward function: per sample, or per batch for a batched one; past it the
     samples are marked reward_failed (functions and scorers with their own timeout_s keep it). A
@@ -54,7 +57,7 @@ class RewardConfig(msgspec.Struct, frozen=True, kw_only=True):
     moves at most this much per request, however long the samples are. 0: always by reference."""
 
     def __post_init__(self) -> None:
-        if self.num_workers < 0 or not self.timeout_s > 0:
+        if (self.num_workers is not None and self.num_workers < 0) or not self.timeout_s > 0:
             raise ValueError(f"reward: need num_workers >= 0 and timeout_s > 0, got {self.num_workers}, {self.timeout_s}")
         if self.inline_bytes < 0:
             raise ValueError(f"reward.inline_bytes: must be >= 0, got {self.inline_bytes}")

@@ -322,7 +322,7 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
             "rollout.num_workers": (self.rollout.num_workers == 1, "1 (one rollout worker holds the queue)"),
             "rollout.tp_size": (self.rollout.tp_size == 1, "1"),
             "trainer.dp": (self.trainer.dp == 1, "1 (one trainer process takes the batches)"),
-            "reward.num_workers": (self.reward.num_workers == 0, "0 (the rollout worker scores its own samples)"),
+            "reward.num_workers": (self.reward.num_workers in (0, None), "0 (the rollout worker scores its own samples)"),
             "placement": (self.placement == "disaggregated", "disaggregated (colocated is one process already)"),
             "algo.kl_coef": (self.algo.kl_coef == 0 or self.trainer.reference_in_trainer,
                              "0, or trainer.reference_in_trainer=true (no reference worker)"),

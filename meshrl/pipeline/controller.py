@@ -69,7 +69,7 @@ from meshrl.actors.lanes import LaneRollout, LaneSettings, LaneTrainer
 from meshrl.config import ConfigError, to_yaml
 from meshrl.embedded import warm_start
 from meshrl.envs import EnvFactory
-from meshrl.envs.rewards import as_reward
+from meshrl.envs.rewards import FunctionReward, as_reward
 from meshrl.mesh import ActorFailure, ActorMesh
 from meshrl.pipeline import checkpoint as ckpt
 from meshrl.pipeline import evaluation
@@ -115,6 +115,19 @@ def _check_task(task: Any, *, reward: Any, environment: Any) -> None:
                         f"{' and '.join(missing)}")
 
 
+def _with_reward_workers(cfg: PipelineConfig, task: Any, reward: Any, environment: Any) -> PipelineConfig:
+    """``reward.num_workers=null`` settled: 0 when the reward that scores says it is quick and cannot
+    hang (a task's ``quick_reward``, ``FunctionReward(inline=True)``; and always with run.loops=roles),
+    else 1 (``RewardConfig``)."""
+    if cfg.reward.num_workers is not None:
+        return cfg
+    scorer = reward if reward is not None else None if environment is not None else task
+    quick = (scorer.inline if isinstance(scorer, FunctionReward)
+             else scorer is task and bool(getattr(task, "quick_reward", False)))
+    workers = 0 if quick or cfg.run.loops == "roles" else 1
+    return msgspec.structs.replace(cfg, reward=msgspec.structs.replace(cfg.reward, num_workers=workers))
+
+
 class Pipeline:
     """An asynchronous RL run: ``summary = await Pipeline(cfg).run()`` (docs/embedding.md).
 
@@ -144,6 +157,7 @@ class Pipeline:
         if reward is not None:
             as_reward(reward, timeout_s=config.reward.timeout_s)  # a wrong kind now, not in a worker
         self.reward, self.environment = reward, environment
+        self.cfg = _with_reward_workers(self.cfg, self.task, reward, environment)
         self.out_dir = Path(config.run.output_dir).resolve()  # actors may run in another directory
         output_dir.check_fresh(self.out_dir, config.run.resume, config.run.overwrite)  # again under run()'s lock
         check_ray_address(config.run.ray_address)  # before the warm start: a dead address fails in seconds
