@@ -1,17 +1,19 @@
 """The control plane's cost: actor calls the controller sends, and its CPU, per train step, with 1, 4
 and 16 rollout workers.
 
-    python bench/control_plane.py                        # 1, 4 and 16 workers, 20 steps after 5
-    python bench/control_plane.py --workers 1,4 --steps 40
+    python bench/control_plane.py                        # 1, 4 and 16 workers, 200 steps after 20
+    python bench/control_plane.py --workers 1,4 --steps 400
 
 Each run is the main job at tiny size in this process (the controller is this process): the
 embedded default's architecture shrunk to 32 wide, GRPO with 4 samples per prompt,
 ``rollout.prompts_per_request=2`` and ``rollout.requests_in_flight=2`` (small requests: a controller
 that made calls per request would make several per step, more with more workers),
-``reward.num_workers=0``, ``queue.max_staleness=1``, 32 samples a step. Counted over the steps after
-the warm-up ones: the actor calls this process sent (``meshrl.mesh.actor_mesh.SENT``, by method),
-this process's CPU seconds (``time.process_time``: every thread, Ray's included), and the steps'
-wall time. Prints a table and writes ``control_plane.json`` under ``--out``.
+``reward.num_workers=0``, ``queue.max_staleness=1``, 32 samples a step. Counted from the first step
+record after the warm-up steps to the last step's record (the trainer runs the steps in chunks and
+its records come a chunk at a time, so the steps counted are those between the two records seen):
+the actor calls this process sent (``meshrl.mesh.actor_mesh.SENT``, by method), this process's CPU
+seconds (``time.process_time``: every thread, Ray's included), and the steps' wall time. Prints a
+table and writes ``control_plane.json`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -51,12 +53,15 @@ async def one(workers: int, steps: int, warmup: int, out: Path) -> dict:
     ])
     pipeline = Pipeline(cfg)
     run = asyncio.create_task(pipeline.run())
-    marks: dict[int, tuple[collections.Counter, float, float]] = {}
+    marks: list[tuple[int, collections.Counter, float, float]] = []
     async for rec in pipeline.metrics():
-        if rec["kind"] == "step" and rec["step"] in (warmup, warmup + steps):
-            marks[rec["step"]] = (collections.Counter(SENT), time.process_time(), time.perf_counter())
+        if rec["kind"] == "step" and (rec["step"] >= warmup and not marks or rec["step"] == warmup + steps):
+            marks.append((rec["step"], collections.Counter(SENT), time.process_time(), time.perf_counter()))
     await run
-    (calls0, cpu0, t0), (calls1, cpu1, t1) = marks[warmup], marks[warmup + steps]
+    (s0, calls0, cpu0, t0), (s1, calls1, cpu1, t1) = marks[0], marks[-1]
+    steps = s1 - s0
+    if steps < 1:
+        raise RuntimeError(f"every step after the warm-up came in one record batch (steps {s0}..{s1}): give more --steps")
     calls = calls1 - calls0
     return {"workers": workers, "steps": steps, "calls_per_step": sum(calls.values()) / steps,
             "by_method": {k: v / steps for k, v in calls.most_common()}, "cpu_ms_per_step": 1e3 * (cpu1 - cpu0) / steps,
@@ -66,8 +71,8 @@ async def one(workers: int, steps: int, warmup: int, out: Path) -> dict:
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", default="1,4,16", help="rollout worker counts, comma-separated")
-    p.add_argument("--steps", type=int, default=20, help="train steps counted (after the warm-up ones)")
-    p.add_argument("--warmup", type=int, default=5, help="train steps first, not counted")
+    p.add_argument("--steps", type=int, default=200, help="train steps after the warm-up ones (those counted: see above)")
+    p.add_argument("--warmup", type=int, default=20, help="train steps first, not counted")
     p.add_argument("--out", default="runs/control_plane", help="output directory")
     a = p.parse_args(argv)
     out = Path(a.out).resolve()

@@ -135,24 +135,6 @@ def test_roles_pinned_to_two_nodes_push_checkpoint_and_resume_across_them(tmp_pa
     assert [r["step"] for r in steps] == [1, 2, 3]
 
 
-def test_roles_running_the_loops_talk_across_two_nodes(tmp_path, two_nodes, cache):
-    """run.loops=roles with the trainer on node_b and the rollout worker on node_a: the lane's channel
-    connects to the rollout worker's node address, and the run trains and checkpoints. (Both raylets
-    are on this machine, so the weights still go through /dev/shm: the channel's own path is what
-    crosses; test_resume_pipeline's lane run sends the weights in the messages.)"""
-    address, nodes, out = two_nodes.address, _nodes(two_nodes), tmp_path / "run"
-    pin = ["run.loops=roles", "reward.num_workers=0", "cluster.trainer.resources={node_b: 0.01}",
-           "cluster.rollout.resources={node_a: 0.01}"]
-    done = run_example(tmp_path, *SHORT, "run.total_steps=3", f"run.output_dir={out}", *pin,
-                       env={"RAY_ADDRESS": address, "MESHRL_CACHE": cache})
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    placed = _placed(done.stdout)
-    assert placed == {"rollout": [nodes["node_a"]], "trainer": [nodes["node_b"]]}, placed
-    assert "lane: the trainer takes its batches from the rollout worker at " in done.stdout, done.stdout[-2000:]
-    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"kind": "step"' in line]
-    assert [r["step"] for r in steps] == [1, 2, 3] and (out / "checkpoints" / "step_00000003").is_dir()
-
-
 @pytest.mark.skipif(not DASHBOARD, reason="ray job submit needs ray[default] (pip install 'ray[default]')")
 def test_the_main_job_runs_under_ray_job_submit(tmp_path, two_nodes, cache):
     """``ray job submit -- python examples/async_ppo.py ...``: the driver runs on the head node in

@@ -312,9 +312,9 @@ def test_each_role_has_its_placement_and_reward_workers_spread():
 
 
 @pytest.mark.parametrize("overrides, in_place", [
-    ([], True),
-    (["run.max_worker_restarts=0"], False),
-    (["trainer.sync_interval=2", "run.checkpoint_every=10"], False),  # one worker, loaded only at a push
+    ([], False),  # the one rollout worker holds the sampler: its death resumes the run
+    (["rollout.num_workers=2"], True),
+    (["run.max_worker_restarts=0", "rollout.num_workers=2"], False),
     (["trainer.sync_interval=2", "run.checkpoint_every=10", "rollout.num_workers=2"], True),
     (["rollout.tp_size=2", "rollout.num_workers=1"], False),
     (["placement=colocated"], False),
@@ -325,30 +325,6 @@ def test_where_a_rollout_worker_is_restarted_in_place_rather_than_resumed(overri
     assert restarts_rollout_in_place(load_config(PipelineConfig, None, overrides)) is in_place
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["reward.num_workers=1"], r"reward.num_workers must be 0 \(the rollout worker scores its own samples\)"),
-    (["reward.num_workers=0", "rollout.num_workers=2"], r"rollout.num_workers must be 1 \(one rollout worker holds the queue\)"),
-    (["reward.num_workers=0", "trainer.dp=2"], r"trainer.dp must be 1"),
-    (["reward.num_workers=0", "rollout.engine.backend=sglang"], r"rollout.engine.backend must be torch"),
-    (["reward.num_workers=0", "algo.kl_coef=0.1"], r"algo.kl_coef must be 0, or trainer.reference_in_trainer=true"),
-    (["reward.num_workers=0", "placement=colocated"], r"placement must be disaggregated"),
-    (["reward.num_workers=0", "run.lane_chunk_steps=0"], r"`run.lane_chunk_steps`: must be >= 1"),
-    (["reward.num_workers=0", "trainer.device=cuda"], r"trainer.device must be cpu"),
-    (["reward.num_workers=0", "rollout.engine.device=cuda:0"], r"rollout.engine.device must be cpu or auto"),
-])
-def test_roles_running_the_loops_is_refused_where_they_cannot(overrides, message):
-    """run.loops=roles: one TorchEngine rollout worker scoring its own samples and one trainer rank;
-    anything else is refused at start, naming the key (and how to ask for the controller's loops)."""
-    with pytest.raises(ConfigError, match=message):
-        load_config(PipelineConfig, None, ["run.loops=roles", *overrides]).validate()
-    ok = load_config(PipelineConfig, None, ["run.loops=roles", "reward.num_workers=0", "algo.kl_coef=0.1",
-                                            "trainer.reference_in_trainer=true"]).validate()
-    assert ok.run.loops == "roles"
-
-
-def test_an_environment_is_refused_with_the_roles_loops():
-    from meshrl.pipeline import Pipeline
-
-    cfg = load_config(PipelineConfig, None, ["run.loops=roles", "reward.num_workers=0"])
-    with pytest.raises(ConfigError, match="`run.loops`: roles plays single-turn requests only"):
-        Pipeline(cfg, environment=lambda problem: None)
+def test_a_chunk_of_no_time_is_refused():
+    with pytest.raises(ConfigError, match="`run.chunk_s`: must be a positive number of seconds, got 0"):
+        load_config(PipelineConfig, None, ["run.chunk_s=0"]).validate()

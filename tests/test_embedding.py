@@ -58,7 +58,9 @@ def make_config(model_dir: str, out, *extra: str) -> meshrl.PipelineConfig:
         "run.progress=false", "task.digits=1", "task.num_test=8", "algo=grpo", "algo.samples_per_prompt=2",
         "queue.max_staleness=2", "trainer.samples_per_step=8", "rollout.prompts_per_request=2",
         "rollout.requests_in_flight=2", "rollout.max_new_tokens=3", "rollout.episode.max_turns=2",
-        "trainer.lr=1e-3", *extra,
+        "trainer.lr=1e-3",
+        "run.chunk_s=0.1",  # the trainer's records come every step or two: the script stops the run mid-way
+        *extra,
     ])
 
 
@@ -147,39 +149,6 @@ def test_user_script_with_custom_reward_and_environment_stops_without_losing_sam
         assert tb["reward_mean"][-1][1] == pytest.approx(last["reward_mean"]) and "eval/accuracy" in tb
 
 
-def test_roles_running_the_loops_answer_the_users_calls_and_stop_without_losing_samples(ray_cluster, tmp_path,
-                                                                                       tiny_model):
-    """run.loops=roles (the rollout worker and the trainer run the loops): the same user script, no
-    environment. generate and evaluate reach the rollout worker beside its own loops; stop() pauses
-    them (the requests being generated put their samples), and the checkpoint holds every sample put
-    and not trained, and the requests granted meanwhile: the sampler is the rollout worker's. A
-    resumed run continues from it."""
-    lanes = ("run.loops=roles", "reward.num_workers=0", "rollout.requests_in_flight=3", "run.lane_chunk_steps=2")
-    out = asyncio.run(user_script(make_config(tiny_model, tmp_path / "run", *lanes), stop_after_steps=3, environment=None,
-                                  evaluate=True))
-    summary = out["summary"]
-    assert summary["stopped"] is True and 3 <= summary["steps"] < 40, summary
-    assert len(out["texts"]) == 2 and out["eval"]["problems"] == 8 and out["eval"]["version"] >= 3
-    state = read_run_state(summary["last_checkpoint"])
-    assert state.step == summary["steps"]
-    snap = msgspec.msgpack.decode(state.queue_snapshot, type=QueueSnapshot)
-    # paused: every request being generated put its samples; one granted during the pause holds its
-    # prompts, its reservation unfilled, recorded in flight: the resume generates it
-    taken = {job.reservation_id: job.count for job in state.in_flight}
-    assert all(r.filled == 0 and r.reservation.id in taken for r in snap.reservations), (snap.reservations, taken)
-    parked = sum(taken[r.reservation.id] for r in snap.reservations)
-    queued, c = [s for g in snap.groups for s in g.samples], snap.counters
-    # nothing lost: what was put is trained, dropped or queued, and every prompt taken was put (2 samples each)
-    assert len(queued) == c.samples_put - c.samples_consumed - c.dropped_stale - c.dropped_incomplete
-    assert c.samples_consumed == 8 * summary["steps"] and (state.prompt_position - parked) * 2 == c.samples_put
-
-    cfg = make_config(tiny_model, tmp_path / "run", *lanes, "run.resume=latest", f"run.total_steps={summary['steps'] + 2}")
-    resumed = asyncio.run(meshrl.Pipeline(cfg, reward=digit_reward).run())
-    assert resumed["steps"] == summary["steps"] + 2 and resumed["stopped"] is False
-    last = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][-1]
-    assert last["kind"] == "summary" and last["steps"] == summary["steps"] + 2
-
-
 def _small(model: str, tmp_path, steps: int) -> meshrl.PipelineConfig:
     """A pipeline of small steps (η = 1: detached weight pushes)."""
     return meshrl.load_config(meshrl.PipelineConfig, None, [
@@ -205,9 +174,11 @@ def test_stop_before_run_leaves_a_later_run_alone(ray_cluster, tmp_path, tiny_mo
 
 
 def test_a_users_cancelled_evaluate_does_not_end_the_run(ray_cluster, tmp_path, tiny_model):
-    """evaluate() waits for a detached weight push (settle); a caller that gave up (wait_for) used to
-    cancel that push itself, and the train loop took its CancelledError for the end of the run:
-    run() returned normally after a fraction of run.total_steps."""
+    """evaluate() waits for the engines to serve the newest version (the trainer's detached pushes:
+    distributed, staged, η >= 1) before it evaluates. A caller that gave up (wait_for) used to cancel
+    that push itself, and the train loop took its CancelledError for the end of the run: run()
+    returned normally after a fraction of run.total_steps. Now the push is the trainer's own; a
+    cancelled evaluate() cancels only itself."""
     cfg = _small(tiny_model, tmp_path, 14)
 
     async def main() -> tuple[dict, int]:
@@ -216,17 +187,8 @@ def test_a_users_cancelled_evaluate_does_not_end_the_run(ray_cluster, tmp_path, 
         async for record in pipeline.metrics():
             if record["kind"] == "step":
                 break
-        train = pipeline._train
-        assert train.sync.detached  # the pushes this is about: detached (distributed, staged, η >= 1)
         cancelled = 0
         while not run.done():
-            flipping = train.sync._flipping
-            if flipping is not None and not flipping.done():  # a push landing: what evaluate() waits for
-                with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
-                    await asyncio.wait_for(train.settle(), 0.001)  # evaluate()'s first wait, given up
-                    continue
-                cancelled += 1
-                continue
             try:
                 await asyncio.wait_for(pipeline.evaluate(), random.uniform(0.001, 0.03))
             except (TimeoutError, asyncio.TimeoutError):

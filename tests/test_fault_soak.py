@@ -34,10 +34,10 @@ def test_soak_kills_at_every_fault_point(ray_cluster, tmp_path, tiny_model, monk
     fired = {name: (tmp_path / "faults" / name).stat().st_size for name in plan}
     assert all(fired[name] >= n for name, n in plan.items()), (plan, fired)  # every point was reached and fired
     resumed = sorted(r["role"] for r in summary["restarts"] if r["role"] != "samples")
-    # the trainer's two points resume the run; the reward and rollout
-    # workers are restarted in place (a point that fires while its attempt is failing takes that
-    # attempt's end, not a record of its own)
-    assert 1 <= resumed.count("trainer") <= 2 and set(resumed) <= {"trainer"}, summary["restarts"]
+    # the trainer's two points resume the run, and so do the rollout worker's (the run's one rollout
+    # worker holds its sampler); the reward worker is restarted in place (a point that fires while its
+    # attempt is failing takes that attempt's end, not a record of its own)
+    assert 1 <= resumed.count("trainer") <= 2 and set(resumed) <= {"trainer", "rollout"}, summary["restarts"]
     assert len(summary["restarts"]) <= 8
     assert summary["audit"]["ok"] and summary["audit"]["trained_samples"] == 16 * 8, summary["audit"]
     print({"plan": plan, "restarts": [(r["role"], r["failed_at_step"], r.get("recovery_s")) for r in summary["restarts"]],

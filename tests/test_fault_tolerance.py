@@ -165,12 +165,13 @@ def slow_reward(problem, completion: str) -> float:
     return float(completion.strip().startswith(problem.answer))
 
 
-def test_trainer_and_queue_deaths_resume_from_the_newest_checkpoint_as_if_uninterrupted(ray_cluster, tmp_path, tiny_model,
-                                                                                       monkeypatch):
-    """At max_staleness=0 the run with a dead trainer and a dead queue trains every step exactly as
+def test_trainer_and_sampler_deaths_resume_from_the_newest_checkpoint_as_if_uninterrupted(ray_cluster, tmp_path,
+                                                                                         tiny_model, monkeypatch):
+    """At max_staleness=0 the run with a dead trainer and a dead sampler trains every step exactly as
     the run without them (each resume redoes at most checkpoint_every steps). The trainer dies at
-    its fault point mid-train-step (step 3, the batch fetched and not trained on: the soak's other
-    trainer points each cost a resume too), the queue from outside."""
+    its fault point mid-train-step (step 3, inside its chunk of steps: the batch fetched and not
+    trained on; the soak's other trainer points each cost a resume too); the run's one rollout
+    worker, which holds the sampler, is killed from outside."""
     # the rollout worker scores (reward.num_workers=0): four pipeline starts with one process fewer each
     exact = ("queue.max_staleness=0", "rollout.requests_in_flight=1", "rollout.prompts_per_request=4", "reward.num_workers=0")
     # a reward that takes a moment: the tiny model's steps would take milliseconds, and the run could
@@ -178,15 +179,15 @@ def test_trainer_and_queue_deaths_resume_from_the_newest_checkpoint_as_if_uninte
     plain = asyncio.run(Pipeline(_config(tiny_model, tmp_path / "plain", *exact), reward=slow_reward).run())
     _trainer_dies_in_step(monkeypatch, tmp_path, 3)
     summary, killed, records = asyncio.run(_run_with_kills(_config(tiny_model, tmp_path / "killed", *exact),
-                                                           [(5, "queue/0")], seed=2, reward=slow_reward))
+                                                           [(5, "rollout/0")], seed=2, reward=slow_reward))
     assert (tmp_path / "faults" / "trainer.train_step").stat().st_size >= 3  # the point fired
     assert summary["steps"] == plain["steps"] == 8
-    assert [(r["role"], r["restart"]) for r in summary["restarts"]] == [("trainer", 1), ("queue", 2)]
+    assert [(r["role"], r["restart"]) for r in summary["restarts"]] == [("trainer", 1), ("rollout", 2)]
     for r in summary["restarts"]:
         assert r["failed_at_step"] - r["resumed_at_step"] <= 2 and r["recovery_s"] > 0, r
     # run.warm_resume: the live processes serve the resumed run (the trainer reloads the checkpoint,
     # the engine is pushed its weights), and it still trains exactly as the uninterrupted run (below)
-    assert [sorted(r["kept"]) for r in summary["restarts"]] == [["rollout"], ["rollout", "trainer"]]
+    assert [sorted(r["kept"]) for r in summary["restarts"]] == [["rollout"], ["trainer"]]
     assert [r["kind"] for _, r in records].count("restart") == 2
     a, b = _steps(tmp_path / "plain"), _steps(tmp_path / "killed")
     assert sorted(a) == sorted(b) == list(range(1, 9))
@@ -219,31 +220,6 @@ def test_a_colocated_run_keeps_its_hybrid_worker_when_the_queue_dies(ray_cluster
         assert (b[step]["loss"], b[step]["reward_mean"]) == (a[step]["loss"], a[step]["reward_mean"]), step
     assert summary["accuracy_after"] == plain["accuracy_after"]
     assert summary["audit"]["ok"] and summary["audit"]["trained_samples"] == 6 * 8, summary["audit"]
-
-
-def test_roles_running_the_loops_resume_as_if_uninterrupted(ray_cluster, tmp_path, tiny_model, monkeypatch):
-    """run.loops=roles (meshrl.actors.lanes): the trainer dies at its fault point inside a chunk (step
-    3), and the rollout worker, which holds the queue and the prompt ledger, is killed from outside
-    after step 5 (the trainer then finds the lane closed; the controller names the rollout worker's
-    death). Each resumes the run from its newest checkpoint in fresh processes (nothing is kept: the
-    queue restores only into a fresh one), and at max_staleness=0 it trains every step as the run
-    without the deaths; the ledger finds nothing trained twice or lost."""
-    exact = ("run.loops=roles", "queue.max_staleness=0", "reward.num_workers=0", "rollout.requests_in_flight=1",
-             "rollout.prompts_per_request=4", "run.lane_chunk_steps=1")
-    plain = asyncio.run(Pipeline(_config(tiny_model, tmp_path / "plain", *exact), reward=slow_digit_reward).run())
-    _trainer_dies_in_step(monkeypatch, tmp_path, 3)
-    summary, killed, _ = asyncio.run(_run_with_kills(_config(tiny_model, tmp_path / "killed", *exact),
-                                                     [(5, "rollout/0")], seed=2, reward=slow_digit_reward))
-    assert (tmp_path / "faults" / "trainer.train_step").stat().st_size >= 3  # the point fired
-    assert summary["steps"] == plain["steps"] == 8 and [role for role, _ in killed] == ["rollout/0"]
-    assert [(r["role"], r["restart"], r["kept"]) for r in summary["restarts"]] == [("trainer", 1, []), ("rollout", 2, [])]
-    a, b = _steps(tmp_path / "plain"), _steps(tmp_path / "killed")
-    assert sorted(a) == sorted(b) == list(range(1, 9))
-    assert any(r["loss"] != 0 for r in a.values())  # the comparison below compares something
-    for step in a:
-        assert (b[step]["loss"], b[step]["reward_mean"]) == (a[step]["loss"], a[step]["reward_mean"]), step
-    assert summary["accuracy_after"] == plain["accuracy_after"]
-    assert summary["audit"]["ok"] and summary["audit"]["trained_samples"] == 8 * 8, summary["audit"]
 
 
 def dying_reward(problem, completion: str) -> float:

@@ -70,14 +70,11 @@ def _evals(out: Path) -> list[tuple[int, int, float]]:
     return [(r["step"], r["version"], r["accuracy"]) for r in records if r["kind"] == "eval"]
 
 
-@pytest.mark.parametrize("loops", ["controller", "roles"])
-def test_resumed_run_repeats_the_uninterrupted_one(ray_cluster, tmp_path, tiny_model, loops):
-    """``roles``: the rollout worker and the trainer run the loops (meshrl.actors.lanes; dp = 1), and the
-    rollout side's state comes from the rollout worker, its queue and its ledger read at once."""
+def test_resumed_run_repeats_the_uninterrupted_one(ray_cluster, tmp_path, tiny_model):
+    """The trainer runs the train loop in chunks (to each checkpoint and evaluation); the rollout
+    side's state comes from the sampler, its queue and its ledger read at once."""
     model_dir = tiny_model
-    # the weights in the lane's messages here (test_sync_equivalence's run shares them in memory)
-    lanes = ("run.loops=roles", "trainer.dp=1", "run.lane_shared_memory=false") if loops == "roles" else ()
-    first = asyncio.run(Pipeline(_config(model_dir, tmp_path / "a", "run.eval_every=2", *lanes),
+    first = asyncio.run(Pipeline(_config(model_dir, tmp_path / "a", "run.eval_every=2"),
                                  task=DigitShareTask()).run())
     assert first["steps"] == 4
     ckpts = sorted(p.name for p in (tmp_path / "a" / "checkpoints").glob("step_*"))
@@ -86,14 +83,11 @@ def test_resumed_run_repeats_the_uninterrupted_one(ray_cluster, tmp_path, tiny_m
     state = read_run_state(tmp_path / "a" / "checkpoints" / "step_00000002")
     assert (state.step, state.version) == (2, 2)
     queue = msgspec.msgpack.decode(state.queue_snapshot, type=QueueSnapshot)
-    if loops == "controller":
-        # η=0: nothing in flight, nothing queued (the step's last request may be listed as just done)
-        assert queue.reservations == [] and queue.groups == [] and state.prompt_position == 16
-    else:  # the rollout worker serves version 2 before the checkpoint: step 3's one request may be under way or in
-        assert len(queue.reservations) <= 1 and len(queue.groups) <= 8 and state.prompt_position in (16, 24)
+    # η=0: nothing in flight, nothing queued (the step's last request may be listed as just done)
+    assert queue.reservations == [] and queue.groups == [] and state.prompt_position == 16
 
     resume = tmp_path / "a" / "checkpoints" / "step_00000002"
-    second = asyncio.run(Pipeline(_config(model_dir, tmp_path / "b", "run.eval_every=2", f"run.resume={resume}", *lanes),
+    second = asyncio.run(Pipeline(_config(model_dir, tmp_path / "b", "run.eval_every=2", f"run.resume={resume}"),
                                   task=DigitShareTask()).run())
     assert second["steps"] == 4 and second["accuracy_before"] == first["accuracy_before"]
     # the step-2 evaluation starts after the step-2 checkpoint is written: the resumed run runs it
@@ -104,9 +98,7 @@ def test_resumed_run_repeats_the_uninterrupted_one(ray_cluster, tmp_path, tiny_m
     assert sorted(b) == [1, 2, 3, 4]  # the log continues from the checkpoint's records
     # bitwise: at η = 0 one request of the whole batch is in flight at a time, so the engine's batches
     # and everything computed from them repeat exactly, and the checkpoint restores the trainer exactly
-    # roles: the queue's metrics are read once a chunk, when the rollout worker may or may not have
-    # put the next step's samples yet (it serves version 2 before the checkpoint): timing, as above
-    timing = _TIMING + (("queue/",) if loops == "roles" else ())
+    timing = _TIMING
     compared = 0
     for step in (3, 4):
         for key, value in a[step].items():

@@ -73,30 +73,32 @@ def synchronous_reference(cfg: PipelineConfig, model_dir: str) -> tuple[list[dic
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,transport,reward_workers,loops", [(1, "distributed", 1, "controller"),
-                                                               (2, "distributed", 1, "controller"),
-                                                               (2, "object_store", 0, "controller"),
-                                                               (1, "distributed", 0, "roles")])
+@pytest.mark.parametrize("tp,transport,reward_workers", [(1, "distributed", 1), (2, "distributed", 1),
+                                                         (2, "object_store", 0)])
 def test_async_pipeline_at_staleness_zero_equals_synchronous_training(ray_cluster, tmp_path, capsys, tp, transport,
-                                                                      reward_workers, loops):
+                                                                      reward_workers):
     """``tp=2``: each engine replica is two tensor-parallel actors (leader-driven), and the weight pushes
     reach both shards (each its own slices, or both the whole tensors); the run must still be the
     synchronous one on a single unsharded engine. ``reward_workers=0``: the rollout workers score.
-    ``loops=roles``: the rollout worker and the trainer run the loops and trade samples and weights
-    over their own channel (meshrl.actors.lanes), in chunks of 2 steps here."""
+    The roles run the loops: the controller makes no call a step or a request."""
     cfg = load_config(PipelineConfig, None, [*OVERRIDES, f"warmstart.cache_dir={tmp_path / 'cache'}",
                                              f"run.output_dir={tmp_path / 'run'}", f"rollout.tp_size={tp}",
                                              f"reshard.transport={transport}", f"reward.num_workers={reward_workers}",
-                                             f"run.loops={loops}", "run.lane_chunk_steps=2"])
+                                             ])
     sent = collections.Counter(SENT)
     summary = asyncio.run(Pipeline(cfg).run())
     sent = collections.Counter(SENT) - sent
     # the rollout workers run their own loops: this process (the controller) took and put nothing
     assert not [m for m in sent if m.split(".")[1] in ("take", "put_encoded", "put_ref", "release")], sent
-    assert sent["rollout.run_loops"] == (1 if loops == "controller" else 0), sent
+    assert sent["rollout.run_loops"] == 1, sent
+    # and the trainer runs the train loop: one call a chunk (steps 1..3: one chunk), no batch or push from here
+    assert not [m for m in sent if m.split(".")[1] in ("get_batch_refs", "train_step", "reshard_send",
+                                                       "reshard_receive", "reshard_arm")], sent
+    # the version pushed before the end's checkpoint, after it (the sampler: the one rollout worker's, or its own actor's)
+    assert sent["rollout.set_version"] + sent["queue.set_version"] == 1, sent
+    assert 1 <= sent["trainer.run_steps"] <= 3, sent
     out = capsys.readouterr().out
     assert ("x 2 tensor-parallel ranks, as the engines report" in out) == (tp == 2)
-    assert ("the weights go through shared memory" in out) == (loops == "roles")
     model_dir = str(warm_start(cfg.model.embedded, build_task(cfg.task), cfg.warmstart, log=lambda _: None))
 
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -53,6 +53,7 @@ from meshrl.actors.algo_config import AlgoConfig
 from meshrl.actors.policy_trainer import PolicyTrainer, TrainerConfig
 from meshrl.actors.rollout import RolloutWorker
 from meshrl.actors.rollout_loops import LoopSettings, RolloutLoops
+from meshrl.actors.train_loop import ChunkRunner, ControlLoop, LoopPlan
 from meshrl.actors.trainer import Trainer
 from meshrl.actors.trainer_checkpoint import init_optimizer_state
 from meshrl.cpu import compute_process
@@ -394,6 +395,58 @@ async def _run_loops(self: HybridWorker, sampler: Any, rewards: Any, reference: 
     await self.rollout.loop_host.run(loops)
 
 
+class _Host:
+    """The colocated process's trainer as ``ChunkRunner`` sees it: its calls run on the actor's loop
+    (the switch between the modes), the chunk on a thread of its own."""
+
+    def __init__(self, worker: HybridWorker, loop: asyncio.AbstractEventLoop) -> None:
+        self.worker, self.loop = worker, loop
+        self.rank = worker.trainer.core.dp.rank
+
+    def _call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def train(self, shares: Any, version: int) -> dict[str, float]:
+        return self._call(self.worker.train_step(shares, version))
+
+    def send(self, version: int) -> PushStats:
+        return self._call(self.worker.reshard_receive(version))  # the hand-over, in place
+
+    def agree(self, failed: bool) -> bool:
+        return self.worker.trainer.agree(failed)
+
+
+async def _train_connect(self: HybridWorker, sampler: Any, engines: Any, plan: LoopPlan) -> None:
+    """``Trainer.train_connect``: the chunks run on a thread, the switches on this actor's loop."""
+    self.train_loop = ChunkRunner(_Host(self, asyncio.get_running_loop()), plan, sampler, engines,
+                            ControlLoop(asyncio.get_running_loop()))
+
+
+async def _place(self: HybridWorker, step: int, version: int) -> None:
+    self.train_loop.place(step, version)
+
+
+async def _run_steps(self: HybridWorker, until: int, *, prefetch: bool = True, settle: bool = False,
+                     publish_last: bool = True) -> dict[str, Any]:
+    """``Trainer.run_steps``."""
+    return await asyncio.to_thread(self.train_loop.run, until, prefetch=prefetch, settle=settle, publish_last=publish_last)
+
+
+async def _push_version(self: HybridWorker, version: int, publish: bool = False) -> dict[str, float]:
+    """``Trainer.push_version``."""
+
+    def push() -> dict[str, float]:
+        self.train_loop.push(version, publish=publish)
+        self.train_loop.version = version
+        return self.train_loop.phases()
+
+    return await asyncio.to_thread(push)
+
+
+async def _settle_push(self: HybridWorker) -> None:
+    """``Trainer.settle_push``: a colocated push is done when it returns."""
+
+
 async def _pause_loops(self: HybridWorker, timeout_s: float) -> int:
     """``RolloutWorker.pause_loops``."""
     return await self.rollout.loop_host.pause(timeout_s)
@@ -412,3 +465,5 @@ HybridWorker.version = endpoint(_version)
 HybridWorker.play_scored = endpoint(_play_scored)
 HybridWorker.run_loops = endpoint(_run_loops)
 HybridWorker.pause_loops = endpoint(_pause_loops)
+for _fn in (_train_connect, _place, _run_steps, _push_version, _settle_push):
+    setattr(HybridWorker, _fn.__name__[1:], endpoint(_fn))

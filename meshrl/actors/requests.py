@@ -1,8 +1,7 @@
 """The requests of a rollout: sampling settings, seeds and tokenised prompts for a list of problems.
 
-Built where the requests are sent from: the controller's rollout loop, or a rollout worker that
-runs its own loop (``run.loops=roles``, ``meshrl.actors.lanes``). Both make the same requests for
-the same problems and group ids, so a run's samples do not depend on which of them sends them.
+Built where the requests are sent from: a rollout worker's own loops (training) and the controller
+(held-out evaluation). Both make the same requests for the same problems and group ids.
 """
 
 from __future__ import annotations

@@ -45,6 +45,8 @@ from meshrl.engines.types import GREEDY_TEMPERATURE
 from meshrl.envs import EnvFactory, Episode, EpisodeConfig, EpisodeRequest, run_episodes
 from meshrl.mesh import Actor, ActorFailure, current_rank, endpoint
 from meshrl.mesh.actor import mesh_context
+from meshrl.queues.actor import SAMPLER_ENDPOINTS
+from meshrl.queues.sampler import Sampler
 from meshrl.reshard import DestLayout, GroupRanks, PushStats, ReshardConfig, SourceLayout
 from meshrl.reshard.meshes import DestSide
 
@@ -113,9 +115,12 @@ class RolloutWorker(Actor):
 
     def __init__(self, model_path: str, engine: TorchEngineConfig, threads: int = 1, *, tp_size: int = 1,
                  tp_timeout_s: float = 600.0, environment: EnvFactory | None = None,
-                 episode: EpisodeConfig = EpisodeConfig(), scorer: tuple[Any, float] | None = None) -> None:
+                 episode: EpisodeConfig = EpisodeConfig(), scorer: tuple[Any, float] | None = None,
+                 sampler: dict[str, Any] | None = None) -> None:
         """``scorer``: ``(reward, timeout_s)`` as a ``RewardWorker`` takes them, with reward.num_workers=0:
-        this worker then scores its own generations (``play_scored``)."""
+        this worker then scores its own generations (``play_scored``). ``sampler``: ``Sampler``'s
+        arguments, by name: this worker holds the run's sampler (the run's one rollout worker), its
+        loops take and put in this process, and the sampler's endpoints are this worker's."""
         compute_process(threads)
         self.model_path, self.config, self.tp_size = model_path, engine, tp_size
         self.server: Any = None
@@ -139,6 +144,8 @@ class RolloutWorker(Actor):
         self.scorer = None if scorer is None else Scorer(scorer[0], self.tokenizer, scorer[1])
         self.loop_host = LoopHost()
         """The rollout loops this worker runs (``run_loops``)."""
+        self._sampler_args = sampler
+        self.sampler = None if sampler is None else Sampler(**sampler)
 
     @endpoint
     async def start_sglang(self, log_dir: str, trainer_ip: str, mem_fraction: float | None = None) -> str:
@@ -254,9 +261,17 @@ class RolloutWorker(Actor):
         generated here, scored here or on ``rewards``, annotated by ``reference``, put back; until the
         sampler closes. A loop's failure is raised (the others end). ``rollout``: the run's
         ``RolloutConfig``; ``seed``: run.seed (the requests' seeds come from it and the group ids)."""
-        loops = RolloutLoops(self.play, self.play_scored, self.request_maker(rollout, seed), sampler, rewards, reference,
-                             settings)
+        loops = RolloutLoops(self.play, self.play_scored, self.request_maker(rollout, seed), self.sampler_for(sampler),
+                             rewards, reference, settings)
         await self.loop_host.run(loops)
+
+    def sampler_for(self, sampler: Any) -> Any:
+        """The sampler the loops call: ``sampler`` (a mesh), or with None this worker's own, in process."""
+        if sampler is not None:
+            return sampler
+        if self.sampler is None:
+            raise RuntimeError("run_loops(sampler=None) on a rollout worker that holds no sampler")
+        return InProcess(self.sampler)
 
     @endpoint
     async def pause_loops(self, timeout_s: float) -> int:
@@ -389,3 +404,36 @@ def _join_tp(tp_size: int, timeout_s: float) -> Any:
     # a follower may take up to most of the group's timeout to end its part of a push
     return TensorParallel.from_device_mesh(mesh, "tp", leader_driven=True, control_group=control,
                                            flip_timeout_s=0.9 * timeout_s)
+
+
+class InProcess:
+    """An object of this process called as a one-actor mesh is: ``x.method.call_one(...)`` is the
+    coroutine of ``x.method(...)`` (``bounded`` awaits either)."""
+
+    def __init__(self, target: Any) -> None:
+        self._target = target
+
+    def __getattr__(self, name: str) -> Any:
+        return _Call(getattr(self._target, name))
+
+
+class _Call:
+    def __init__(self, fn: Any) -> None:
+        self.call_one = fn
+
+
+def _sampler_endpoint(name: str) -> Any:
+    async def call(self: RolloutWorker, *args: Any, **kwargs: Any) -> Any:
+        if self.sampler is None:
+            raise RuntimeError(f"`{name}`: this rollout worker holds no sampler (the run's sampler is its own actor)")
+        if name == "restore":  # a resume (maybe in this process, kept from a failed attempt): a fresh sampler
+            self.sampler = Sampler(**self._sampler_args)
+        return await getattr(self.sampler, name)(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = f"``Sampler.{name}`` of the sampler this worker holds (the run's ``queue`` role)."
+    return endpoint(call)
+
+
+for _name in SAMPLER_ENDPOINTS:
+    setattr(RolloutWorker, _name, _sampler_endpoint(_name))

@@ -21,12 +21,16 @@ Endpoints and who calls them:
 - ``sglang_connect(urls, ...)`` (every rank; rank 0 joins SGLang's weight-update group) and
   ``sglang_push(version)`` (every rank: the gathers; rank 0 sends): ``rollout.engine.backend=sglang``
   (``meshrl.actors.sglang_sync``).
+- ``train_connect(sampler, engines, plan)``, ``place(step, version)``, ``run_steps(until, ...)``,
+  ``push_version(version)``, ``settle_push()``: on every rank: the train loop, run here in chunks
+  the controller hands out (``meshrl.actors.train_loop``).
 - ``save_hf(path)``, ``save_checkpoint(path)``, ``load_checkpoint(path)``: on every rank.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -35,6 +39,7 @@ from meshrl.actors.algo_config import AlgoConfig
 from meshrl.actors.data_parallel import DataParallel
 from meshrl.actors.policy_trainer import NonFiniteStepsError, PolicyTrainer, TrainerConfig, batch_stats, lr_lambda
 from meshrl.actors.sglang_sync import SGLangSource
+from meshrl.actors.train_loop import ChunkRunner, ControlLoop, LoopPlan
 from meshrl.actors.trainer_checkpoint import load_trainer_state, save_trainer_state
 from meshrl.cpu import compute_process
 from meshrl.mesh import Actor, current_rank, current_size, endpoint, init_torch_distributed
@@ -74,6 +79,76 @@ class Trainer(Actor):
         self._staged: dict[str, torch.Tensor] | None = None
         self.reshard = SourceSide(self.core.export_parameters, dp.device, layout_parameters=self.core.layout_parameters)
         self.sglang = SGLangSource(self.core.export_parameters, dp.rank)
+        self.train_loop: ChunkRunner | None = None
+        """The train loop (``train_connect``)."""
+
+    # -- the train loop (meshrl.actors.train_loop) ------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        return self.core.dp.rank
+
+    def train(self, shares: Any, version: int) -> dict[str, float]:
+        return self.train_step(shares, version)
+
+    def send(self, version: int) -> PushStats:
+        faults.point("trainer.reshard_send")
+        return self.reshard.send(version)
+
+    def gather(self) -> None:
+        self.gather_weights()
+
+    def export(self) -> dict[str, torch.Tensor]:
+        return self.export_weights()
+
+    def agree(self, failed: bool) -> bool:
+        """Whether any dp rank failed (a collective: every rank calls it at the same point)."""
+        flag = torch.tensor([1.0 if failed else 0.0], device=self.core.dp.device)
+        return bool(self.core.dp.all_reduce(flag, op="max", what="whether a rank's push failed").item())
+
+    @endpoint
+    def train_connect(self, sampler: Any, engines: Any, plan: LoopPlan) -> None:
+        """Take batches from ``sampler`` and push to ``engines`` as ``plan`` says (before ``run_steps``)."""
+        control = self.train_loop.control if self.train_loop is not None else ControlLoop()
+        self.train_loop = ChunkRunner(self, plan, sampler, engines, control)
+
+    def _runner(self) -> ChunkRunner:
+        if self.train_loop is None:
+            raise RuntimeError("the trainer's loop before train_connect")
+        return self.train_loop
+
+    @endpoint
+    def place(self, step: int, version: int) -> None:
+        """The run's position: where the next ``run_steps`` goes on from."""
+        self._runner().place(step, version)
+
+    @endpoint
+    def run_steps(self, until: int, *, prefetch: bool = True, settle: bool = False,
+                  publish_last: bool = True) -> dict[str, Any]:
+        """Train steps up to ``until`` (``ChunkRunner.run``): their records, the step and version
+        reached, and a push's failure that ended the chunk (None)."""
+        self._staged = None
+        return self._runner().run(until, prefetch=prefetch, settle=settle, publish_last=publish_last)
+
+    @endpoint
+    def push_version(self, version: int, publish: bool = False) -> dict[str, float]:
+        """The current weights to every engine as ``version`` (every rank), then until they serve
+        it; ``publish``: the sampler learns it then. The push's parts (rank 0)."""
+        runner = self._runner()
+        runner.push(version, publish=publish)
+        runner.settle()
+        runner.version = version
+        return runner.phases()
+
+    @endpoint
+    def settle_push(self) -> None:
+        """Until every engine serves the newest version pushed (a detached push's second half)."""
+        self._runner().settle()
+
+    @endpoint
+    def forget_push(self) -> None:
+        """A rollout worker was re-created: a push that failed with it is forgotten (pushed again)."""
+        self._runner().forget()
 
     @endpoint
     def train_step(self, batch: Shares | Batch | bytes, version: int) -> dict[str, float]:

@@ -98,20 +98,11 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True):
     holding the GIL, on a node cut off): it is killed, then restarted in place (reward, reference) or
     the run resumed (run.auto_resume) or stopped, naming it. Answered from a thread of its own, so a
     long step does not count. 0: no heartbeat."""
-    loops: Literal["controller", "roles"] = "controller"
-    """Who drives the steps. controller: this process's loops call the roles (about ten actor calls a
-    step; every feature). roles: the rollout worker and the trainer run the loops themselves and trade
-    samples and weights over a channel of their own, and the controller hands out chunks of steps
-    (meshrl.actors.lanes): for steps of a few milliseconds, where the calls would cost more than the
-    work (a small model on a laptop). One TorchEngine rollout worker that scores its own samples
-    (reward.num_workers=0), a trainer at dp=1, both on the CPU, no reference worker, no environment."""
-    lane_chunk_steps: int = 20
-    """run.loops=roles: the most train steps in one call to the trainer (a chunk ends early at a
-    checkpoint or an evaluation). Records are written, and stop() is noticed, once a chunk."""
-    lane_shared_memory: bool = True
-    """run.loops=roles: the trainer writes each version's weights into a file in /dev/shm that the
-    rollout worker maps, when both are on one node and /dev/shm has room; false (or another node):
-    the weights go over the channel in the messages."""
+    chunk_s: float = 2.0
+    """The trainer runs the train loop itself, in chunks the controller hands out (up to the next
+    checkpoint, evaluation or the end); a chunk also ends after about this many seconds, at a step
+    that pushed, so the step records (written once a chunk) and a restart in place come at least
+    this often. One controller call a chunk, none a step."""
     audit: bool = False
     """Keep the ledger of samples (meshrl.pipeline.audit): the groups the queue accepted and each
     step trained, as ``audit`` records in metrics.jsonl; the summary says whether any group was
@@ -208,6 +199,13 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.model.path is None:
             return self.model.embedded.max_position_embeddings
         return min(ModelSpec.from_hf_config(load_hf_config(str(self.model.path))).max_position_embeddings, 4096)
+
+    @property
+    def sampler_in_rollout(self) -> bool:
+        """The sampler (queue and prompt ledger) lives in the run's one rollout worker's process: its
+        loops take and put there, and no queue process runs. With several workers, tensor
+        parallelism or colocated workers it is an actor of its own."""
+        return self.rollout.num_workers == 1 and self.rollout.tp_size == 1 and self.placement != "colocated"
 
     def validate(self) -> "PipelineConfig":
         """Cross-component checks; raise ConfigError naming the key."""
@@ -310,31 +308,9 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
                               f"plus one request's {r} samples, of up to {seq} tokens each ({need}): a put would wait "
                               "for room only a train step frees, and the step for that put; raise it")
 
-    def _validate_loops(self) -> None:
-        if self.run.loops != "roles":
-            return
-        if self.run.lane_chunk_steps < 1:
-            raise ConfigError(f"`run.lane_chunk_steps`: must be >= 1, got {self.run.lane_chunk_steps}")
-        # what the roles' own loops do not do (yet): each refused here, naming the key that asks for it
-        needs = {
-            "rollout.engine.backend": (self.rollout.engine.backend == "torch", "torch (an SGLang server takes "
-                                       "weights over its own group, from the controller's loop)"),
-            "rollout.num_workers": (self.rollout.num_workers == 1, "1 (one rollout worker holds the queue)"),
-            "rollout.tp_size": (self.rollout.tp_size == 1, "1"),
-            "trainer.dp": (self.trainer.dp == 1, "1 (one trainer process takes the batches)"),
-            "reward.num_workers": (self.reward.num_workers in (0, None), "0 (the rollout worker scores its own samples)"),
-            "placement": (self.placement == "disaggregated", "disaggregated (colocated is one process already)"),
-            "algo.kl_coef": (self.algo.kl_coef == 0 or self.trainer.reference_in_trainer,
-                             "0, or trainer.reference_in_trainer=true (no reference worker)"),
-            # each version crosses through host memory, and the two processes take a device each: on
-            # one GPU placement=colocated is the layout without calls between trainer and engine
-            "trainer.device": (self.trainer.device == "cpu", "cpu (roles running the loops is a CPU layout)"),
-            "rollout.engine.device": (not self.rollout.engine.device.startswith("cuda"), "cpu or auto (the CPU)"),
-        }
-        bad = [f"{key} must be {want}" for key, (ok, want) in needs.items() if not ok]
-        if bad:
-            raise ConfigError("`run.loops`: roles runs the loops in one rollout worker and one trainer: "
-                              + "; ".join(bad) + ". Or use run.loops=controller")
+    def _validate_chunks(self) -> None:
+        if not 0 < self.run.chunk_s < float("inf"):
+            raise ConfigError(f"`run.chunk_s`: must be a positive number of seconds, got {self.run.chunk_s}")
 
     def _validate_sglang(self) -> None:
         engine = self.rollout.engine
@@ -366,7 +342,7 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     def _validate_placement(self) -> None:
         self._validate_sglang()
-        self._validate_loops()
+        self._validate_chunks()
         tp = self.rollout.tp_size
         if tp > 1 and self.placement == "colocated":
             raise ConfigError(f"`rollout.tp_size`: placement=colocated holds one whole engine replica per trainer "

@@ -1,44 +1,41 @@
-"""The single controller: builds the role meshes and the sampler, starts the rollout workers' loops
-and runs the train loop.
+"""The single controller: builds the role meshes and the sampler, starts the roles' loops, hands
+the trainer its chunks of steps and does what comes between them. One step's data flow:
 
 ```text
- prompts ─► rollout workers, each running its loops (× requests_in_flight), no call from here ──┐
-  (rollout.run_loops)   sampler.take(k)      waits for: admission within max_staleness         │
-                                             unblocked by: train loop set_version after a push  │
-                        generate             (engine: continuous batching, per-token versions)  │
-                        or run_episodes      (environment episodes, loss mask 0 on its text)    │
-                        score                here (reward.num_workers=0) or on a reward worker  │
-                        reference.annotate   (only with a KL term)                              │
-                        sampler.put_ref      waits for: room under queue.capacity_tokens        │
-                                             unblocked by: train loop get_batch_refs            ▼
- train loop:  sampler.get_batch_refs waits for: samples_per_step samples (whole groups)   Sampler
-                                   within max_staleness of the current version     (queue + prompt
-                                   unblocked by: a rollout worker's put                    ledger)
-              trainer.train_step   (every dp rank fetches only its share's blobs, whole groups, by their refs)
-              every sync_interval steps: version += 1; the weights to every engine
-              (meshrl.pipeline.weight_sync)
-              every checkpoint_every steps and at the end: checkpoint (trainer state, the sampler's
-              state) — before set_version, so at max_staleness = 0 nothing is in flight
-              sampler.report       the queue's metrics and what the requests put since did, for
-                                   the step record (beside the next step)
-              sampler.set_version(version)  (only after every engine applied it)
- eval:        held-out prompts, greedy, on the rollout engines (before, every eval_every, after);
-              one every eval_every runs beside the loops and, like them, its failure stops the run
- stop():      rollout.pause_loops: no new requests, wait for: the requests being generated to put
-              their samples (unblocked by: the workers' loops; at most run.stop_drain_timeout_s) →
-              sampler.close (wakes the train loop's get_batch) → checkpoint (the sampler's state
-              holds every sample not trained yet, and the requests still in flight) → HF export →
-              roles stopped
+ rollout workers, each running its loops (× requests_in_flight)                 no call from here
+  (rollout.run_loops)   sampler.take(k)      waits for: admission within max_staleness
+                                             unblocked by: trainer rank 0's set_version after a push
+                        generate             (engine: continuous batching, per-token versions)
+                        or run_episodes      (environment episodes, loss mask 0 on its text)
+                        score                here (reward.num_workers=0) or on a reward worker
+                        reference.annotate   (only with a KL term)
+                        sampler.put_ref ───► Sampler (queue + prompt ledger, one snapshot)
+                                             waits for: room under queue.capacity_tokens
+ trainer, every dp rank, a chunk of steps per call (trainer.run_steps; meshrl.actors.train_loop)
+                        sampler.step_batch   waits for: samples_per_step samples (whole groups) within
+                                             max_staleness of the step's version; each rank fetches
+                                             only its share's blobs, by their refs, from their producers
+                        train step           (FSDP2 over the dp ranks)
+                        every sync_interval steps: version += 1, the weights to every engine over the
+                        transport chosen at start (distributed, object store, SGLang's, in place) →
+                        sampler.set_version by rank 0 once every engine serves it
+ controller, per chunk  the chunk's step records (sampler.report: queue metrics, what the requests
+                        did) into metrics.jsonl and the timeline; every checkpoint_every steps and at
+                        the end: checkpoint (trainer state, the sampler's state) before the version
+                        is published, so at max_staleness = 0 nothing is in flight; every
+                        eval_every: held-out prompts, greedy, on the engines, beside the next chunk
+ stop():      sampler.hold_batches: the trainer's next batch is STOP (a batch it took is trained) →
+              rollout.pause_loops: no new requests, wait for: the requests being generated to put
+              their samples (at most run.stop_drain_timeout_s) → checkpoint (the sampler's state
+              holds every sample not trained, and the requests still in flight) → HF export → roles
+              stopped
  resume:      trainer.load_checkpoint → push its weights as the saved version → sampler.restore
               (the requests that were in flight are taken again first)
 ```
 
 The rollout side lives in ``rollout_loop`` (the workers' loops: ``meshrl.actors.rollout_loops``),
-the train side in ``training``, evaluation in ``evaluation``. With ``run.loops=roles`` the train
-loop runs inside the trainer too (``meshrl.actors.lanes``: the sampler is the rollout worker's,
-the batches and weights go over their own channel), and ``lanes.LaneLoop`` stands in for the
-train loop: it hands the trainer chunks of steps and does the checkpoints, evaluations and
-records between them.
+the train side in ``training`` (the trainer's own loop: ``meshrl.actors.train_loop``), evaluation in
+``evaluation``.
 With ``max_staleness = 0`` the loops alternate strictly (synchronous, on-policy); with η > 0
 rollout runs up to η versions ahead while the trainer trains. Every wait has a timeout; a failure
 in any loop closes the sampler, which wakes every waiter, and the run stops with that error
@@ -65,7 +62,6 @@ import msgspec
 
 from meshrl.actors import ReferenceWorker, RewardWorker, RolloutWorker, Trainer
 from meshrl.actors.hybrid import HybridWorker
-from meshrl.actors.lanes import LaneRollout, LaneSettings, LaneTrainer
 from meshrl.config import ConfigError, to_yaml
 from meshrl.embedded import warm_start
 from meshrl.envs import EnvFactory
@@ -82,7 +78,6 @@ from meshrl.pipeline.startup import (check_prompts, check_ray_address, ensure_ra
 from meshrl.pipeline.recovery import Recovery
 from meshrl.pipeline.revival import Revivals, restarts_rollout_in_place
 from meshrl.pipeline.storage import check_run_storage
-from meshrl.pipeline.lanes import LaneLoop
 from meshrl.pipeline.training import TrainLoop
 from meshrl.pipeline.processes import RoleProcesses
 from meshrl.queues import QueueClosed
@@ -117,14 +112,13 @@ def _check_task(task: Any, *, reward: Any, environment: Any) -> None:
 
 def _with_reward_workers(cfg: PipelineConfig, task: Any, reward: Any, environment: Any) -> PipelineConfig:
     """``reward.num_workers=null`` settled: 0 when the reward that scores says it is quick and cannot
-    hang (a task's ``quick_reward``, ``FunctionReward(inline=True)``; and always with run.loops=roles),
-    else 1 (``RewardConfig``)."""
+    hang (a task's ``quick_reward``, ``FunctionReward(inline=True)``), else 1 (``RewardConfig``)."""
     if cfg.reward.num_workers is not None:
         return cfg
     scorer = reward if reward is not None else None if environment is not None else task
     quick = (scorer.inline if isinstance(scorer, FunctionReward)
              else scorer is task and bool(getattr(task, "quick_reward", False)))
-    workers = 0 if quick or cfg.run.loops == "roles" else 1
+    workers = 0 if quick else 1
     return msgspec.structs.replace(cfg, reward=msgspec.structs.replace(cfg.reward, num_workers=workers))
 
 
@@ -151,9 +145,6 @@ class Pipeline:
             reward = NamedFunction(config.task.reward_function)  # each reward worker imports it
         if environment is not None and not callable(environment):
             raise TypeError(f"environment must be a factory problem -> Environment (e.g. a class), got {environment!r:.80}")
-        if environment is not None and config.run.loops == "roles":
-            raise ConfigError("`run.loops`: roles plays single-turn requests only; an environment's episodes run "
-                              "from the controller's loop (run.loops=controller)")
         if reward is not None:
             as_reward(reward, timeout_s=config.reward.timeout_s)  # a wrong kind now, not in a worker
         self.reward, self.environment = reward, environment
@@ -213,12 +204,12 @@ class Pipeline:
         await self._processes.probe(self._echo)  # run.warm_resume: what the failed attempt left, if it answers
         restarts = ({"max_restarts": cfg.run.max_worker_restarts,
                      "on_restart": functools.partial(self.recovery.restarted, cfg)} if cfg.run.max_worker_restarts else {})
-        lanes = cfg.run.loops == "roles"
-        if not lanes:  # the sampler: the queue and the prompt ledger (meshrl.queues.sampler)
-            queue = self._spawn("queue", SamplerActor, cfg.queue, list(self.task.split("train")), cfg.run.seed,
-                                samples_per_prompt=cfg.algo.samples_per_prompt,
-                                samples_per_step=cfg.trainer.samples_per_step,
-                                steps_per_version=cfg.trainer.sync_interval, audit=cfg.run.audit)
+        # the sampler: the queue and the prompt ledger (meshrl.queues.sampler), in the one rollout
+        # worker's process or an actor of its own
+        sampler = dict(config=cfg.queue, problems=list(self.task.split("train")), seed=cfg.run.seed,
+                       samples_per_prompt=cfg.algo.samples_per_prompt, samples_per_step=cfg.trainer.samples_per_step,
+                       steps_per_version=cfg.trainer.sync_interval, audit=cfg.run.audit)
+        queue = None if cfg.sampler_in_rollout else self._spawn("queue", SamplerActor, **sampler)
         max_new_tokens = cfg.rollout.episode.max_tokens if env else cfg.rollout.max_new_tokens
         sglang = cfg.rollout.engine.backend == "sglang"
         share = 0.5 if cfg.placement == "colocated" and sglang else 1  # colocated SGLang: half a GPU each, for Ray
@@ -227,13 +218,7 @@ class Pipeline:
         # without an environment the task's reward is the default; an environment's rewards stand alone
         reward = self.reward if self.reward is not None else None if env else self.task
         scorer = {} if cfg.reward.num_workers else {"scorer": (reward, cfg.reward.timeout_s)}  # rollouts score
-        if lanes:  # the rollout worker holds the queue and runs its loops (meshrl.actors.lanes)
-            settings = LaneSettings(queue=cfg.queue, rollout=cfg.rollout, samples_per_prompt=cfg.algo.samples_per_prompt,
-                                    samples_per_step=cfg.trainer.samples_per_step, sync_interval=cfg.trainer.sync_interval,
-                                    seed=cfg.run.seed, step_timeout_s=cfg.run.step_timeout_s, audit=cfg.run.audit)
-            rollouts = queue = self._spawn("rollout", LaneRollout, model_dir, cfg.rollout.engine, cfg.rollout.threads,
-                                           lane=settings, problems=list(self.task.split("train")), **scorer)
-        elif cfg.placement == "colocated" and not sglang:
+        if cfg.placement == "colocated" and not sglang:
             # one process per trainer rank holds the trainer and an engine replica (meshrl.actors.hybrid);
             # "procs" is the dim the rollout loops slice, and the trainer's dp axis
             rollouts = trainer = self._spawn(
@@ -251,12 +236,14 @@ class Pipeline:
                                    dims=dims, gpus_per_proc=engine_gpus * (tp if sglang else 1), tp_size=tp,
                                    tp_timeout_s=cfg.run.step_timeout_s,
                                    **({"environment": env, "episode": cfg.rollout.episode} if env else {}),
-                                   **(restarts if restarts_rollout_in_place(cfg) else {}), **scorer)
+                                   **(restarts if restarts_rollout_in_place(cfg) else {}), **scorer,
+                                   **({"sampler": sampler} if queue is None else {}))
+            queue = queue or rollouts
         rewards = (self._spawn("reward", RewardWorker, reward, model_dir, cfg.reward.timeout_s, procs=cfg.reward.num_workers,
                                **restarts) if cfg.reward.num_workers else None)
         if cfg.placement != "colocated" or sglang:
             trainer = self._spawn(
-                "trainer", LaneTrainer if lanes else Trainer, model_dir, cfg.trainer, cfg.algo, temperature=cfg.rollout.temperature,
+                "trainer", Trainer, model_dir, cfg.trainer, cfg.algo, temperature=cfg.rollout.temperature,
                 max_new_tokens=max_new_tokens, total_steps=cfg.run.total_steps, dims={"dp": cfg.trainer.dp},
                 gpus_per_proc=int(cfg.trainer.device == "cuda") * share,
             )
@@ -280,7 +267,7 @@ class Pipeline:
         if sglang:  # each rollout worker runs (or attaches to) a server
             await start_sglang_servers(cfg, rollouts, trainer, model_dir, self.out_dir, self._echo,
                                        kept="rollout" in self._processes.taken)
-        elif cfg.reshard.transport == "distributed" and cfg.placement != "colocated" and not lanes:  # colocated: in-place hand-over
+        elif cfg.reshard.transport == "distributed" and cfg.placement != "colocated":  # colocated: in-place hand-over
             # once: a process group over every trainer and engine rank, and the cached transfer plan
             await reshard_meshes.connect(trainer, engines, cfg.reshard)
         return Roles(queue, rollouts, rewards, trainer, reference, engines=engines)
@@ -363,12 +350,9 @@ class Pipeline:
                        "run.resume=latest follows this run")
         reference = cfg.algo.kl_coef > 0 and not cfg.trainer.reference_in_trainer
         tp = f" (x{cfg.rollout.tp_size} tensor-parallel ranks each)" if cfg.rollout.tp_size > 1 else ""
-        if cfg.run.loops == "roles":
-            self._echo("starting roles: 1 rollout (holding the queue, scoring its samples), trainer (dp=1); "
-                       "they run the loops themselves (run.loops=roles)")
-        else:
-            self._echo(f"starting roles: queue, {cfg.rollout.num_workers} rollout{tp}, {cfg.reward.num_workers or 'no'} "
-                       f"reward, trainer (dp={cfg.trainer.dp})" + (", reference" if reference else ""))
+        rollout = "1 rollout (holding the sampler)" if cfg.sampler_in_rollout else f"sampler, {cfg.rollout.num_workers} rollout"
+        self._echo(f"starting roles: {rollout}{tp}, {cfg.reward.num_workers or 'no'} reward, trainer (dp={cfg.trainer.dp})"
+                   + (", reference" if reference else ""))
         # the run's first file, once it will run: a refused resume leaves the folder describing the run its
         # checkpoints are of, and a run stopped in its warm start leaves nothing a fresh one would refuse
         (self.out_dir / "config.yaml").write_text(to_yaml(cfg))
@@ -393,12 +377,9 @@ class Pipeline:
                                                     stopping=self._stopping, environment=self.environment is not None,
                                                     revivals=revivals)
             self.recovery.revivals = revivals
-            lanes = cfg.run.loops == "roles"
-            self._train = train = (LaneLoop if lanes else TrainLoop)(cfg, roles, rollout, log, self.out_dir,
-                                                                      evaluate=self._periodic_evaluation)
+            self._train = train = TrainLoop(cfg, roles, rollout, log, self.out_dir, evaluate=self._periodic_evaluation)
             train.restarts = len(self.recovery.restarts)
-            if lanes:
-                await train.connect()
+            await train.connect()
             self._roles_ready.set()
             if resume_from is not None:
                 self._echo(await train.restore(resume_from, engines_kept=self._processes.engines_kept))
@@ -407,7 +388,7 @@ class Pipeline:
                 train.accuracy_before = before["accuracy"]
                 self._echo(f"held-out accuracy before RL: {before['accuracy']:.1%} ({before['problems']} problems)")
             self.recovery.recovered(log, train.step, kept=self._processes.taken)
-            loops = [] if lanes else [  # each worker runs its loops (run.loops=roles: LaneLoop.run starts them)
+            loops = [  # each worker runs its loops
                 asyncio.create_task(self._guard(rollout.loop(roles.rollouts.slice(procs=i), i)))
                 for i in range(cfg.rollout.num_workers)
             ]
@@ -421,7 +402,10 @@ class Pipeline:
                 await asyncio.wait([training, stop], return_when=asyncio.FIRST_COMPLETED)
                 stopped = self._stop_requested.is_set() and train.step < cfg.run.total_steps
                 if stopped:
-                    left = await (train if lanes else rollout).drain(cfg.run.stop_drain_timeout_s)
+                    # the trainer takes no batch from here (one it took is trained): what the drain puts stays queued
+                    await bounded(roles.queue.hold_batches.call_one(stopping=True), cfg.run.step_timeout_s,
+                                  "the sampler to hold the trainer's batches")
+                    left = await rollout.drain(cfg.run.stop_drain_timeout_s)
                     if left:
                         self._echo(f"stop: {left} requests still in flight after {cfg.run.stop_drain_timeout_s:g}s; "
                                    "the checkpoint records them and a resumed run generates them again")
@@ -430,9 +414,13 @@ class Pipeline:
                 heartbeat.cancel()
                 reviver.cancel()
                 self._stopping.set()
+                with contextlib.suppress(Exception):  # the trainer's next batch is STOP: its last chunk ends
+                    await roles.queue.hold_batches.call_one(stopping=True).within(60)
+                # waits for: the trainer's last chunk (a batch it took is trained); unblocked by: the hold
+                await asyncio.wait([training])
                 with contextlib.suppress(Exception):  # a dead queue: its waiters fail by themselves, and
                     # the loops below must still be cancelled and awaited, not left to fail the next attempt
-                    await roles.queue.close.call_one().within(60)  # wakes get_batch and every reserve/put
+                    await roles.queue.close.call_one().within(60)  # wakes every reserve/put
                 await training
                 if stopped or self._failure is not None:
                     # stopped: a request still generating stays in the ledger (re-issued on resume);
@@ -591,7 +579,8 @@ class Pipeline:
         """``{"role/rank": pid}`` of every role's process (queue, rollout, reward, trainer, reference)
         of the running attempt: what an operator (or a fault-injection test) signals."""
         roles = (await self._running("Pipeline.processes")).roles
-        meshes = {"queue": roles.queue, "rollout": roles.engines, "reward": roles.rewards, "trainer": roles.trainer,
+        meshes = {"queue": roles.queue if roles.queue is not roles.rollouts else None, "rollout": roles.engines,
+                  "reward": roles.rewards, "trainer": roles.trainer,
                   "reference": roles.reference}
         out: dict[str, int] = {}
         for name, mesh in meshes.items():

@@ -115,8 +115,8 @@ class RoleProcesses:
     def keepable(cfg: PipelineConfig, failure: BaseException | None) -> set[str]:
         """The roles whose meshes ``failure`` (the attempt's end, None: it did not fail) leaves for a resume."""
         dead = death(failure) if failure is not None else None
-        if not (cfg.run.auto_resume and cfg.run.warm_resume) or dead is None or cfg.run.loops == "roles":
-            return set()  # run.loops=roles: the rollout worker holds the queue, which restores only fresh
+        if not (cfg.run.auto_resume and cfg.run.warm_resume) or dead is None:
+            return set()
         keep = set(KEEPABLE) - {dead.mesh if isinstance(dead, ActorFailure) else ""}
         if cfg.rollout.engine.backend == "torch" and cfg.rollout.tp_size > 1:
             keep.discard("rollout")

@@ -127,7 +127,7 @@ class Recovery:
         timeout = cfg.run.heartbeat_timeout_s
         if timeout <= 0:
             return
-        meshes = {"queue": roles.queue, "rollout": roles.engines,
+        meshes = {**({"queue": roles.queue} if roles.queue is not roles.rollouts else {}), "rollout": roles.engines,
                   **({"reward": roles.rewards} if roles.rewards is not None else {}),
                   **({"trainer": roles.trainer} if roles.trainer is not roles.engines else {}),
                   **({"reference": roles.reference} if roles.reference is not None else {})}

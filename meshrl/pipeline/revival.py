@@ -4,18 +4,18 @@
 a rollout worker dies        (its generate fails, a push to it fails, or supervision reports its restart)
   Revivals.died(rank)        it takes no request and no evaluation from now on
   Ray re-creates it          the same actor, __init__ again: the checkpoint's weights, version 0
-  TrainLoop.revive           when the trainer's weights are the served version's (between a push and
-                             the next train step; or the push that failed, sent again): the trainer
-                             and every engine join a new transfer group, the version is pushed to all
+  the trainer's chunk ends   at its next step that pushed (sampler.hold_batches; or at the push that
+                             failed with it); between chunks the trainer and every engine join a new
+                             transfer group, the version is pushed to all (meshrl.pipeline.training)
   Revivals.back(ranks, v)    it serves v: its rollout loops re-issue the requests it had in flight
                              (same reservation, prompts, group ids and so seeds)
 ```
 
 Only where it can work: ``run.max_worker_restarts > 0``, TorchEngine, ``rollout.tp_size=1`` (a
 tensor-parallel group does not take a new member), separate engines (``placement=colocated``: the
-process is also a trainer rank), and a push every step or another worker to generate meanwhile
-(``trainer.sync_interval=1`` or ``rollout.num_workers > 1``: a worker is loaded at a push). Elsewhere
-a rollout worker's death resumes the run from its newest checkpoint (``run.auto_resume``).
+process is also a trainer rank), and several workers (one worker holds the run's sampler, which dies
+with it). Elsewhere a rollout worker's death resumes the run from its newest checkpoint
+(``run.auto_resume``).
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ __all__ = ["Revivals", "death", "restarts_rollout_in_place"]
 
 def restarts_rollout_in_place(cfg: PipelineConfig) -> bool:
     """A rollout worker's death is answered by its restart in place, not a resume (module docstring)."""
-    return (cfg.run.max_worker_restarts > 0 and cfg.run.loops == "controller" and cfg.rollout.engine.backend == "torch"
+    return (cfg.run.max_worker_restarts > 0 and cfg.rollout.engine.backend == "torch" and not cfg.sampler_in_rollout
             and cfg.rollout.tp_size == 1
-            and cfg.placement != "colocated" and (cfg.trainer.sync_interval == 1 or cfg.rollout.num_workers > 1))
+            and cfg.placement != "colocated")
 
 
 def death(exc: BaseException) -> BaseException | None:

@@ -105,7 +105,8 @@ class RolloutDriver:
             loads = self.revivals.loads()[worker_index]
             try:
                 # waits for: the sampler to close (the run winds down); unblocked by: the controller's close
-                await worker.run_loops.call_one(roles.queue, roles.rewards, roles.reference, self.settings(worker_index),
+                sampler = None if roles.queue is roles.rollouts else roles.queue  # None: the worker's own
+                await worker.run_loops.call_one(sampler, roles.rewards, roles.reference, self.settings(worker_index),
                                                 cfg.rollout, cfg.run.seed)
                 return
             except Exception as exc:

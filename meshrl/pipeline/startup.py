@@ -374,8 +374,7 @@ def settle_devices(cfg: PipelineConfig, echo: Callable[[str], None] = print) -> 
     both sides can use (placement=disaggregated; colocated engines share the trainer's device).
 
     An engine actor sees no GPU unless it asks Ray for one, so "CUDA when available" is decided
-    here: cuda when the cluster has a GPU for every engine rank besides the trainer's, else cpu
-    (always cpu with run.loops=roles, a CPU layout).
+    here: cuda when the cluster has a GPU for every engine rank besides the trainer's, else cpu.
     The distributed transport's group takes NCCL on a CUDA side and gloo on a CPU side, and a
     group needs one backend: with the trainer and the engines on different kinds of device the
     weights go through Ray's object store instead. Each choice is said.
@@ -395,7 +394,7 @@ def settle_devices(cfg: PipelineConfig, echo: Callable[[str], None] = print) -> 
         return cfg
     if engine.device == "auto":
         need = cfg.rollout.num_workers * cfg.rollout.tp_size
-        device = "cuda" if gpus and gpus >= trainer + need and cfg.run.loops == "controller" else "cpu"
+        device = "cuda" if gpus and gpus >= trainer + need else "cpu"
         if gpus:
             echo(f"rollout.engine.device=auto: {device} (the cluster has {gpus} GPU(s); the engines need "
                  f"{need}" + (f" besides the trainer's {trainer}" if trainer else "") + ")")

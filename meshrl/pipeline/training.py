@@ -1,37 +1,30 @@
-"""The controller's training side: the train loop, weight pushes, checkpoints and resume.
+"""The controller's training side: chunks of train steps handed to the trainer, checkpoints, resume.
 
 ```text
-train loop, until run.total_steps or the run stops:
-  queue.get_batch      waits for: samples_per_step samples (whole groups) within max_staleness
-                                  of the version the step trains at
-                       unblocked by: rollout loop put_ref (or queue.close when stopping)
-                       asked for while the step before trains (not after a checkpoint's step):
-                       the trainer starts the next step as soon as its weights are sent
-  trainer.train_step   (every dp rank fetches only its share, whole groups, by their refs)
-  every sync_interval steps: version += 1 and a push to every engine (meshrl.pipeline.weight_sync). distributed:
-  the engines' receives are armed while the step computes the version (reshard.meshes.arm), the
-  trainer sends after it; at max_staleness ≥ 1 (staged apply, separate engines) the train loop
-  goes on once the trainer has sent, and the engines flip on their own time (awaited before the
-  next push, a checkpoint or an evaluation). object_store: trainer.gather_weights (dp > 1: full
-  tensors onto rank 0) → reshard.push_weights → engines
+per chunk, until run.total_steps or the run stops:
+  trainer.run_steps(until)   every dp rank runs the train loop itself up to step `until`: the next
+                             checkpoint, evaluation or the end, or run.chunk_s seconds (at a push)
+                             (meshrl.actors.train_loop: batches from the sampler, train steps, each
+                             version pushed by the trainer and published to the sampler by its rank 0)
+                             waits for: the chunk's steps; each of its waits is bounded in the trainer
+  sampler.report             the queue's metrics and what the requests put since did
+  the chunk's step records   into the log and the timeline (the trainer's spans)
+  a push that failed with a rollout worker restarted in place: the worker rejoins, the version is
+  pushed again (meshrl.pipeline.revival); a worker that died while the chunk ran: its chunk ends at
+  the next step that pushed (sampler.hold_batches), the same, then sampler.resume_batches
   every checkpoint_every steps and at the end: checkpoint (trainer state, the sampler's state: queue
-  snapshot, prompt position, requests in flight) — before set_version, so at max_staleness = 0
-  nothing is in flight (meshrl.pipeline.checkpoint)
-  queue.set_version(version)  only once every engine serves it (a detached push: when its flip
-                              lands), so admission never grants a batch that starts on v - 1
-  the step record (with queue.metrics) is written beside the next step, in step order
-resume: trainer.load_checkpoint → push its weights as the saved version → sampler.restore (the
-        requests that were in flight are taken again first; unknown reservations cancelled)
-a rollout worker restarted in place (meshrl.pipeline.revival): loaded when the trainer's weights are
-  the served version's — by ``revive`` between a push and the next train step (the train loop holds
-  ``_weights`` from that step to its push), or by the push that failed with it, sent again
+  snapshot, prompt position, requests in flight) before the version is published, so at
+  max_staleness = 0 nothing is in flight (meshrl.pipeline.checkpoint); then sampler.set_version
+  every eval_every steps: the evaluation, beside the next chunk
+stop():  sampler.hold_batches(stopping): the trainer's next batch is STOP (one it took is trained)
+resume:  trainer.load_checkpoint → trainer.place(step, version) → push its weights as the saved
+         version → sampler.restore (the requests that were in flight are taken again first)
 ```
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import shutil
 import time
@@ -39,23 +32,38 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from meshrl import manifest
+from meshrl.actors.train_loop import LoopPlan
 from meshrl.pipeline import checkpoint as ckpt
 from meshrl.pipeline.config import PipelineConfig
 from meshrl.pipeline.metrics import RunLog
 from meshrl.pipeline.rollout_loop import Roles, RolloutDriver, bounded
-from meshrl.pipeline.weight_sync import weight_sync
 from meshrl.pipeline.audit import AuditLog
-from meshrl.queues import QueueClosed, SamplerState
+from meshrl.queues import SamplerState
 from meshrl.queues.snapshot import ledger_mark
+from meshrl.reshard import meshes as reshard_meshes
 
-__all__ = ["TrainLoop"]
+__all__ = ["TrainLoop", "loop_plan"]
 
-TOKENS_WINDOW_STEPS = 8
-"""The tokens_per_s of a step record is the generation rate over the last this many steps."""
+
+def loop_plan(cfg: PipelineConfig) -> LoopPlan:
+    """What the trainer's loop needs of the run: the transport chosen once, at start."""
+    if cfg.rollout.engine.backend == "sglang":
+        transport = "sglang"
+    elif cfg.placement == "colocated":
+        transport = "colocated"
+    else:
+        transport = cfg.reshard.transport
+    arms = transport == "distributed" and cfg.reshard.apply == "staged"
+    return LoopPlan(samples_per_step=cfg.trainer.samples_per_step, sync_interval=cfg.trainer.sync_interval,
+                    dp=cfg.trainer.dp, step_timeout_s=cfg.run.step_timeout_s, transport=transport, arms=arms,
+                    detached=arms and cfg.queue.max_staleness >= 1,
+                    gathers=cfg.trainer.dp > 1 or cfg.trainer.device == "cuda",
+                    reshard_timeout_s=cfg.reshard.timeout_s, chunk_s=cfg.run.chunk_s)
 
 
 class TrainLoop:
-    """The train loop and the run's position: step, policy version, newest checkpoint."""
+    """Hands the trainer its chunks of steps, and keeps the run's position: step, policy version,
+    newest checkpoint (module docstring)."""
 
     def __init__(self, cfg: PipelineConfig, roles: Roles, rollout: RolloutDriver, log: RunLog, out_dir: Path, *,
                  evaluate: Callable[[], Awaitable[Any]]) -> None:
@@ -72,203 +80,153 @@ class TrainLoop:
         """Resumes of this run by run.auto_resume so far (the controller sets it)."""
         self.audit = AuditLog(log, roles.queue, cfg.run.audit, cfg.run.step_timeout_s)
         """The ledger of samples accepted, dropped and trained (run.audit, meshrl.pipeline.audit)."""
-        self.sync = weight_sync(cfg, roles, self._publish)
-        """How the weights reach the engines: arm, push, settle (meshrl.pipeline.weight_sync)."""
         self.revivals = rollout.revivals
-        self._weights = asyncio.Lock()
-        """Held by the train loop while the trainer's weights are ahead of ``version`` (from a train
-        step to its push) and by ``revive``, which loads a restarted rollout worker with them."""
         self.published = 0
-        """The newest version the queue was told (set_version)."""
+        """The newest version the sampler was told (set_version)."""
+        self._clock = time.time() - log.now()
+        """``time.time()`` at the log's zero: the trainer's stamps onto the timeline's clock."""
+        self._rate_from: tuple[float, int] | None = None
+        """(when, tokens generated) at the end of the last chunk written: the next one's tokens_per_s."""
+
+    async def connect(self) -> None:
+        """The trainer's loop learns the sampler, the engines and the transport (once, at start)."""
+        await self._all(self.roles.trainer.train_connect.call(self.roles.queue, self.roles.engines, loop_plan(self.cfg)),
+                        "the trainer to connect its loop")
+
+    async def _all(self, call: Any, what: str, seconds: float | None = None) -> Any:
+        """A call of every trainer rank, bounded; rank 0's answer."""
+        return (await bounded(call, seconds or self.cfg.run.step_timeout_s, what)).values()[0]
 
     async def run(self) -> None:
         """Train until ``run.total_steps`` or until the rollout side's ``stopping`` is set."""
         try:
             await self._run()
-        finally:
-            self._release_weights()
-            await self.sync.close()  # a step failed between arming and its push
+        except BaseException:
+            # the trainer died (or failed) between arming the engines' receives and its push: withdrawn,
+            # so that engines kept for a resume (run.warm_resume) take the next trainer's push
+            if loop_plan(self.cfg).arms:
+                with contextlib.suppress(Exception):
+                    await self.roles.engines.reshard_disarm.call().within(10)
+            raise
 
-    _holding = False
-    """The train loop holds ``_weights`` (not ``revive``)."""
+    async def _run(self) -> None:
+        cfg = self.cfg
+        await self._all(self.roles.trainer.place.call(self.step, self.version), "the trainer to take its position")
+        while self.step < cfg.run.total_steps and not self.rollout.stopping.is_set():
+            await self._chunk(self._chunk_end(self.step))
+        if self.rollout.stopping.is_set() and self.step < cfg.run.total_steps:
+            # a batch the trainer asked for before the stop, and took, is trained (its samples are
+            # out of the queue's snapshot); one not yet answered is STOP (Pipeline.stop holds them)
+            await self._chunk(self.step + 1, stopping=True)
+            return
+        if self.step == cfg.run.total_steps and self.step % cfg.trainer.sync_interval:
+            # off the cadence, after the end checkpoint: the final evaluation is of the weights the run
+            # exports (final/), whatever total_steps is; the sampler is not told (no batch follows)
+            t0 = self.log.now()
+            self.version = await self.push(self.version + 1)
+            self.log.span("sync", "push_weights", t0, self.log.now(), version=self.version)
 
-    async def _hold_weights(self) -> None:
-        if not self._holding:
-            # waits for: a restarted rollout worker's load (seconds); unblocked by: revive
-            await self._weights.acquire()
-            self._holding = True
+    def _chunk_end(self, step: int) -> int:
+        """The step the chunk from ``step`` goes up to: the next checkpoint, evaluation or the end."""
+        cfg, ends = self.cfg, [self.cfg.run.total_steps]
+        for every in (cfg.run.checkpoint_every, cfg.run.eval_every):
+            if every > 0:
+                ends.append((step // every + 1) * every)
+        return min(ends)
 
-    def _release_weights(self) -> None:
-        if self._holding:
-            self._holding = False
-            self._weights.release()
+    async def _chunk(self, until: int, *, stopping: bool = False) -> None:
+        """One chunk up to step ``until`` and what follows it (module docstring). ``stopping``: the
+        run's last, after Pipeline.stop (the checkpoint is the controller's)."""
+        cfg = self.cfg
+        checkpoint = checkpoints_after(cfg, until) and not stopping
+        evaluates = bool(cfg.run.eval_every) and until % cfg.run.eval_every == 0 and until < cfg.run.total_steps
+        # no batch asked ahead before a checkpoint: its queue snapshot must hold every sample not trained
+        prefetch = until < cfg.run.total_steps and not checkpoint and not stopping
+        # the evaluation, the checkpoint and the end see the engines on the last version
+        settle = checkpoint or evaluates or stopping or until == cfg.run.total_steps
+        steps = until - self.step
+        # waits for: `steps` train steps (each of the trainer's waits bounded by run.step_timeout_s)
+        chunk = await self._all(self.roles.trainer.run_steps.call(until, prefetch=prefetch, settle=settle,
+                                                                  publish_last=not checkpoint),
+                                f"the trainer's chunk of steps {self.step + 1}..{until}",
+                                steps * (cfg.run.step_timeout_s + 30) + 60)
+        await self._write(chunk["records"])
+        self.step, self.version = chunk["step"], chunk["version"]
+        self.published = max(self.published, chunk["published"])
+        if chunk["failure"] is not None:
+            failure = chunk["failure"]
+            if (rank := self.revivals.restartable(failure)) is None:
+                raise failure
+            self.revivals.died(rank)  # the push of the chunk's last step failed with it: pushed again
+            self.version = await self.push(self.version + 1, publish=not checkpoint or self.step < until)
+        if stopping:
+            return
+        if self.step < until and not self.rollout.stopping.is_set():
+            if self.revivals.down and self.step % cfg.trainer.sync_interval == 0:
+                await self.push(self.version, publish=self.published < self.version)  # loads the restarted workers
+            if chunk["held"]:  # a STOP for the revival (or one that came after it): batches again
+                await bounded(self.roles.queue.resume_batches.call_one(), cfg.run.step_timeout_s,
+                              "the sampler to resume batches")
+            return
+        if self.step < until:
+            return  # stopping
+        if self.revivals.down and self.step % cfg.trainer.sync_interval == 0:
+            await self.push(self.version, publish=self.published < self.version and not checkpoint)
+        if checkpoint:
+            await self.checkpoint()
+            if self.published < self.version:
+                await self._publish(self.version)
+        if evaluates:
+            self.evals.append(asyncio.create_task(self._evaluate()))
+
+    async def _write(self, records: list[dict[str, Any]]) -> None:
+        """A chunk's step records and spans into the log, with the sampler's report (its metrics,
+        the tokens generated, what the requests put since did); the audit of what each step trained."""
+        if not records:
+            return
+        report = await bounded(self.roles.queue.report.call_one(), self.cfg.run.step_timeout_s, "the sampler's report")
+        self.rollout.reported(report)
+        queue_m = {f"queue/{k}": v for k, v in report["metrics"].items() if isinstance(v, (int, float))}
+        generated, c = self.rollout.generated_tokens, self._clock
+        since, before = self._rate_from or (records[0]["spans"][0], 0)
+        end = records[-1]["spans"][3]
+        rate = (generated - before) / max(end - since, 1e-9)
+        self._rate_from = (end, generated)
+        for rec in records:
+            t0, t1, t2, t3 = rec.pop("spans")
+            trained = rec.pop("groups")
+            self.log.span("trainer", "train_step", t1 - c, t2 - c)
+            if "colocated/switch_to_train_s" in rec:  # placement=colocated: the step began by freeing the KV cache
+                self.log.span("colocated", "switch_to_train", t1 - c, t1 - c + rec["colocated/switch_to_train_s"])
+            if t3 > t2 + 1e-6:
+                self.log.span("sync", "push_weights", t2 - c, t3 - c, version=rec["version"])
+            self.log.step({**rec, "tokens_per_s": rate, "generated_tokens": generated,
+                           "reissued_calls": self.rollout.reissued_calls, "restarts": self.restarts,
+                           "reissued_requests": self.revivals.reissued_requests,
+                           "revived_workers": self.revivals.revived, **queue_m})
+            await self.audit.record(rec["step"], trained)
 
     async def revive(self) -> None:
-        """Load the rollout workers restarted in place with the current weights, whenever one is
-        reported dead, until cancelled (a task of the controller's; module docstring)."""
+        """When a rollout worker is reported dead, end the trainer's chunk at its next step that
+        pushed (the chunk loop then loads the restarted worker), until cancelled."""
         while True:
             await self.revivals.wake.wait()
             self.revivals.wake.clear()
-            if not self.revivals.down:
-                continue
-            async with self._weights:  # the trainer's weights are `version`'s from here to the release
-                if self.revivals.down:
-                    try:
-                        await self.sync.settle()  # a detached push still landing, or failed with the worker
-                    except Exception as exc:
-                        if (rank := self.revivals.restartable(exc)) is None:
-                            raise
-                        self.revivals.died(rank)
-                    await self.push(self.version, publish=self.published < self.version)
-
-    async def _run(self) -> None:
-        cfg, timeout = self.cfg, self.cfg.run.step_timeout_s
-        last_end = time.perf_counter()
-        # generated tokens arrive a whole request at a time: rate them over the last few steps, not one
-        self._window = collections.deque([(last_end, self.rollout.generated_tokens)], maxlen=TOKENS_WINDOW_STEPS + 1)
-        upcoming: asyncio.Future | None = None
-        """The next step's batch, asked for while this step trains (``_prefetches``)."""
-        try:
-            while self.step < cfg.run.total_steps and (upcoming is not None or not self.rollout.stopping.is_set()):
-                t0 = self.log.now()
-                if upcoming is None:
-                    batch = await self._batch(self.version)
-                else:  # asked for during the last step; taken (or not yet) whether or not the run is stopping
-                    taking, upcoming = upcoming, None
-                    try:
-                        batch = await taking
-                    except QueueClosed:
-                        if self.rollout.stopping.is_set():  # stopped before it was complete: nothing was taken
-                            break
-                        raise
-                t1 = self.log.now()
-                await self._hold_weights()  # from here the trainer's weights are ahead of `version`
-                if self._pushes_after(self.step + 1) and not self.revivals.down:
-                    self.sync.arm(self.version + 1)  # the engines post their receives while the step computes
-                # every dp rank trains its own share; the metrics are global (rank 0's)
-                training = self.roles.trainer.train_step.call(batch, self.version).within(timeout)
-                if self._prefetches(self.step + 1):
-                    after = self.version + self._pushes_after(self.step + 1)  # the version the next step trains at
-                    upcoming = asyncio.ensure_future(self._batch(after))
-                metrics = (await training).values()[0]
-                t2 = self.log.now()
-                self.log.span("trainer", "train_step", t1, t2)
-                if "colocated/switch_to_train_s" in metrics:  # placement=colocated: the step began by freeing the KV cache
-                    self.log.span("colocated", "switch_to_train", t1, t1 + metrics["colocated/switch_to_train_s"])
-                self.step += 1
-                await self.audit.record(self.step, batch.groups)
-                sync_s, pushed, checkpoint = 0.0, self._pushes_after(self.step), checkpoints_after(self.cfg, self.step)
-                if pushed:
-                    self.version = await self.push(self.version + 1, publish=not checkpoint)
-                    sync_s = self.log.now() - t2
-                    self.log.span("sync", "push_weights", t2, t2 + sync_s, version=self.version)
-                now = time.perf_counter()
-                self._record(now, {
-                    "step": self.step, "version": self.version, **metrics,
-                    "step_time_s": now - last_end, "batch_wait_s": t1 - t0, "sync_time_s": sync_s,
-                    **self.sync.phases(), "restarts": self.restarts,
-                    "reissued_requests": self.revivals.reissued_requests, "revived_workers": self.revivals.revived,
-                })
-                last_end = now
-                if checkpoint:
-                    # before set_version: at max_staleness=0 no rollout is in flight now
-                    await self.settle()
-                    await self.checkpoint()
-                    if pushed:
-                        await self._publish(self.version)
-                if cfg.run.eval_every and self.step % cfg.run.eval_every == 0 and self.step < cfg.run.total_steps:
-                    await self.settle()  # evaluated at the version the step record names
-                    await self.recorded()  # its record after this step's
-                    self.evals.append(asyncio.create_task(self._evaluate()))
-                if pushed:
-                    self._release_weights()
-        except BaseException:
-            if upcoming is not None:  # a step failed: the run ends (or resumes from its newest checkpoint)
-                upcoming.cancel()
-                await asyncio.gather(upcoming, return_exceptions=True)
-            with contextlib.suppress(Exception):  # the records written so far stay; the step's own error is raised
-                await self.recorded()
-            raise
-        await self.recorded()
-        await self._hold_weights()
-        await self.settle()
-        if self.step == cfg.run.total_steps and not self._pushes_after(self.step):
-            # off the cadence, after the end checkpoint: the final evaluation is of the weights the run
-            # exports (final/), whatever total_steps is; the queue is not told (no batch follows)
-            t0 = self.log.now()
-            self.version = await self.push(self.version + 1)
-            await self.settle()
-            self.log.span("sync", "push_weights", t0, self.log.now(), version=self.version)
-
-    async def _batch(self, version: int) -> Any:
-        """The next batch for a step at ``version``, by reference: the blobs' refs, split into whole
-        groups per trainer dp rank; each rank fetches its own share from the producers' nodes."""
-        timeout = self.cfg.run.step_timeout_s
-        # waits for: samples_per_step samples within max_staleness of `version`;
-        # unblocked by: rollout loop put_ref (or queue.close when the run stops)
-        return await bounded(self.roles.queue.get_batch_refs.call_one(self.cfg.trainer.samples_per_step, version,
-                                                                      timeout=timeout, shares=self.cfg.trainer.dp),
-                             timeout + 30, "a batch from the queue")
-
-    def _prefetches(self, step: int) -> bool:
-        """Whether the batch of the step after ``step`` is asked for while ``step`` trains: not when
-        ``step`` is the last, checkpoints (its queue snapshot must hold every sample not trained), or
-        the run is stopping. A batch taken early is trained even if the run stops meanwhile (a step
-        in flight finishes); the queue's admission is the same either way (``meshrl.queues.admission``:
-        taking a batch only moves the consumed position it would move a step later)."""
-        return step < self.cfg.run.total_steps and not checkpoints_after(self.cfg, step) and not self.rollout.stopping.is_set()
-
-    def _record(self, ended: float, fields: dict[str, Any]) -> None:
-        """The step record, with the sampler's report after the step (the queue's metrics, the tokens
-        generated, what the requests put since did: ``RolloutDriver.reported``), written beside the
-        next step: the answer and the writing (TensorBoard, the progress line) are off the train
-        loop's path. Records are written in step order (``recorded`` waits for them). ``ended``:
-        when the step ended (``time.perf_counter``)."""
-        before = self._recording
-
-        async def write() -> None:
-            if before is not None:
-                await before
-            report = await bounded(self.roles.queue.report.call_one(), self.cfg.run.step_timeout_s, "the sampler's report")
-            self.rollout.reported(report)
-            generated, (since, then) = self.rollout.generated_tokens, self._window[0]
-            self._window.append((ended, generated))
-            self.log.step({**fields, "tokens_per_s": (generated - then) / max(ended - since, 1e-9),
-                           "generated_tokens": generated, "reissued_calls": self.rollout.reissued_calls,
-                           **{f"queue/{k}": v for k, v in report["metrics"].items() if isinstance(v, (int, float))}})
-
-        self._recording = asyncio.ensure_future(write())
-
-    _recording: asyncio.Future | None = None
+            if self.revivals.down:
+                await bounded(self.roles.queue.hold_batches.call_one(), self.cfg.run.step_timeout_s,
+                              "the sampler to hold the trainer's batches")
 
     async def recorded(self) -> None:
-        """Until every step record so far is written (a failed queue call raises here)."""
-        if self._recording is not None:
-            recording, self._recording = self._recording, None
-            await recording
-
-    def _pushes_after(self, step: int) -> bool:
-        """Every trainer.sync_interval steps: the queue's admission counts on that cadence (a push
-        off it, checkpointed, would put a resumed run's admission a version out of step)."""
-        return step % self.cfg.trainer.sync_interval == 0
+        """Every step record is written when its chunk returns."""
 
     async def settle(self) -> None:
-        """Until every engine serves the newest pushed version and the queue has it; a failed
-        push raises here (one that failed with a rollout worker restarted in place: pushed again)."""
-        try:
-            await self.sync.settle()
-        except Exception as exc:
-            if (rank := self.revivals.restartable(exc)) is None:
-                raise
-            self.revivals.died(rank)
-            if not self._holding:  # a user's call: the train loop or `revive` pushes it again
-                await self.revivals.any_serving("a push that failed with a restarted rollout worker", every=True)
-                return
-            await self.push(self.version, publish=self.published < self.version)
+        """Until every engine serves the newest pushed version (the trainer's, between its chunks)."""
+        await self._all(self.roles.trainer.settle_push.call(), "the engines to serve the last pushed version",
+                        self.cfg.run.step_timeout_s * 3)
 
     async def push(self, version: int, *, publish: bool = False) -> int:
-        """Send the trainer's weights to every engine as ``version``; returns it. ``publish``: then
-        tell the queue (``set_version``), once every engine serves it. A rollout worker restarted in
+        """Send the trainer's weights to every engine as ``version`` (between chunks); returns it.
+        ``publish``: then tell the sampler, once every engine serves it. A rollout worker restarted in
         place first joins (and is loaded by this push): a push that fails with one is sent again."""
         deadline = time.monotonic() + self.cfg.run.step_timeout_s
         while True:
@@ -277,16 +235,25 @@ class TrainLoop:
             try:
                 if ranks:
                     await self.revivals.back_up(self.roles.engines, ranks)  # Ray re-created them
-                    await self.sync.rejoin()
-                pushed = await self.sync.push(version, publish=publish)
+                    await self._rejoin()
+                await self._all(self.roles.trainer.push_version.call(version, publish), f"the push of v{version}",
+                                self.cfg.run.step_timeout_s * 2)
+                if publish:
+                    self.published = max(self.published, version)
                 if ranks:
-                    await self.sync.settle()  # they take requests once they serve it
                     self.revivals.back(ranks, version, self.step)
-                return pushed
+                return version
             except Exception as exc:
                 if (rank := self.revivals.restartable(exc)) is None or time.monotonic() > deadline:
                     raise
                 self.revivals.died(rank, before=loads[rank])
+
+    async def _rejoin(self) -> None:
+        """A rollout worker was re-created: forget the push that failed with it, and (distributed)
+        every trainer and engine rank joins a new transfer group."""
+        await self._all(self.roles.trainer.forget_push.call(), "the trainer to forget a failed push")
+        if loop_plan(self.cfg).transport == "distributed":
+            await reshard_meshes.connect(self.roles.trainer, self.roles.engines, self.cfg.reshard)
 
     async def _publish(self, version: int) -> None:
         await bounded(self.roles.queue.set_version.call_one(version), self.cfg.run.step_timeout_s,
@@ -295,7 +262,6 @@ class TrainLoop:
 
     async def checkpoint(self) -> Path:
         """Trainer state, queue snapshot and controller state of this step (module docstring)."""
-        await self.recorded()  # the checkpoint keeps the log up to its step
         return await write_run_checkpoint(self, self._run_state)
 
     async def _run_state(self) -> ckpt.RunState:
@@ -310,14 +276,14 @@ class TrainLoop:
         state = await load_run_checkpoint(self, path)
         self.published = state.version  # announced below
         self.rollout.generated_tokens = state.generated_tokens
+        await self._all(self.roles.trainer.place.call(state.step, state.version), "the trainer to take its position")
         if state.step > 0 or engines_kept:
             await self.push(state.version)  # the engines serve the restored policy as its version
-            await self.settle()
         pending = await bounded(sampler.restore.call_one(sampler_state(state)), timeout, "the sampler to restore its state")
         # the checkpoint was taken between the push and set_version: announce that version now
         await bounded(sampler.set_version.call_one(state.version), timeout, "the sampler to take the restored version")
         evaluate_missed(self, state)
-        off_cadence = "" if self._pushes_after(state.step) else (
+        off_cadence = "" if state.step % self.cfg.trainer.sync_interval == 0 else (
             f" (step {state.step} is between two pushes of trainer.sync_interval={self.cfg.trainer.sync_interval}: "
             f"the engines serve the trainer's step-{state.step} weights as version {state.version}, so this run "
             "trains correctly but does not repeat an uninterrupted one exactly)")
@@ -326,7 +292,7 @@ class TrainLoop:
 
 
 async def write_run_checkpoint(loop: Any, run_state: Callable[[], Awaitable[ckpt.RunState]]) -> Path:
-    """A checkpoint of ``loop``'s step (a ``TrainLoop`` or ``lanes.LaneLoop``): the trainer's state,
+    """A checkpoint of ``loop``'s step (a ``TrainLoop``): the trainer's state,
     then ``run_state()`` (the rollout side's part, captured at once), written under the partial
     directory with its manifest and committed."""
     t0, timeout = loop.log.now(), loop.cfg.run.step_timeout_s

@@ -13,7 +13,7 @@ from meshrl.mesh import Actor, endpoint
 from meshrl.queues.sample_queue import SampleQueue
 from meshrl.queues.sampler import Sampler
 
-__all__ = ["QueueActor", "SamplerActor"]
+__all__ = ["QueueActor", "SAMPLER_ENDPOINTS", "SamplerActor"]
 
 _ENDPOINTS = (
     "reserve", "put", "put_encoded", "put_ref", "cancel", "get_batch", "get_batch_encoded", "get_batch_refs", "set_version",
@@ -37,9 +37,10 @@ for _name in _ENDPOINTS:
     setattr(QueueActor, _name, _expose(getattr(SampleQueue, _name)))
 
 
-_SAMPLER_ENDPOINTS = (
+SAMPLER_ENDPOINTS = (
     "take", "put_encoded", "put_ref", "cancel", "release", "report", "state", "restore", "get_batch", "get_batch_encoded",
-    "get_batch_refs", "set_version", "close", "metrics", "held_groups", "ledger",
+    "get_batch_refs", "set_version", "close", "metrics", "held_groups", "ledger", "step_batch", "hold_batches",
+    "resume_batches",
 )
 
 
@@ -47,5 +48,5 @@ class SamplerActor(Sampler, Actor):
     """A ``Sampler`` spawned on a mesh (the pipeline's ``queue`` role); calls share one event loop."""
 
 
-for _name in _SAMPLER_ENDPOINTS:
+for _name in SAMPLER_ENDPOINTS:
     setattr(SamplerActor, _name, _expose(getattr(Sampler, _name)))

@@ -11,6 +11,8 @@ put_*(…, id)  its samples (waits for: room under capacity_tokens; unblocked by
 cancel(id)    a request that will not put: its positions go back, it is done
 release(w)    the requests rollout worker ``w`` took and did not put (it died): taken again first
 get_batch_*   whole groups within max_staleness of the step's version (SampleQueue)
+step_batch    the batch of train step s, taken once and answered to every trainer dp rank that asks
+              (each fetches its own share); after hold_batches, STOP (None) instead of waiting
 state()       what a checkpoint keeps: the queue's snapshot, the prompt position, the next group and
               the requests in flight, read at one instant (no await between the reads)
 restore(s)    a fresh sampler continues from a checkpoint's state: its requests in flight are
@@ -26,6 +28,7 @@ and no Ray import (``SamplerActor`` runs it as an actor; one rollout worker may 
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Sequence
 
 import msgspec
@@ -69,6 +72,12 @@ class Sampler:
         """Reservation id -> the rollout worker that took the request (``release``)."""
         self._reports: list[Any] = []
         """What the producers sent with their puts since the last ``report`` (their timeline's spans)."""
+        self._steps: dict[int, list[Any]] = {}
+        """Train step -> [its batch's task, the dp ranks still to answer] (``step_batch``)."""
+        self._held = asyncio.Event()
+        """``hold_batches``: the trainer's batches are answered with STOP (None)."""
+        self._held_always = False
+        """Held for the run's stop: every step's batch is STOP, not only one after a push."""
 
     async def take(self, prompts: int, *, timeout: float | None = None,
                    owner: int | None = None) -> tuple[InFlight, list[Problem]]:
@@ -148,6 +157,65 @@ class Sampler:
             await self.queue.cancel(reservation_id)  # granted, but its prompts were never taken
         self.generated_tokens = state.generated_tokens
         return self.prompts.reissue_pending
+
+    async def step_batch(self, step: int, n: int, version: int, *, shares: int, timeout: float | None = None,
+                         pausable: bool = True) -> Any:
+        """Train step ``step``'s batch (``get_batch_refs(shares=shares)``), taken once however many of
+        the trainer's ``shares`` dp ranks ask; every rank gets the same ``Shares`` and fetches its own.
+        None (STOP) once ``hold_batches`` was called: the trainer's chunk ends there and no batch is
+        taken. ``pausable``: the step follows a push (the trainer's weights are a served version); a
+        hold for a restarted rollout worker waits for such a step, a hold for the run's stop does not."""
+        entry = self._steps.get(step)
+        if entry is None:
+            entry = self._steps[step] = [asyncio.ensure_future(self._take_step(n, version, shares, timeout, pausable)), shares]
+        try:
+            return await asyncio.shield(entry[0])
+        finally:
+            entry[1] -= 1
+            if entry[1] <= 0 and self._steps.get(step) is entry:
+                del self._steps[step]
+
+    async def _take_step(self, n: int, version: int, shares: int, timeout: float | None, pausable: bool) -> Any:
+        def stops() -> bool:
+            return self._held.is_set() and (pausable or self._held_always)
+
+        if stops():
+            return None
+        getting = asyncio.ensure_future(self.queue.get_batch_refs(n, version, timeout=timeout, shares=shares))
+        holding = asyncio.ensure_future(self._held.wait())
+        try:
+            while True:
+                # waits for: n samples within max_staleness of `version`, or hold_batches
+                await asyncio.wait([getting, holding], return_when=asyncio.FIRST_COMPLETED)
+                if getting.done() or stops():
+                    break
+                holding = asyncio.ensure_future(self._until_stop())  # held for a revival: not at this step
+        finally:
+            holding.cancel()
+        if not getting.done():
+            getting.cancel()
+            # a get already woken by a put takes its batch despite the cancel: then it is the trainer's
+            await asyncio.wait([getting])
+        return None if getting.cancelled() else getting.result()
+
+    async def _until_stop(self) -> None:
+        while not self._held_always:
+            await asyncio.sleep(0.05)
+
+    async def hold_batches(self, *, stopping: bool = False) -> None:
+        """Answer the trainer's batches with STOP (``step_batch``) from now on, until
+        ``resume_batches``: the controller takes the run back between two chunks (to restart a
+        rollout worker in place) or, with ``stopping``, for good (``Pipeline.stop``)."""
+        self._held_always = self._held_always or stopping
+        self._held.set()
+
+    async def resume_batches(self) -> None:
+        """The trainer's batches are taken again (``hold_batches``)."""
+        self._held.clear()
+        self._held_always = False
+        for step in [s for s, (task, _) in self._steps.items() if task.done() and not task.cancelled()
+                     and task.exception() is None and task.result() is None]:
+            del self._steps[step]  # a STOP not every rank collected: the step is asked again
 
     # the queue's own verbs, as they are
 
