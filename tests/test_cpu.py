@@ -142,5 +142,7 @@ def test_a_compute_process_keeps_freed_memory_instead_of_faulting_it_back(tiny_m
         per_step, threads = out.stdout.split()
         faults[mode] = float(per_step)
     assert threads == "1"
-    assert faults["off"] > 200, faults  # not vacuous: the default gives the pages back every step
+    # not vacuous: the default gives the pages back every step (how many depends on glibc's dynamic mmap
+    # threshold, which grows with what the process freed before: 83 to several hundred a step here)
+    assert faults["off"] > 50, faults
     assert faults["on"] < faults["off"] / 4, faults
