@@ -426,8 +426,6 @@ def _sampler_endpoint(name: str) -> Any:
     async def call(self: RolloutWorker, *args: Any, **kwargs: Any) -> Any:
         if self.sampler is None:
             raise RuntimeError(f"`{name}`: this rollout worker holds no sampler (the run's sampler is its own actor)")
-        if name == "restore":  # a resume (maybe in this process, kept from a failed attempt): a fresh sampler
-            self.sampler = Sampler(**self._sampler_args)
         return await getattr(self.sampler, name)(*args, **kwargs)
 
     call.__name__ = call.__qualname__ = name
@@ -435,5 +433,15 @@ def _sampler_endpoint(name: str) -> Any:
     return endpoint(call)
 
 
+async def _restore(self: RolloutWorker, state: Any) -> int:
+    """``Sampler.restore``, into a fresh sampler: a resume's (this process may be kept from a failed
+    attempt, whose sampler went on after the checkpoint)."""
+    if self._sampler_args is None:
+        raise RuntimeError("`restore`: this rollout worker holds no sampler (the run's sampler is its own actor)")
+    self.sampler = Sampler(**self._sampler_args)
+    return await self.sampler.restore(state)
+
+
 for _name in SAMPLER_ENDPOINTS:
     setattr(RolloutWorker, _name, _sampler_endpoint(_name))
+RolloutWorker.restore = endpoint(_restore)

@@ -36,10 +36,12 @@ import time
 from typing import Any, Literal
 
 import msgspec
-import ray
 
 from meshrl.mesh import ActorFailure, bounded
+from meshrl.mesh.errors import find_cause
 from meshrl.reshard import PushStats
+from meshrl.reshard.meshes import pushed
+from meshrl.reshard.object_store import apply_weights
 from meshrl.reshard.push import ReshardError
 
 __all__ = ["ChunkRunner", "ControlLoop", "EngineSide", "LoopPlan"]
@@ -105,9 +107,8 @@ class EngineSide:
         self.published = max(self.published, version)
 
     async def arm(self, version: int) -> None:
-        """Start posting the engines' receives of ``version`` (returns at once)."""
-        if self.plan.arms:
-            self._armed = asyncio.ensure_future(self._arm(version))
+        """Start posting the engines' receives of ``version`` (returns at once; ``plan.arms``)."""
+        self._armed = asyncio.ensure_future(self._arm(version))
 
     async def _arm(self, version: int) -> None:
         await self.settle()  # the engines take one version at a time
@@ -143,29 +144,16 @@ class EngineSide:
             got = await receiving
         except Exception as exc:
             raise _death_or(exc, ReshardError(f"push of v{version} failed: {type(exc).__name__}: {exc}")) from exc
-        stale = [s.version for s in got.values() if s.version != version]
-        if stale:
-            raise ReshardError(f"push of v{version}: engines report versions {stale}")
-        phases = {"send_s": sent.seconds if sent else 0.0, "receive_s": max(s.seconds for s in got.values())}
-        for s in (*(() if sent is None else (sent,)), *got.values()):
-            for k, v in s.phases.items():
-                phases[k] = max(phases.get(k, 0.0), v)
-        self.phases = {f"sync/{k}": v for k, v in phases.items()} | {"sync/push_s": time.perf_counter() - started}
+        stats = pushed(version, [] if sent is None else [sent], list(got.values()), started)
+        self.phases = {f"sync/{k}": v for k, v in stats.phases.items()} | {"sync/push_s": stats.seconds}
         if publish:
             await self.publish(version)
 
     async def load(self, named: dict[str, Any], version: int, *, publish: bool) -> None:
         """object_store: ``named`` (rank 0's full tensors) into every engine as ``version``."""
-        started = time.perf_counter()
         await self.settle()
-        ref = ray.put(named)  # once, then every engine fetches the same object
-        applied = await bounded(self.engines.update_weights.call(ref, version), self.timeout_s,
-                                f"the engines to load v{version}")
-        stale = [v for v in applied.values() if v != version]
-        if stale:
-            raise RuntimeError(f"weight push v{version}: engines report versions {stale} after the update")
-        self.phases = {"sync/push_s": time.perf_counter() - started,
-                       "sync/bytes": float(sum(t.numel() * t.element_size() for t in named.values()))}
+        stats = await apply_weights(named, self.engines, version, timeout_s=self.timeout_s)
+        self.phases = {"sync/push_s": stats.seconds, "sync/bytes": float(stats.bytes)}
         if publish:
             await self.publish(version)
 
@@ -280,7 +268,7 @@ class ChunkRunner:
                 break
             t1 = time.time()
             pushes = (self.step + 1) % sync == 0
-            if pushes and self.engine_side is not None:
+            if pushes and self.plan.arms and self.engine_side is not None:
                 self._on_loop(self.engine_side.arm(self.version + 1), "the engines' receives to be posted")
             if self.step + 1 < until or prefetch:
                 self._ask(self.step + 2, self.version + pushes)  # found while this step trains
@@ -369,16 +357,10 @@ class ChunkRunner:
 
 
 def _death_or(exc: BaseException, otherwise: BaseException) -> BaseException:
-    """The ``ActorFailure`` behind ``exc`` (through causes, contexts and groups), noted as the push's;
-    else ``otherwise``. Raised as it is: a cause does not survive the trip to the controller."""
-    seen, todo = set(), [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, ActorFailure):
-            e.add_note(f"found by the trainer's weight push ({type(otherwise).__name__}: {str(otherwise)[:200]})")
-            return e
-        todo += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]
-    return otherwise
+    """The ``ActorFailure`` behind ``exc``, noted as the push's; else ``otherwise``. Raised as it is:
+    a cause does not survive the trip to the controller."""
+    dead = find_cause(exc, (ActorFailure,))
+    if dead is None:
+        return otherwise
+    dead.add_note(f"found by the trainer's weight push ({type(otherwise).__name__}: {str(otherwise)[:200]})")
+    return dead

@@ -53,3 +53,19 @@ def translate(exc: BaseException, mesh: str, rank: int, method: str) -> BaseExce
     if isinstance(exc, Exception):
         exc.add_note(f"raised by endpoint `{method}` of actor {mesh}/{rank}")
     return exc
+
+
+def find_cause(exc: BaseException | None, kinds: tuple[type[BaseException], ...]) -> BaseException | None:
+    """The first exception of ``kinds`` behind ``exc``: itself, its causes, contexts and the members
+    of exception groups; None when there is none."""
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, kinds):
+            return e
+        todo += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]
+    return None

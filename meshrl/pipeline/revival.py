@@ -25,6 +25,7 @@ import time
 from typing import Any, Callable
 
 from meshrl.mesh import ActorFailure
+from meshrl.mesh.errors import find_cause
 from meshrl.pipeline.config import PipelineConfig
 from meshrl.queues.parcels import SamplesLost
 
@@ -41,17 +42,7 @@ def restarts_rollout_in_place(cfg: PipelineConfig) -> bool:
 def death(exc: BaseException) -> BaseException | None:
     """The role's death behind ``exc`` (an ``ActorFailure``, or ``SamplesLost``), through causes,
     contexts and exception groups; None when it is not one (a bug stops the run)."""
-    seen: set[int] = set()
-    todo = [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, (ActorFailure, SamplesLost)):
-            return e
-        todo += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]
-    return None
+    return find_cause(exc, (ActorFailure, SamplesLost))
 
 
 class Revivals:

@@ -81,6 +81,8 @@ class TrainLoop:
         self.audit = AuditLog(log, roles.queue, cfg.run.audit, cfg.run.step_timeout_s)
         """The ledger of samples accepted, dropped and trained (run.audit, meshrl.pipeline.audit)."""
         self.revivals = rollout.revivals
+        self.plan = loop_plan(cfg)
+        """The trainer's loop's settings, the transport among them (chosen once)."""
         self.published = 0
         """The newest version the sampler was told (set_version)."""
         self._clock = time.time() - log.now()
@@ -90,7 +92,7 @@ class TrainLoop:
 
     async def connect(self) -> None:
         """The trainer's loop learns the sampler, the engines and the transport (once, at start)."""
-        await self._all(self.roles.trainer.train_connect.call(self.roles.queue, self.roles.engines, loop_plan(self.cfg)),
+        await self._all(self.roles.trainer.train_connect.call(self.roles.queue, self.roles.engines, self.plan),
                         "the trainer to connect its loop")
 
     async def _all(self, call: Any, what: str, seconds: float | None = None) -> Any:
@@ -104,7 +106,7 @@ class TrainLoop:
         except BaseException:
             # the trainer died (or failed) between arming the engines' receives and its push: withdrawn,
             # so that engines kept for a resume (run.warm_resume) take the next trainer's push
-            if loop_plan(self.cfg).arms:
+            if self.plan.arms:
                 with contextlib.suppress(Exception):
                     await self.roles.engines.reshard_disarm.call().within(10)
             raise
@@ -216,9 +218,6 @@ class TrainLoop:
                 await bounded(self.roles.queue.hold_batches.call_one(), self.cfg.run.step_timeout_s,
                               "the sampler to hold the trainer's batches")
 
-    async def recorded(self) -> None:
-        """Every step record is written when its chunk returns."""
-
     async def settle(self) -> None:
         """Until every engine serves the newest pushed version (the trainer's, between its chunks)."""
         await self._all(self.roles.trainer.settle_push.call(), "the engines to serve the last pushed version",
@@ -252,7 +251,7 @@ class TrainLoop:
         """A rollout worker was re-created: forget the push that failed with it, and (distributed)
         every trainer and engine rank joins a new transfer group."""
         await self._all(self.roles.trainer.forget_push.call(), "the trainer to forget a failed push")
-        if loop_plan(self.cfg).transport == "distributed":
+        if self.plan.transport == "distributed":
             await reshard_meshes.connect(self.roles.trainer, self.roles.engines, self.cfg.reshard)
 
     async def _publish(self, version: int) -> None:

@@ -76,7 +76,7 @@ class Sampler:
         """Train step -> [its batch's task, the dp ranks still to answer] (``step_batch``)."""
         self._held = asyncio.Event()
         """``hold_batches``: the trainer's batches are answered with STOP (None)."""
-        self._held_always = False
+        self._held_always = asyncio.Event()
         """Held for the run's stop: every step's batch is STOP, not only one after a push."""
 
     async def take(self, prompts: int, *, timeout: float | None = None,
@@ -177,7 +177,7 @@ class Sampler:
 
     async def _take_step(self, n: int, version: int, shares: int, timeout: float | None, pausable: bool) -> Any:
         def stops() -> bool:
-            return self._held.is_set() and (pausable or self._held_always)
+            return self._held.is_set() and (pausable or self._held_always.is_set())
 
         if stops():
             return None
@@ -189,7 +189,7 @@ class Sampler:
                 await asyncio.wait([getting, holding], return_when=asyncio.FIRST_COMPLETED)
                 if getting.done() or stops():
                     break
-                holding = asyncio.ensure_future(self._until_stop())  # held for a revival: not at this step
+                holding = asyncio.ensure_future(self._held_always.wait())  # held for a revival: not at this step
         finally:
             holding.cancel()
         if not getting.done():
@@ -198,21 +198,18 @@ class Sampler:
             await asyncio.wait([getting])
         return None if getting.cancelled() else getting.result()
 
-    async def _until_stop(self) -> None:
-        while not self._held_always:
-            await asyncio.sleep(0.05)
-
     async def hold_batches(self, *, stopping: bool = False) -> None:
         """Answer the trainer's batches with STOP (``step_batch``) from now on, until
         ``resume_batches``: the controller takes the run back between two chunks (to restart a
         rollout worker in place) or, with ``stopping``, for good (``Pipeline.stop``)."""
-        self._held_always = self._held_always or stopping
+        if stopping:
+            self._held_always.set()
         self._held.set()
 
     async def resume_batches(self) -> None:
         """The trainer's batches are taken again (``hold_batches``)."""
         self._held.clear()
-        self._held_always = False
+        self._held_always.clear()
         for step in [s for s, (task, _) in self._steps.items() if task.done() and not task.cancelled()
                      and task.exception() is None and task.result() is None]:
             del self._steps[step]  # a STOP not every rank collected: the step is asked again

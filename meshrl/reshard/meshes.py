@@ -175,15 +175,20 @@ class Push:
             death = next((e for e in errors if isinstance(e, ActorFailure)), errors[0])
             raise ReshardError(f"push of v{self.version} failed: " + "; ".join(f"{type(e).__name__}: {e}"
                                                                              for e in errors)) from death
-        stale = [s.version for s in got.values() if s.version != self.version]
-        if stale:
-            raise ReshardError(f"push of v{self.version}: engines report versions {stale}")
-        phases = {"send_s": max(s.seconds for s in sent.values()), "receive_s": max(s.seconds for s in got.values())}
-        for s in (*sent.values(), *got.values()):
-            for k, v in s.phases.items():
-                phases[k] = max(phases.get(k, 0.0), v)
-        return PushStats(version=self.version, seconds=time.perf_counter() - self.start,
-                         bytes=sum(s.bytes for s in got.values()), phases=phases)
+        return pushed(self.version, list(sent.values()), list(got.values()), self.start)
+
+
+def pushed(version: int, sent: list[PushStats], got: list[PushStats], start: float) -> PushStats:
+    """A finished push of ``version``: every engine must report it; its parts, the slowest process's
+    of each (``sent``: the trainer ranks' stats, ``got``: the engines'; ``start``: perf_counter)."""
+    stale = [s.version for s in got if s.version != version]
+    if stale:
+        raise ReshardError(f"push of v{version}: engines report versions {stale}")
+    phases = {"send_s": max((s.seconds for s in sent), default=0.0), "receive_s": max(s.seconds for s in got)}
+    for s in (*sent, *got):
+        for k, v in s.phases.items():
+            phases[k] = max(phases.get(k, 0.0), v)
+    return PushStats(version=version, seconds=time.perf_counter() - start, bytes=sum(s.bytes for s in got), phases=phases)
 
 
 async def push(trainer: Any, engines: Any, version: int, *, timeout_s: float = 300.0) -> PushStats:

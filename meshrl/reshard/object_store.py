@@ -8,13 +8,14 @@ that applies the version atomically and returns the version it now serves.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import ray
 
 from meshrl.mesh import ActorMesh
 from meshrl.reshard.push import PushStats
 
-__all__ = ["PushStats", "push_weights"]
+__all__ = ["PushStats", "apply_weights", "push_weights"]
 
 
 async def push_weights(trainer: ActorMesh, engines: ActorMesh, version: int, *, timeout_s: float = 300.0) -> PushStats:
@@ -24,6 +25,14 @@ async def push_weights(trainer: ActorMesh, engines: ActorMesh, version: int, *, 
         named = await trainer.slice(**{d: 0 for d in trainer.sizes}).export_weights.call_one().within(timeout_s)
     except TimeoutError:
         raise TimeoutError(f"weight push v{version}: the trainer did not export its weights within {timeout_s}s") from None
+    return await apply_weights(named, engines, version, timeout_s=timeout_s, start=start)
+
+
+async def apply_weights(named: dict[str, Any], engines: ActorMesh, version: int, *, timeout_s: float = 300.0,
+                        start: float | None = None) -> PushStats:
+    """``named`` (full tensors) into every engine as ``version``: one ``ray.put``, then every engine
+    fetches the same object and applies it atomically."""
+    start = time.perf_counter() if start is None else start
     nbytes = sum(t.numel() * t.element_size() for t in named.values())
     ref = ray.put(named)  # once, then every engine fetches the same object
     try:
